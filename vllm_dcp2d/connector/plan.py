@@ -1,0 +1,209 @@
+"""Transfer plan of the 2D reshard: the ``(src_addr, dst_addr, length)``
+descriptors one prefill rank writes to one decode DCP rank (seed §6).
+
+Pure numpy over integer addresses: no vLLM, no torch, no I/O, so it is
+tested on fake addresses exactly like the bytes it will move.
+
+Terms
+-----
+page
+    One KV block of ``page_size`` tokens. The transfer unit is the sharding
+    unit: prefill page ``i`` of a request goes whole to decode DCP rank
+    ``i % dcp_size``, into its local block ``dst_block_ids[i // dcp_size]``.
+    That is vLLM's DCP layout with ``cp_kv_cache_interleave_size ==
+    block_size``: the scheduler hands out one block id per ``dcp_size`` pages
+    and every DCP rank stores its page of that group under the same id.
+region
+    One strided plane of a layer's paged KV: ``base + block_id * page_stride``
+    is where a page starts and ``page_bytes`` of it are moved. vLLM's CPU
+    layout ``[blocks, heads, block_size, 2*head]`` is one region per layer;
+    a ``[2, blocks, ...]`` layout is two (K and V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dcp2d.layout import _check_rank, _check_size, cdiv, cp_layer_range, dcp_pages_for_rank
+
+__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request", "merge_runs"]
+
+
+@dataclass(frozen=True)
+class KVRegions:
+    """Where one rank's paged KV lives in its address space.
+
+    layer_ids:   int64 ``[Lh]``    model layer index of each held layer (distinct).
+    base:        int64 ``[Lh, R]`` address of block 0 of region ``j`` of layer ``layer_ids[k]``.
+    page_stride: int64 ``[R]``     bytes from one block to the next, per region.
+    page_bytes:  int64 ``[R]``     bytes of one page to move, per region (<= page_stride).
+    """
+
+    layer_ids: np.ndarray
+    base: np.ndarray
+    page_stride: np.ndarray
+    page_bytes: np.ndarray
+
+    def __post_init__(self):
+        ids = np.asarray(self.layer_ids, dtype=np.int64).reshape(-1)
+        base = np.asarray(self.base, dtype=np.int64)
+        if base.ndim == 1:
+            base = base.reshape(-1, 1)
+        stride = np.asarray(self.page_stride, dtype=np.int64).reshape(-1)
+        nbytes = np.asarray(self.page_bytes, dtype=np.int64).reshape(-1)
+        if base.shape[0] != ids.size:
+            raise ValueError(f"base has {base.shape[0]} layer rows but layer_ids has {ids.size}")
+        if not (base.shape[1] == stride.size == nbytes.size) or stride.size == 0:
+            raise ValueError(
+                f"region counts differ: base has {base.shape[1]} columns, page_stride {stride.size}, "
+                f"page_bytes {nbytes.size}")
+        if np.unique(ids).size != ids.size:
+            raise ValueError(f"layer_ids must be distinct, got {ids.tolist()}")
+        if (nbytes <= 0).any() or (nbytes > stride).any():
+            raise ValueError(f"need 0 < page_bytes <= page_stride, got page_bytes {nbytes.tolist()} "
+                             f"page_stride {stride.tolist()}")
+        for name, val in (("layer_ids", ids), ("base", base), ("page_stride", stride), ("page_bytes", nbytes)):
+            object.__setattr__(self, name, val)
+
+    @classmethod
+    def uniform(cls, layer_ids, base, page_stride: int, page_bytes: int | None = None) -> KVRegions:
+        """One region per layer, same stride everywhere (e.g. vLLM's CPU layout)."""
+        return cls(np.asarray(layer_ids), np.asarray(base).reshape(-1, 1), np.array([page_stride]),
+                   np.array([page_stride if page_bytes is None else page_bytes]))
+
+    @property
+    def num_regions(self) -> int:
+        return int(self.page_stride.size)
+
+    def rows(self, layers: np.ndarray, side: str) -> np.ndarray:
+        """``base`` rows of ``layers`` (int64 ``[n]``); raises if a layer is not held."""
+        missing = ~np.isin(layers, self.layer_ids)
+        if missing.any():
+            raise ValueError(f"{side} holds no KV for layers {layers[missing].tolist()} "
+                             f"(it holds {self.layer_ids.tolist()})")
+        order = np.argsort(self.layer_ids)
+        idx = order[np.searchsorted(self.layer_ids, layers, sorter=order)]
+        return self.base[idx]
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """Transfer descriptors of one path: ``length[k]`` bytes from ``src[k]`` to ``dst[k]``.
+
+    src, dst, length: int64 ``[n]``.
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.src.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    @classmethod
+    def empty(cls) -> Descriptors:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z)
+
+    def batches(self, max_entries: int):
+        """Consecutive slices of at most ``max_entries`` descriptors."""
+        max_entries = _check_size("max_entries", max_entries)
+        for s in range(0, len(self), max_entries):
+            yield Descriptors(self.src[s:s + max_entries], self.dst[s:s + max_entries],
+                              self.length[s:s + max_entries])
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Descriptors:
+    """Merge consecutive descriptors that are contiguous on both sides."""
+    if src.size == 0:
+        return Descriptors.empty()
+    end_src = src[:-1] + length[:-1]
+    end_dst = dst[:-1] + length[:-1]
+    brk = (src[1:] != end_src) | (dst[1:] != end_dst)
+    starts = np.flatnonzero(np.concatenate(([True], brk)))
+    return Descriptors(src[starts], dst[starts], np.add.reduceat(length, starts))
+
+
+def _check_compatible(src: KVRegions, dst: KVRegions) -> None:
+    if src.num_regions != dst.num_regions:
+        raise ValueError(f"region count differs: producer {src.num_regions}, consumer {dst.num_regions}")
+    if not np.array_equal(src.page_bytes, dst.page_bytes):
+        raise ValueError(f"bytes per page differ: producer {src.page_bytes.tolist()}, "
+                         f"consumer {dst.page_bytes.tolist()}")
+
+
+def _block_ids(name: str, ids) -> np.ndarray:
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{name} must be >= 0, got min {arr.min()}")
+    return arr
+
+
+def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_ids,
+              dcp_size: int, dcp_rank: int, first_page: int = 0,
+              num_pages: int | None = None) -> Descriptors:
+    """Descriptors that move ``layers x pages(dcp_rank)`` of one request.
+
+    src:           producer KV regions (must hold every layer in ``layers``).
+    src_block_ids: int ``[P]`` producer block of each sequence page, in sequence order.
+    layers:        the producer rank's layers to send (its ``cp_layer_range``).
+    dst:           consumer DCP rank's KV regions (all layers).
+    dst_block_ids: int ``[>= cdiv(P, dcp_size)]`` consumer block table; page ``i``
+                   lands in ``dst_block_ids[i // dcp_size]`` on rank ``i % dcp_size``.
+    first_page:    first sequence page to send (earlier ones are cached on decode).
+    num_pages:     pages of the request, default ``len(src_block_ids)``.
+
+    Order: layer-major, then region, then page; runs contiguous on both
+    sides are merged. Returns int64 arrays; no Python loop per page or layer.
+    """
+    dcp_size = _check_size("dcp_size", dcp_size)
+    dcp_rank = _check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
+    _check_compatible(src, dst)
+    src_ids = _block_ids("src_block_ids", src_block_ids)
+    dst_ids = _block_ids("dst_block_ids", dst_block_ids)
+    num_pages = src_ids.size if num_pages is None else int(num_pages)
+    if not 0 <= num_pages <= src_ids.size:
+        raise ValueError(f"num_pages must be in [0, len(src_block_ids)={src_ids.size}], got {num_pages}")
+    if dst_ids.size < cdiv(num_pages, dcp_size):
+        raise ValueError(f"dst_block_ids has {dst_ids.size} blocks, need cdiv(num_pages={num_pages}, "
+                         f"dcp_size={dcp_size}) = {cdiv(num_pages, dcp_size)}")
+    if first_page < 0:
+        raise ValueError(f"first_page must be >= 0, got {first_page}")
+    layers = np.asarray(layers, dtype=np.int64).reshape(-1)
+    pages = dcp_pages_for_rank(num_pages, dcp_size, dcp_rank, first_page)
+    if layers.size == 0 or pages.size == 0:
+        return Descriptors.empty()
+    src_base = src.rows(layers, "producer")  # [L, R]
+    dst_base = dst.rows(layers, "consumer")
+    # Page offsets are the same for every layer: compute them once, [R, Pd].
+    src_off = src_ids[pages][None, :] * src.page_stride[:, None]
+    dst_off = dst_ids[pages // dcp_size][None, :] * dst.page_stride[:, None]
+    shape = (layers.size, src.num_regions, pages.size)
+    s = (src_base[:, :, None] + src_off[None]).reshape(-1)
+    d = (dst_base[:, :, None] + dst_off[None]).reshape(-1)
+    n = np.broadcast_to(src.page_bytes[None, :, None], shape).reshape(-1)
+    return merge_runs(s, d, n)
+
+
+def plan_request(num_layers: int, cp_size: int, src_regions: list[KVRegions], src_block_ids,
+                 dst_regions: list[KVRegions], dst_block_ids, first_page: int = 0,
+                 num_pages: int | None = None) -> dict[tuple[int, int], Descriptors]:
+    """All ``cp_size x dcp_size`` paths of one request: ``{(cp_rank, dcp_rank): Descriptors}``.
+
+    src_regions[r]: KV regions of prefill CP rank ``r``; dst_regions[d]: of
+    decode DCP rank ``d`` (``dcp_size = len(dst_regions)``).
+    """
+    if len(src_regions) != cp_size:
+        raise ValueError(f"src_regions has {len(src_regions)} entries, expected cp_size={cp_size}")
+    dcp_size = len(dst_regions)
+    return {
+        (r, d): plan_path(src_regions[r], src_block_ids, cp_layer_range(num_layers, cp_size, r),
+                          dst_regions[d], dst_block_ids, dcp_size, d, first_page, num_pages)
+        for r in range(cp_size) for d in range(dcp_size)
+    }
