@@ -1,5 +1,31 @@
-"""vLLM general-plugin entry point (placeholder, filled in by the connector)."""
+"""vLLM ``general_plugins`` entry point (``[project.entry-points."vllm.general_plugins"]``).
+
+vLLM calls ``register()`` once in every process it starts (front end, engine
+core, each worker), before any connector or attention backend is resolved.
+It makes ``kv_connector="DCP2DConnector"`` resolvable without a module path
+and installs the DCP-capable CPU attention backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "DCP2DConnector"
 
 
 def register() -> None:
-    return None
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    # register() may run twice in one process (in-process engine + CLI);
+    # the factory refuses duplicates.
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_dcp2d.connector.connector", "DCP2DConnector")
+    try:  # TEMPORARY during parallel development; the lead removes this guard
+        from vllm_dcp2d.vllm_compat import attention
+    except ModuleNotFoundError as e:
+        logger.warning("vllm_dcp2d: attention backend not available yet: %s", e)
+        return
+    attention.register()
+    logger.debug("vllm_dcp2d registered %s and the DCP attention backend", CONNECTOR_NAME)

@@ -1,0 +1,120 @@
+"""Tiny random-weight models built locally (no model hub is reachable).
+
+``build_tiny_model(kind, path)`` writes a Hugging Face model directory
+(config, safetensors weights, tokenizer with a chat template) that vLLM can
+serve. Weights come from a fixed seed, so the same kind gives the same files
+and the same greedy tokens on every machine. A directory that already holds
+the same build is reused.
+
+Kinds (all: vocab 512, hidden 128, 4 attention heads, head_dim 32 or MLA 576):
+  llama            LlamaForCausalLM, 4 layers, 2 KV heads.
+  llama-mqa        LlamaForCausalLM, 4 layers, 1 KV head: the KV is replicated
+                   over TP=2 ranks, so each TP rank can act as a layer-split CP
+                   rank, and DCP=2 is valid with TP=2 (vLLM needs TP > KV heads).
+  deepseek-v2-mla  DeepseekV2ForCausalLM, 2 layers, MLA with kv_lora_rank 512 and
+                   qk_rope_head_dim 64 (the only MLA shape vLLM's CPU backend runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+KINDS = ("llama", "llama-mqa", "deepseek-v2-mla")
+_VERSION = 1  # bump when the recipe changes, so cached builds are rebuilt
+_VOCAB = 512
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Deterministic training text for the byte-level BPE tokenizer.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Long-context serving shards KV cache by layer on prefill and by page on decode. " * 4,
+    "Prefill decode disaggregation moves the KV cache over the Mooncake transfer engine. " * 4,
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 " * 4,
+]
+
+
+def _config(kind: str, dtype: str) -> dict:
+    common = dict(vocab_size=_VOCAB, hidden_size=128, num_attention_heads=4, intermediate_size=256,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, dtype=dtype,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind in ("llama", "llama-mqa"):
+        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=4,
+                    num_key_value_heads=2 if kind == "llama" else 1, head_dim=32, hidden_act="silu",
+                    rope_theta=10000.0)
+    if kind == "deepseek-v2-mla":
+        return dict(common, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                    num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                    qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, hidden_act="silu",
+                    moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                    num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, n_group=1,
+                    topk_group=1, routed_scaling_factor=1.0, topk_method="greedy", norm_topk_prob=False,
+                    scoring_func="softmax", rope_theta=10000.0, rope_scaling=None, aux_loss_alpha=0.0)
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def _build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(vocab_size=_VOCAB, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def build_tiny_model(kind: str, path: str | os.PathLike, dtype: str = "bfloat16") -> str:
+    """Write tiny model ``kind`` to directory ``path`` and return it as a str.
+
+    Reuses ``path`` when it already holds the same build (kind, dtype, recipe version).
+    """
+    import torch
+    import transformers
+
+    path = Path(path)
+    stamp = {"kind": kind, "dtype": dtype, "version": _VERSION}
+    stamp_file = path / "dcp2d_tiny.json"
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+        return str(path)
+    cfg_dict = _config(kind, dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg_cls = transformers.AutoConfig.for_model(cfg_dict["model_type"]).__class__
+    config = cfg_cls(**{k: v for k, v in cfg_dict.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        # Larger-than-default init spreads the logits, so greedy decoding has no
+        # near-ties that rounding differences between kernels could flip.
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    _build_tokenizer(path)
+    stamp_file.write_text(json.dumps(stamp))
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build a tiny random-weight model directory.")
+    ap.add_argument("kind", choices=KINDS)
+    ap.add_argument("path")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = ap.parse_args(argv)
+    print(build_tiny_model(args.kind, args.path, args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
