@@ -1,0 +1,107 @@
+"""The PD proxy against fake prefill/decode upstreams (no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from vllm_dcp2d.proxy import Proxy, decode_body, prefill_body
+
+PARAMS = {"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "127.0.0.1:1"}
+
+
+def fake_upstreams(seen: list, prefill_status=200, decode_status=200, prefill_params=PARAMS):
+    async def prefill(request):
+        body = await request.json()
+        seen.append(("prefill", request.path, body))
+        if prefill_status != 200:
+            return web.json_response({"error": {"message": "bad prompt"}}, status=prefill_status)
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": prefill_params})
+
+    async def decode(request):
+        body = await request.json()
+        seen.append(("decode", request.path, body))
+        if decode_status != 200:
+            return web.Response(status=decode_status, text="boom")
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(3):
+                await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return web.json_response({"choices": [{"text": "decoded"}]})
+
+    apps = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        app.router.add_post("/v1/chat/completions", handler)
+        apps.append(app)
+    return apps
+
+
+async def run_case(body, path="/v1/completions", prefill_urls=None, **kw):
+    seen: list = []
+    p_app, d_app = fake_upstreams(seen, **kw)
+    async with TestServer(p_app) as p, TestServer(d_app) as d:
+        proxy = Proxy(prefill_urls or [str(p.make_url(""))], [str(d.make_url(""))], timeout_s=5)
+        async with TestServer(proxy.app()) as px, aiohttp.ClientSession() as s:
+            async with s.post(px.make_url(path), json=body) as resp:
+                return resp.status, await resp.read(), seen
+
+
+def test_bodies():
+    b = {"prompt": "hi", "max_tokens": 7, "stream": True, "stream_options": {"include_usage": True}}
+    p = prefill_body(b, "tid")
+    assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "tid"}
+    assert b["max_tokens"] == 7 and "kv_transfer_params" not in b  # original untouched
+    assert decode_body(b, PARAMS)["kv_transfer_params"] == PARAMS
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_two_hops(path):
+    status, raw, seen = asyncio.run(run_case({"prompt": "hi", "max_tokens": 5}, path))
+    assert status == 200 and json.loads(raw) == {"choices": [{"text": "decoded"}]}
+    (k1, p1, b1), (k2, p2, b2) = seen
+    assert (k1, p1, k2, p2) == ("prefill", path, "decode", path)
+    assert b1["max_tokens"] == 1 and b1["kv_transfer_params"]["do_remote_decode"] is True
+    assert b2["max_tokens"] == 5 and b2["kv_transfer_params"] == PARAMS
+
+
+@pytest.mark.timeout(30)
+def test_streams():
+    status, raw, _ = asyncio.run(run_case({"prompt": "hi", "max_tokens": 5, "stream": True}))
+    assert status == 200
+    assert raw.decode().split("\n\n")[:4] == ['data: {"i": 0}', 'data: {"i": 1}', 'data: {"i": 2}',
+                                              "data: [DONE]"]
+
+
+@pytest.mark.timeout(30)
+def test_upstream_errors():
+    status, raw, seen = asyncio.run(run_case({"prompt": "hi"}, prefill_status=400))
+    assert status == 400 and "bad prompt" in raw.decode() and len(seen) == 1  # no decode call
+    status, raw, _ = asyncio.run(run_case({"prompt": "hi"}, decode_status=500))
+    assert status == 502 and "decode" in json.loads(raw)["error"]["message"]
+    status, raw, _ = asyncio.run(run_case({"prompt": "hi"}, prefill_params=None))
+    assert status == 502 and "kv_transfer_params" in json.loads(raw)["error"]["message"]
+    status, raw, _ = asyncio.run(run_case({"prompt": "hi"}, prefill_urls=["http://127.0.0.1:9"]))
+    assert status == 502 and "unreachable" in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.timeout(30)
+def test_bad_json():
+    async def go():
+        proxy = Proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+        async with TestServer(proxy.app()) as px, aiohttp.ClientSession() as s:
+            async with s.post(px.make_url("/v1/completions"), data=b"{nope") as resp:
+                return resp.status
+    assert asyncio.run(go()) == 400

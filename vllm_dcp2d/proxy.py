@@ -1,0 +1,205 @@
+"""OpenAI-compatible prefill/decode proxy for DCP2DConnector.
+
+``vllm-dcp2d proxy --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]``
+
+Each ``/v1/completions`` or ``/v1/chat/completions`` request goes twice
+upstream, round-robin over the instances of each kind:
+
+1. to a prefill instance, as a copy with ``max_tokens=1``, no streaming and
+   ``kv_transfer_params={"do_remote_decode": true, "transfer_id": <new id>}``;
+   the prefill's DCP2DConnector keeps the request's KV blocks and answers
+   with the ``kv_transfer_params`` a decode instance needs to fetch them;
+2. to a decode instance, unchanged except for those ``kv_transfer_params``;
+   its answer (streamed or not) goes back to the client as is.
+
+Upstream failures become HTTP errors: an upstream 4xx is passed through with
+its body (the client's request is wrong), an unreachable or failing upstream
+gives 502, an upstream that does not answer in ``--timeout`` seconds 504.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import itertools
+import json
+import logging
+import uuid
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger("vllm_dcp2d.proxy")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class UpstreamError(Exception):
+    """An upstream call that failed; ``status`` is what the client gets."""
+
+    def __init__(self, status: int, message: str, body: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = body or {"error": {"message": message, "type": "upstream_error", "code": status}}
+
+
+def prefill_body(body: dict, transfer_id: str) -> dict:
+    """The prefill copy of a client request: one token, no stream, remote decode."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                 "transfer_id": transfer_id}
+    return out
+
+
+def decode_body(body: dict, kv_transfer_params: dict) -> dict:
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+class Proxy:
+    """Routes requests; one ``aiohttp.ClientSession`` for all upstream calls."""
+
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0):
+        if not prefill or not decode:
+            raise ValueError(f"need at least one prefill and one decode URL, got prefill={prefill} "
+                             f"decode={decode}")
+        self.prefill = [u.rstrip("/") for u in prefill]
+        self.decode = [u.rstrip("/") for u in decode]
+        self._next_prefill = itertools.cycle(self.prefill)
+        self._next_decode = itertools.cycle(self.decode)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
+
+    async def stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            async with self.session.get(f"{self.decode[0]}/v1/models") as resp:
+                return web.json_response(await resp.json(), status=resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return _error(502, f"decode {self.decode[0]} unreachable: {e!r}")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return _error(400, f"request body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
+        path = request.path
+        try:
+            params = await self._prefill(path, body)
+            return await self._decode(request, path, decode_body(body, params), bool(body.get("stream")))
+        except UpstreamError as e:
+            log.warning("%s: %s", path, e)
+            return web.json_response(e.body, status=e.status)
+
+    async def _prefill(self, path: str, body: dict) -> dict:
+        """Run the prefill; returns the ``kv_transfer_params`` for decode."""
+        url = next(self._next_prefill) + path
+        data = await self._post_json(url, prefill_body(body, uuid.uuid4().hex), "prefill")
+        params = data.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            raise UpstreamError(502, f"prefill {url} returned no kv_transfer_params for decode "
+                                     f"(got {params!r}); is it running DCP2DConnector as kv_producer?")
+        return params
+
+    async def _post_json(self, url: str, body: dict, kind: str) -> dict:
+        try:
+            async with self.session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    raise _upstream_status(kind, url, resp.status, await resp.read())
+                return await resp.json()
+        except asyncio.TimeoutError:
+            raise UpstreamError(504, f"{kind} {url} did not answer within {self.timeout.total} s")
+        except aiohttp.ClientError as e:
+            raise UpstreamError(502, f"{kind} {url} unreachable: {e!r}")
+
+    async def _decode(self, request: web.Request, path: str, body: dict, stream: bool) -> web.StreamResponse:
+        url = next(self._next_decode) + path
+        if not stream:
+            return web.json_response(await self._post_json(url, body, "decode"))
+        out: web.StreamResponse | None = None
+        try:
+            async with self.session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    raise _upstream_status("decode", url, resp.status, await resp.read())
+                out = web.StreamResponse(status=200, headers={
+                    "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            if out is None:
+                raise UpstreamError(504 if isinstance(e, asyncio.TimeoutError) else 502,
+                                    f"decode {url} failed: {e!r}")
+            # Headers are gone already: end the stream with an SSE error event.
+            msg = {"error": {"message": f"decode {url} failed mid-stream: {e!r}", "code": 502}}
+            await out.write(f"data: {json.dumps(msg)}\n\n".encode())
+            await out.write_eof()
+            return out
+
+
+def _upstream_status(kind: str, url: str, status: int, raw: bytes) -> UpstreamError:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    text = raw[:500].decode(errors="replace")
+    if 400 <= status < 500:
+        return UpstreamError(status, f"{kind} {url} rejected the request ({status}): {text}",
+                             body if isinstance(body, dict) else None)
+    return UpstreamError(502, f"{kind} {url} failed ({status}): {text}")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}},
+                             status=status)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="vllm-dcp2d proxy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="prefill instance base URL, e.g. http://127.0.0.1:8100 (repeatable)")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="decode instance base URL (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per upstream call")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    proxy = Proxy(args.prefill, args.decode, args.timeout)
+    log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, proxy.prefill, proxy.decode)
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
+    return 0
