@@ -1,0 +1,79 @@
+"""Sharding math (seed §4.1, §5.1, §6.2)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_dcp2d.layout import (
+    cp_layer_owner,
+    cp_layer_range,
+    dcp_local_slot,
+    dcp_page_owner,
+    dcp_pages_for_rank,
+    filter_kv_indices_for_dcp_rank,
+    local_layer_count,
+)
+
+
+def test_seed_78_layers_on_8_ranks():
+    ranges = [cp_layer_range(78, 8, r) for r in range(8)]
+    assert [(r.start, r.stop) for r in ranges] == [
+        (0, 10), (10, 20), (20, 30), (30, 40), (40, 50), (50, 60), (60, 69), (69, 78)]
+    assert [local_layer_count(78, 8, r) for r in range(8)] == [11] * 6 + [10] * 2
+
+
+@given(st.integers(0, 200), st.integers(1, 40))
+def test_layer_ranges_partition_layers(num_layers, cp_size):
+    ranges = [cp_layer_range(num_layers, cp_size, r) for r in range(cp_size)]
+    assert [x for r in ranges for x in r] == list(range(num_layers))  # contiguous, ordered, disjoint
+    sizes = [len(r) for r in ranges]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # remainder goes to the first ranks
+    for layer in range(num_layers):
+        assert layer in ranges[cp_layer_owner(layer, num_layers, cp_size)]
+
+
+def test_fewer_layers_than_ranks():
+    assert [len(cp_layer_range(3, 5, r)) for r in range(5)] == [1, 1, 1, 0, 0]
+    assert cp_layer_range(3, 5, 4) == range(3, 3)
+
+
+@given(st.lists(st.integers(0, 10_000), max_size=200), st.integers(1, 9), st.data())
+def test_filter_matches_definition(pages, dcp_size, data):
+    d = data.draw(st.integers(0, dcp_size - 1))
+    kv = np.array(pages, dtype=np.int64)
+    got = filter_kv_indices_for_dcp_rank(kv, dcp_size, d)
+    want = [p // dcp_size for p in pages if p % dcp_size == d] if dcp_size > 1 else pages
+    assert got.tolist() == want
+    assert (dcp_page_owner(kv, dcp_size) < dcp_size).all()
+    # owner and slot invert: p == slot * N + owner
+    assert (dcp_local_slot(kv, dcp_size) * dcp_size + dcp_page_owner(kv, dcp_size) == kv).all()
+
+
+def test_scalars_stay_scalars():
+    assert dcp_page_owner(13, 4) == 1 and dcp_local_slot(13, 4) == 3
+    assert isinstance(dcp_page_owner(13, 4), int)
+
+
+@given(st.integers(0, 100), st.integers(1, 6), st.integers(0, 100), st.data())
+def test_pages_for_rank(num_pages, dcp_size, first_page, data):
+    d = data.draw(st.integers(0, dcp_size - 1))
+    want = [i for i in range(first_page, num_pages) if i % dcp_size == d]
+    assert dcp_pages_for_rank(num_pages, dcp_size, d, first_page).tolist() == want
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: cp_layer_range(10, 0, 0), "cp_size must be >= 1, got 0"),
+    (lambda: cp_layer_range(10, 4, 4), r"cp_rank must be in \[0, cp_size=4\), got 4"),
+    (lambda: cp_layer_range(-1, 4, 0), "num_layers must be an int >= 0, got -1"),
+    (lambda: cp_layer_owner(10, 10, 2), r"layer must be in \[0, num_layers=10\), got 10"),
+    (lambda: filter_kv_indices_for_dcp_rank([1, 2], 2, -1), r"dcp_rank must be in \[0, dcp_size=2\), got -1"),
+    (lambda: filter_kv_indices_for_dcp_rank([1, -2], 2, 0), "kv_indices must be >= 0, got min -2"),
+    (lambda: filter_kv_indices_for_dcp_rank([1.5], 2, 0), "kv_indices must hold integers"),
+    (lambda: dcp_page_owner(3, 0), "dcp_size must be >= 1, got 0"),
+    (lambda: cp_layer_range(10, 2.0, 0), "cp_size must be an int, got 2.0"),
+])
+def test_invalid_input_names_the_value(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,174 @@
+"""Transfer plan on fake integer addresses: applying every path's descriptors
+to byte arenas must build exactly the decode DCP layout that a per-token
+reference builds, each (layer, page) exactly once, with 1.0x the KV bytes."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_dcp2d.connector.plan import Descriptors, KVRegions, merge_runs, plan_path, plan_request
+from vllm_dcp2d.layout import cdiv, cp_layer_owner, cp_layer_range
+
+ARENA = 1 << 32  # arena k owns fake addresses [k * ARENA, (k + 1) * ARENA)
+
+
+class World:
+    """Producer and consumer ranks' paged KV in byte arenas with fake addresses.
+
+    Region j of a layer is a block pool ``[pool, stride_j]``; a page's bytes are
+    the first ``page_size * token_bytes_j`` of its block, token-major.
+    """
+
+    def __init__(self, rng, num_layers, cp_size, dcp_size, page_size, token_bytes, pad, num_pages):
+        self.L, self.cp, self.dcp, self.ps = num_layers, cp_size, dcp_size, page_size
+        self.tb = np.array(token_bytes)                      # [R] bytes per token per region
+        self.page_bytes = self.tb * page_size                # [R]
+        self.stride = self.page_bytes + np.array(pad)        # [R]
+        self.P = num_pages
+        self.src_pool = num_pages + 3
+        self.dst_pool = cdiv(num_pages, dcp_size) + 2
+        self.src_ids = rng.permutation(self.src_pool)[:num_pages]
+        self.dst_ids = rng.permutation(self.dst_pool)[:cdiv(num_pages, dcp_size)]
+        self.arenas, self.src, self.dst = [], [], []
+        for r in range(cp_size):  # a prefill rank holds only its own layers
+            layers = np.array(list(cp_layer_range(num_layers, cp_size, r)), dtype=np.int64)
+            regions = self._regions(layers, self.src_pool, rng, fill=True)
+            self.src.append(regions)
+        for d in range(dcp_size):
+            self.dst.append(self._regions(np.arange(num_layers), self.dst_pool, rng, fill=False))
+
+    def _regions(self, layers, pool, rng, fill):
+        k = len(self.arenas)
+        size = int(len(layers) * pool * self.stride.sum())
+        buf = rng.integers(0, 256, size, dtype=np.uint8) if fill else np.full(size, 0xAB, np.uint8)
+        self.arenas.append(buf)
+        reg_off = np.concatenate(([0], np.cumsum(pool * self.stride)[:-1]))      # [R]
+        layer_off = np.arange(len(layers))[:, None] * pool * self.stride.sum()  # [Lh, 1]
+        base = k * ARENA + layer_off + reg_off[None, :]
+        return KVRegions(layers, base, self.stride, self.page_bytes)
+
+    def addr(self, regions, layer, region, block, token):
+        row = int(np.flatnonzero(regions.layer_ids == layer)[0])
+        return int(regions.base[row, region] + block * self.stride[region] + token * self.tb[region])
+
+    def read(self, addr, n):
+        return self.arenas[addr // ARENA][addr % ARENA: addr % ARENA + n]
+
+    def apply(self, desc: Descriptors, coverage):
+        for s, d, n in zip(desc.src.tolist(), desc.dst.tolist(), desc.length.tolist()):
+            self.arenas[d // ARENA][d % ARENA: d % ARENA + n] = self.read(s, n)
+            coverage[d // ARENA][d % ARENA: d % ARENA + n] += 1
+
+    def reference(self, first_page):
+        """Consumer arenas built token by token, without the plan."""
+        out = [a.copy() for a in self.arenas]
+        for layer in range(self.L):
+            src = self.src[cp_layer_owner(layer, self.L, self.cp)]
+            for i in range(first_page, self.P):
+                dst = self.dst[i % self.dcp]
+                for j in range(len(self.tb)):
+                    for t in range(self.ps):
+                        s = self.addr(src, layer, j, self.src_ids[i], t)
+                        d = self.addr(dst, layer, j, self.dst_ids[i // self.dcp], t)
+                        out[d // ARENA][d % ARENA: d % ARENA + self.tb[j]] = self.read(s, self.tb[j])
+        return out
+
+
+worlds = st.builds(
+    dict,
+    seed=st.integers(0, 2**32 - 1),
+    num_layers=st.integers(1, 7),
+    cp_size=st.integers(1, 5),          # includes cp > layers
+    dcp_size=st.integers(1, 4),
+    page_size=st.integers(1, 4),
+    regions=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 3)), min_size=1, max_size=3),
+    num_pages=st.integers(0, 13),       # includes fewer pages than DCP ranks
+    first_page=st.integers(0, 14),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds)
+def test_all_paths_rebuild_the_dcp_layout_exactly(w):
+    rng = np.random.default_rng(w["seed"])
+    world = World(rng, w["num_layers"], w["cp_size"], w["dcp_size"], w["page_size"],
+                  [tb for tb, _ in w["regions"]], [pad for _, pad in w["regions"]], w["num_pages"])
+    first = min(w["first_page"], w["num_pages"])
+    want = world.reference(first)
+    plans = plan_request(world.L, world.cp, world.src, world.src_ids, world.dst, world.dst_ids, first)
+    coverage = [np.zeros_like(a, dtype=np.int32) for a in world.arenas]
+    for desc in plans.values():
+        world.apply(desc, coverage)
+    for got, exp in zip(world.arenas, want):
+        assert np.array_equal(got, exp)
+    # every byte of every sent (layer, page) lands exactly once; nothing else is touched
+    sent_pages = world.P - first
+    kv_bytes = world.L * sent_pages * int(world.page_bytes.sum())
+    assert max((int(c.max()) for c in coverage if c.size), default=0) <= 1
+    assert sum(int(c.sum()) for c in coverage) == kv_bytes
+    total = sum(p.nbytes for p in plans.values())
+    assert total == kv_bytes                      # 1.0x the KV
+    naive = world.dcp * kv_bytes                  # whole sequence to every DCP rank
+    assert naive == world.dcp * total
+    for (r, d), desc in plans.items():           # each path: layers(r) x pages(d)
+        pages_d = len(range(first + (d - first) % world.dcp, world.P, world.dcp))
+        layers_r = len(cp_layer_range(world.L, world.cp, r))
+        assert desc.nbytes == layers_r * pages_d * int(world.page_bytes.sum())
+
+
+def test_contiguous_blocks_merge_into_one_run_per_layer():
+    # 1 DCP rank, identity block ids on both sides: each layer is one run.
+    src = KVRegions.uniform([0, 1], [0, 10_000], 100)
+    dst = KVRegions.uniform([0, 1], [50_000, 60_000], 100)
+    desc = plan_path(src, np.arange(8), range(2), dst, np.arange(8), 1, 0)
+    assert desc.src.tolist() == [0, 10_000]
+    assert desc.dst.tolist() == [50_000, 60_000]
+    assert desc.length.tolist() == [800, 800]
+
+
+def test_dcp_filter_exact_descriptors():
+    # 2 DCP ranks, 5 pages, rank 1 gets pages 1 and 3 into local blocks ids[0], ids[1].
+    src = KVRegions.uniform([0], [1000], 10)
+    dst = KVRegions.uniform([0], [5000], 10)
+    desc = plan_path(src, [4, 3, 2, 1, 0], [0], dst, [7, 2, 9], 2, 1)
+    assert desc.src.tolist() == [1000 + 3 * 10, 1000 + 1 * 10]
+    assert desc.dst.tolist() == [5000 + 7 * 10, 5000 + 2 * 10]
+    assert desc.length.tolist() == [10, 10]
+    # skipping a cached prefix of 2 pages leaves only page 3
+    assert plan_path(src, [4, 3, 2, 1, 0], [0], dst, [7, 2, 9], 2, 1, first_page=2).src.tolist() == [1010]
+
+
+def test_merge_runs_needs_both_sides_contiguous():
+    d = merge_runs(np.array([0, 10, 20, 40]), np.array([100, 110, 125, 135]), np.array([10, 10, 10, 5]))
+    assert d.src.tolist() == [0, 20, 40] and d.length.tolist() == [20, 10, 5]
+
+
+def test_batches_split_and_keep_order():
+    d = Descriptors(np.arange(5), np.arange(5) + 100, np.ones(5, dtype=np.int64))
+    parts = list(d.batches(2))
+    assert [len(p) for p in parts] == [2, 2, 1]
+    assert np.concatenate([p.src for p in parts]).tolist() == list(range(5))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dst=KVRegions.uniform([0], [0], 20, 16)), r"bytes per page differ: producer \[10\], consumer \[16\]"),
+    (dict(dst=KVRegions([0], [[0, 100]], [10, 10], [5, 5])), "region count differs: producer 1, consumer 2"),
+    (dict(layers=[0, 3]), r"producer holds no KV for layers \[3\]"),
+    (dict(dst_block_ids=[0]), r"dst_block_ids has 1 blocks, need cdiv\(num_pages=4, dcp_size=2\) = 2"),
+    (dict(dcp_rank=2), r"dcp_rank must be in \[0, dcp_size=2\), got 2"),
+    (dict(src_block_ids=[0, -1, 2, 3]), "src_block_ids must be >= 0, got min -1"),
+])
+def test_mismatches_raise_naming_both_values(kwargs, match):
+    args = dict(src=KVRegions.uniform([0, 1], [0, 1000], 10), src_block_ids=[0, 1, 2, 3], layers=[0, 1],
+                dst=KVRegions.uniform([0, 1], [0, 1000], 10), dst_block_ids=[0, 1], dcp_size=2, dcp_rank=0)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_path(**args)
+
+
+def test_regions_validate():
+    with pytest.raises(ValueError, match="layer_ids must be distinct"):
+        KVRegions.uniform([0, 0], [0, 10], 10)
+    with pytest.raises(ValueError, match=r"need 0 < page_bytes <= page_stride"):
+        KVRegions.uniform([0], [0], 10, 11)
