@@ -1,0 +1,230 @@
+"""How prefill and decode find each other: one ZMQ bootstrap port per prefill
+instance (seed §6.7).
+
+Each prefill CP rank runs a ``sender.Sender`` with its own ZMQ ROUTER socket
+(its side channel) and registers that address with the instance's
+``BootstrapServer``. A decode rank asks the server once for the ``RankTable``
+(``addresses[cp_rank]``) and then talks to every CP rank directly: ranks are
+addressed explicitly and the per-request DCP topology rides in each
+``TransferRequest``. Every receive here is a ``zmq.Poller`` wait with a timeout,
+sockets have ``linger=0``, so a peer that disappears yields ``BootstrapError``
+(or a failed fetch upstream), never a hang.
+
+Public API
+----------
+``class BootstrapError(RuntimeError)``: no answer in time, or an error answer.
+``BootstrapServer(host="127.0.0.1", port=0)``: registry thread of one prefill instance.
+    ``.address -> str`` ("tcp://host:port"), ``.port -> int``,
+    ``.ranks() -> dict[int, str]``, ``.close()``; a context manager.
+``request(address, msg, expect, timeout_s) -> message``: one round trip on a fresh socket.
+``register_rank(server, msg: RegisterRank, timeout_s=10.0) -> None``: retries until acknowledged.
+``query_ranks(server, engine_id, timeout_s=10.0) -> RankTable``: retries until all ranks registered.
+``Waker``: lets any thread interrupt a poll loop (``wake()``, ``.socket``, ``drain()``, ``close()``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+
+import zmq
+
+from vllm_dcp2d.connector.messages import (MessageError, QueryRanks, RankTable, RegisterRank, Reply, decode,
+                                           encode)
+
+__all__ = ["BootstrapError", "BootstrapServer", "Waker", "request", "register_rank", "query_ranks", "bind"]
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+POLL_S = 0.1  # how often background loops check their stop flag
+
+
+class BootstrapError(RuntimeError):
+    """A bootstrap exchange failed: timeout, error reply or malformed reply."""
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def socket(kind: int) -> zmq.Socket:
+    s = context().socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    return s
+
+
+def bind(sock: zmq.Socket, host: str, port: int = 0) -> str:
+    """Bind ``sock`` to ``tcp://host:port`` (0 = a free port); returns the address."""
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+class Waker:
+    """An inproc PUSH/PULL pair: ``wake()`` from any thread makes ``.socket`` readable."""
+
+    def __init__(self):
+        name = f"inproc://dcp2d-wake-{os.getpid()}-{next(_ids)}"
+        self.socket = socket(zmq.PULL)
+        self.socket.bind(name)
+        self._push = socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 4)
+        self._push.connect(name)
+        self._lock = threading.Lock()
+
+    def wake(self) -> None:
+        with self._lock:
+            try:
+                self._push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already queued
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self) -> None:
+        with self._lock:
+            self._push.close()
+        self.socket.close()
+
+
+def request(address: str, msg, expect, timeout_s: float):
+    """Send ``msg`` to the ROUTER at ``address`` and return its decoded reply.
+
+    Raises BootstrapError on timeout or a malformed reply; a fresh DEALER per
+    call so a lost reply never desynchronizes a later one.
+    """
+    sock = socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+        sock.send(encode(msg))
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise BootstrapError(f"no reply from {address} within {timeout_s:.1f}s to {type(msg).__name__}")
+        try:
+            return decode(sock.recv(), expect)
+        except MessageError as e:
+            raise BootstrapError(f"bad reply from {address}: {e}") from None
+    finally:
+        sock.close()
+
+
+def _retry(what: str, server: str, timeout_s: float, attempt):
+    deadline = time.monotonic() + timeout_s
+    last = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BootstrapError(f"{what} via {server} failed within {timeout_s:.1f}s: {last}")
+        try:
+            reply = attempt(min(left, 1.0))
+        except BootstrapError as e:
+            last = str(e)
+        else:
+            if not isinstance(reply, Reply) or reply.ok:
+                return reply
+            last = reply.reason
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def register_rank(server: str, msg: RegisterRank, timeout_s: float = 10.0) -> None:
+    """Register a prefill CP rank's side-channel address with ``server``; retried
+    (the server may start after the rank) until acknowledged or ``timeout_s``."""
+    _retry(f"registering cp rank {msg.cp_rank}", server, timeout_s,
+           lambda t: request(server, msg, Reply, t))
+
+
+def query_ranks(server: str, engine_id: str, timeout_s: float = 10.0) -> RankTable:
+    """The rank table of the prefill instance behind ``server``; retried until every
+    CP rank has registered or ``timeout_s`` passes."""
+    return _retry("querying the rank table", server, timeout_s,
+                  lambda t: request(server, QueryRanks(engine_id), (RankTable, Reply), t))
+
+
+class BootstrapServer:
+    """Registry of one prefill instance: CP rank -> side-channel address.
+
+    Runs a ROUTER socket in a daemon thread. Answers ``RegisterRank`` with a
+    ``Reply`` (a rank may re-register, e.g. after a restart; cp_size and the
+    fingerprint must match the ranks already registered) and ``QueryRanks``
+    with a ``RankTable`` once all ranks are in, else a ``Reply`` naming the
+    missing ranks. Malformed input gets a ``Reply(ok=False)`` and is logged.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self._sock = socket(zmq.ROUTER)
+        self.address = bind(self._sock, host, port)
+        self.port = int(self.address.rsplit(":", 1)[1])
+        self._lock = threading.Lock()
+        self._ranks: dict[int, RegisterRank] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"dcp2d-bootstrap-{self.port}", daemon=True)
+        self._thread.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def ranks(self) -> dict[int, str]:
+        with self._lock:
+            return {r: m.address for r, m in sorted(self._ranks.items())}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _loop(self):
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(int(POLL_S * 1000), zmq.POLLIN):
+                    frames = self._sock.recv_multipart()
+                    if len(frames) == 2:
+                        self._sock.send_multipart([frames[0], encode(self._handle(frames[1]))])
+        finally:
+            self._sock.close()
+
+    def _handle(self, payload: bytes):
+        try:
+            msg = decode(payload, (RegisterRank, QueryRanks))
+        except MessageError as e:
+            log.warning("bootstrap %s: rejected message: %s", self.address, e)
+            return Reply(False, f"rejected: {e}")
+        with self._lock:
+            if isinstance(msg, RegisterRank):
+                return self._register(msg)
+            return self._table(msg)
+
+    def _register(self, msg: RegisterRank) -> Reply:
+        for other in self._ranks.values():
+            if other.cp_rank == msg.cp_rank:
+                continue
+            if (other.engine_id, other.cp_size) != (msg.engine_id, msg.cp_size):
+                return Reply(False, f"rank {msg.cp_rank} registers engine {msg.engine_id!r} cp_size "
+                                    f"{msg.cp_size}, rank {other.cp_rank} has {other.engine_id!r} "
+                                    f"cp_size {other.cp_size}")
+            try:
+                other.fingerprint.check(msg.fingerprint)
+            except MessageError as e:
+                return Reply(False, f"rank {msg.cp_rank} vs rank {other.cp_rank}: {e}")
+        self._ranks[msg.cp_rank] = msg
+        return Reply(True, "")
+
+    def _table(self, msg: QueryRanks):
+        if not self._ranks:
+            return Reply(False, "no cp rank registered yet")
+        first = next(iter(self._ranks.values()))
+        missing = [r for r in range(first.cp_size) if r not in self._ranks]
+        if missing:
+            return Reply(False, f"{len(self._ranks)} of {first.cp_size} cp ranks registered, missing {missing}")
+        return RankTable(first.engine_id, first.cp_size,
+                         tuple(self._ranks[r].address for r in range(first.cp_size)), first.fingerprint)

@@ -1,0 +1,432 @@
+"""Wire schema of the 2D reshard: msgpack messages between prefill and decode
+(seed §6.3, §6.7). No I/O; ``bootstrap``, ``sender`` and ``receiver`` move them.
+
+Every message is a msgpack map ``{"v": PROTOCOL_VERSION, "type": <name>, <fields>}``.
+Integer arrays (block ids, addresses) travel as little-endian int64 ``bin``.
+``decode`` checks the version, the type, the exact field set, every field's type
+and range, and the size of every string, list and array; any malformed or
+hostile input raises :class:`MessageError` (and nothing else), with memory
+bounded by ``MAX_MESSAGE_BYTES``.
+
+Public API
+----------
+``PROTOCOL_VERSION: int``, ``MAX_MESSAGE_BYTES: int``
+``class MessageError(ValueError)``: malformed input or unsupported version.
+``class FingerprintMismatch(MessageError)``: both sides' values named.
+``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout)``
+    ``.check(other: Fingerprint) -> None``: raises ``FingerprintMismatch``.
+``TransferRequest(...)``: decode rank -> prefill rank, one per request and rank;
+    ``.regions() -> plan.KVRegions`` (the consumer's KV).
+``TransferOutcome(...)``: prefill rank -> decode rank, the answer to one request.
+``RegisterRank``, ``QueryRanks``, ``RankTable``, ``Reply``: bootstrap messages.
+``encode(msg) -> bytes``; ``decode(data: bytes, expect=None) -> message``:
+    ``expect`` is a message class (or tuple of them) the caller accepts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import msgpack
+import numpy as np
+
+from vllm_dcp2d.connector.plan import KVRegions
+
+__all__ = [
+    "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
+    "TransferRequest", "TransferOutcome", "RegisterRank", "QueryRanks", "RankTable", "Reply",
+    "encode", "decode",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 32 << 20
+MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
+MAX_ADDR = (1 << 63) - 1
+MAX_COUNT = 1 << 48        # pages, bytes, descriptors
+
+
+class MessageError(ValueError):
+    """A message that cannot be accepted: malformed, hostile, or another version."""
+
+
+class FingerprintMismatch(MessageError):
+    """The two sides disagree on the KV format; the message names both values."""
+
+
+# Field codecs: ``enc(value) -> wire`` and ``dec(wire, name) -> value`` (raises MessageError).
+
+class _Str:
+    def __init__(self, max_len: int, min_len: int = 1):
+        self.min_len, self.max_len = min_len, max_len
+
+    def enc(self, v):
+        return str(v)
+
+    def dec(self, v, name):
+        if type(v) is not str:
+            raise MessageError(f"{name} must be a string, got {type(v).__name__}")
+        if not self.min_len <= len(v) <= self.max_len:
+            raise MessageError(f"{name} must have {self.min_len}..{self.max_len} characters, got {len(v)}")
+        return v
+
+
+class _Int:
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+
+    def enc(self, v):
+        return int(v)
+
+    def dec(self, v, name):
+        if type(v) is not int:
+            raise MessageError(f"{name} must be an int, got {type(v).__name__}")
+        if not self.lo <= v <= self.hi:
+            raise MessageError(f"{name} must be in [{self.lo}, {self.hi}], got {v}")
+        return v
+
+
+class _Float:
+    def __init__(self, hi: float):
+        self.hi = hi
+
+    def enc(self, v):
+        return float(v)
+
+    def dec(self, v, name):
+        if type(v) is not float or not math.isfinite(v) or not 0.0 <= v <= self.hi:
+            raise MessageError(f"{name} must be a float in [0, {self.hi}], got {v!r}")
+        return v
+
+
+class _Bool:
+    def enc(self, v):
+        return bool(v)
+
+    def dec(self, v, name):
+        if type(v) is not bool:
+            raise MessageError(f"{name} must be a bool, got {type(v).__name__}")
+        return v
+
+
+class _Ids:
+    """int64 ``[n]`` array as little-endian ``bin``; every entry in ``[lo, hi]``."""
+
+    def __init__(self, max_n: int, lo: int = 0, hi: int = MAX_ADDR, min_n: int = 0):
+        self.min_n, self.max_n, self.lo, self.hi = min_n, max_n, lo, hi
+
+    def enc(self, v):
+        return np.ascontiguousarray(np.asarray(v, dtype=np.int64).reshape(-1), dtype="<i8").tobytes()
+
+    def dec(self, v, name):
+        if type(v) is not bytes:
+            raise MessageError(f"{name} must be bin (int64 array), got {type(v).__name__}")
+        if len(v) % 8:
+            raise MessageError(f"{name} holds {len(v)} bytes, not a multiple of 8 (int64)")
+        arr = np.frombuffer(v, dtype="<i8").astype(np.int64)
+        if not self.min_n <= arr.size <= self.max_n:
+            raise MessageError(f"{name} must have {self.min_n}..{self.max_n} entries, got {arr.size}")
+        if arr.size and (arr.min() < self.lo or arr.max() > self.hi):
+            raise MessageError(f"{name} entries must be in [{self.lo}, {self.hi}], "
+                               f"got min {arr.min()} max {arr.max()}")
+        return arr
+
+
+class _StrList:
+    def __init__(self, max_n: int, item: _Str):
+        self.max_n, self.item = max_n, item
+
+    def enc(self, v):
+        return [self.item.enc(x) for x in v]
+
+    def dec(self, v, name):
+        if type(v) is not list or len(v) > self.max_n:
+            raise MessageError(f"{name} must be a list of at most {self.max_n} strings")
+        return tuple(self.item.dec(x, f"{name}[{i}]") for i, x in enumerate(v))
+
+
+class _Nested:
+    def __init__(self, cls):
+        self.cls = cls
+
+    def enc(self, v):
+        return _fields_to_wire(v)
+
+    def dec(self, v, name):
+        return _fields_from_wire(self.cls, v, name)
+
+
+def _fields_to_wire(msg) -> dict:
+    return {k: c.enc(getattr(msg, k)) for k, c in msg.SCHEMA.items()}
+
+
+def _fields_from_wire(cls, raw, name: str):
+    if type(raw) is not dict:
+        raise MessageError(f"{name} must be a map, got {type(raw).__name__}")
+    keys = set(raw)
+    want = set(cls.SCHEMA)
+    if keys != want:
+        missing, extra = sorted(want - keys), sorted(map(repr, keys - want))
+        raise MessageError(f"{name} ({cls.__name__}): missing fields {missing}, unknown fields {extra}")
+    msg = cls(**{k: c.dec(raw[k], f"{name}.{k}") for k, c in cls.SCHEMA.items()})
+    msg.validate()
+    return msg
+
+
+_NAME = _Str(512)
+_SECONDS = _Float(1e7)
+
+
+@dataclass(frozen=True)
+class _Message:
+    SCHEMA = {}
+
+    def validate(self) -> None:
+        """Cross-field checks; raises MessageError."""
+
+
+@dataclass(frozen=True)
+class Fingerprint(_Message):
+    """What both sides must agree on before KV bytes can move.
+
+    model:      model identity (name or path + revision).
+    num_layers: KV layers of the model.
+    page_size:  tokens per transfer page (vLLM block_size).
+    kv_dtype:   KV cache dtype name, e.g. "bfloat16".
+    page_bytes: bytes of one page of one layer (all regions together).
+    layout:     KV memory layout, e.g. "cpu:[blocks,heads,block,2*head]".
+    """
+
+    model: str
+    num_layers: int
+    page_size: int
+    kv_dtype: str
+    page_bytes: int
+    layout: str
+
+    SCHEMA = {"model": _NAME, "num_layers": _Int(1, 1 << 16), "page_size": _Int(1, 1 << 24),
+              "kv_dtype": _Str(64), "page_bytes": _Int(1, 1 << 40), "layout": _Str(256)}
+
+    def check(self, other: Fingerprint) -> None:
+        """Raise ``FingerprintMismatch`` naming every differing field with both values."""
+        diff = [f"{k}: ours {getattr(self, k)!r}, peer {getattr(other, k)!r}"
+                for k in self.SCHEMA if getattr(self, k) != getattr(other, k)]
+        if diff:
+            raise FingerprintMismatch("KV fingerprint mismatch: " + "; ".join(diff))
+
+
+@dataclass(frozen=True, eq=False)
+class TransferRequest(_Message):
+    """Decode DCP rank -> one prefill CP rank: "write your layers of my pages".
+
+    request_id:    the request (vLLM request id on the prefill side).
+    transfer_id:   this attempt, unique per consumer rank; echoed in the outcome.
+    engine_id:     consumer (decode instance) identity.
+    consumer_rank, consumer_size: this worker and how many workers of the consumer
+                   fetch the request (e.g. decode TP size); the producer frees the
+                   request once all of them got their pages.
+    session:       consumer's Mooncake session id ``host:rpc_port``.
+    dcp_size, dcp_rank: the consumer's DCP topology, per request (seed §6.7).
+    block_ids:     int64 ``[n]`` the consumer's block table; page ``i`` lands in
+                   ``block_ids[i // dcp_size]`` on rank ``i % dcp_size``.
+    first_page:    first sequence page to send (earlier ones are cached on decode).
+    layer_ids:     int64 ``[L]``; base: int64 ``[L*R]`` row-major ``[L, R]``;
+    page_stride, page_bytes: int64 ``[R]``: the consumer's ``KVRegions``.
+    fingerprint:   the consumer's KV format.
+    wait_s:        how long the producer may hold the request if it does not know
+                   ``request_id`` yet (prefill still running); 0 = answer at once.
+    """
+
+    request_id: str
+    transfer_id: int
+    engine_id: str
+    consumer_rank: int
+    consumer_size: int
+    session: str
+    dcp_size: int
+    dcp_rank: int
+    block_ids: np.ndarray
+    first_page: int
+    layer_ids: np.ndarray
+    base: np.ndarray
+    page_stride: np.ndarray
+    page_bytes: np.ndarray
+    fingerprint: Fingerprint
+    wait_s: float
+
+    SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR), "engine_id": _NAME,
+              "consumer_rank": _Int(0, 1 << 16), "consumer_size": _Int(1, 1 << 16), "session": _Str(256),
+              "dcp_size": _Int(1, 1 << 12), "dcp_rank": _Int(0, 1 << 12), "block_ids": _Ids(MAX_IDS, hi=MAX_COUNT),
+              "first_page": _Int(0, MAX_COUNT), "layer_ids": _Ids(1 << 16, hi=1 << 16, min_n=1),
+              "base": _Ids(1 << 20, min_n=1), "page_stride": _Ids(64, lo=1, min_n=1),
+              "page_bytes": _Ids(64, lo=1, min_n=1), "fingerprint": _Nested(Fingerprint),
+              "wait_s": _Float(3600.0)}
+
+    @classmethod
+    def build(cls, *, regions: KVRegions, **kw) -> TransferRequest:
+        """Fill ``layer_ids``/``base``/``page_stride``/``page_bytes`` from ``regions``."""
+        return cls(layer_ids=regions.layer_ids, base=regions.base.reshape(-1),
+                   page_stride=regions.page_stride, page_bytes=regions.page_bytes, **kw)
+
+    def regions(self) -> KVRegions:
+        return KVRegions(self.layer_ids, self.base.reshape(self.layer_ids.size, self.page_stride.size),
+                         self.page_stride, self.page_bytes)
+
+    def validate(self) -> None:
+        if self.consumer_rank >= self.consumer_size:
+            raise MessageError(f"consumer_rank must be in [0, consumer_size={self.consumer_size}), "
+                               f"got {self.consumer_rank}")
+        if self.dcp_rank >= self.dcp_size:
+            raise MessageError(f"dcp_rank must be in [0, dcp_size={self.dcp_size}), got {self.dcp_rank}")
+        if self.page_bytes.size != self.page_stride.size:
+            raise MessageError(f"page_bytes has {self.page_bytes.size} regions, page_stride "
+                               f"{self.page_stride.size}")
+        if self.base.size != self.layer_ids.size * self.page_stride.size:
+            raise MessageError(f"base has {self.base.size} entries, expected layers x regions = "
+                               f"{self.layer_ids.size} x {self.page_stride.size}")
+        try:
+            self.regions()
+        except ValueError as e:
+            raise MessageError(f"bad KV regions: {e}") from None
+
+
+@dataclass(frozen=True)
+class TransferOutcome(_Message):
+    """Prefill CP rank -> decode rank: the result of one ``TransferRequest``.
+
+    ok / reason:       done, or failed with a human-readable reason.
+    cp_rank, cp_size:  the producer; layer_start/layer_end: the layers it sent.
+    num_pages:         pages of the request on the producer.
+    nbytes, descriptors, batches: what was written (0 when failed before writing).
+    naive_bytes:       what a full-sequence send to this rank would have moved.
+    plan_s, write_s:   seconds spent planning and in Mooncake writes.
+    """
+
+    request_id: str
+    transfer_id: int
+    cp_rank: int
+    cp_size: int
+    ok: bool
+    reason: str
+    layer_start: int
+    layer_end: int
+    num_pages: int
+    nbytes: int
+    descriptors: int
+    batches: int
+    naive_bytes: int
+    plan_s: float
+    write_s: float
+
+    SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR), "cp_rank": _Int(0, 1 << 12),
+              "cp_size": _Int(1, 1 << 12), "ok": _Bool(), "reason": _Str(4096, min_len=0),
+              "layer_start": _Int(0, 1 << 16), "layer_end": _Int(0, 1 << 16),
+              "num_pages": _Int(0, MAX_COUNT), "nbytes": _Int(0, MAX_COUNT),
+              "descriptors": _Int(0, MAX_COUNT), "batches": _Int(0, MAX_COUNT),
+              "naive_bytes": _Int(0, MAX_COUNT), "plan_s": _SECONDS, "write_s": _SECONDS}
+
+    def validate(self) -> None:
+        if self.cp_rank >= self.cp_size:
+            raise MessageError(f"cp_rank must be in [0, cp_size={self.cp_size}), got {self.cp_rank}")
+        if self.layer_end < self.layer_start:
+            raise MessageError(f"layer_end {self.layer_end} < layer_start {self.layer_start}")
+
+
+@dataclass(frozen=True)
+class RegisterRank(_Message):
+    """Prefill CP rank -> bootstrap server: "rank ``cp_rank`` serves at ``address``"."""
+
+    engine_id: str
+    cp_rank: int
+    cp_size: int
+    address: str
+    fingerprint: Fingerprint
+
+    SCHEMA = {"engine_id": _NAME, "cp_rank": _Int(0, 1 << 12), "cp_size": _Int(1, 1 << 12),
+              "address": _Str(256), "fingerprint": _Nested(Fingerprint)}
+
+    def validate(self) -> None:
+        if self.cp_rank >= self.cp_size:
+            raise MessageError(f"cp_rank must be in [0, cp_size={self.cp_size}), got {self.cp_rank}")
+
+
+@dataclass(frozen=True)
+class QueryRanks(_Message):
+    """Decode rank -> bootstrap server: "where are your CP ranks?"."""
+
+    engine_id: str
+
+    SCHEMA = {"engine_id": _NAME}
+
+
+@dataclass(frozen=True)
+class RankTable(_Message):
+    """Bootstrap server -> decode rank: ``addresses[r]`` serves CP rank ``r``."""
+
+    engine_id: str
+    cp_size: int
+    addresses: tuple
+    fingerprint: Fingerprint
+
+    SCHEMA = {"engine_id": _NAME, "cp_size": _Int(1, 1 << 12), "addresses": _StrList(1 << 12, _Str(256)),
+              "fingerprint": _Nested(Fingerprint)}
+
+    def validate(self) -> None:
+        if len(self.addresses) != self.cp_size:
+            raise MessageError(f"addresses has {len(self.addresses)} entries, expected cp_size={self.cp_size}")
+
+
+@dataclass(frozen=True)
+class Reply(_Message):
+    """Generic answer: an acknowledgement (``ok``) or an error with a reason."""
+
+    ok: bool
+    reason: str
+
+    SCHEMA = {"ok": _Bool(), "reason": _Str(4096, min_len=0)}
+
+
+_TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, RegisterRank, QueryRanks, RankTable, Reply)}
+
+
+def encode(msg) -> bytes:
+    """Pack ``msg`` (one of the message classes) as msgpack bytes."""
+    if type(msg).__name__ not in _TYPES or not isinstance(msg, _TYPES[type(msg).__name__]):
+        raise TypeError(f"not a message: {type(msg).__name__}")
+    wire = {"v": PROTOCOL_VERSION, "type": type(msg).__name__, **_fields_to_wire(msg)}
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def decode(data: bytes, expect=None):
+    """Unpack and validate one message; raises ``MessageError`` for anything malformed.
+
+    data:   the raw bytes (at most ``MAX_MESSAGE_BYTES``).
+    expect: a message class or tuple of classes; another type raises MessageError.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MessageError(f"message must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds MAX_MESSAGE_BYTES={MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
+                              max_str_len=1 << 16, max_bin_len=MAX_MESSAGE_BYTES, max_array_len=1 << 12,
+                              max_map_len=64, max_ext_len=0)
+    except Exception as e:  # msgpack raises a zoo of types for bad input
+        raise MessageError(f"not a valid msgpack message: {type(e).__name__}: {e}") from None
+    if type(raw) is not dict:
+        raise MessageError(f"message must be a map, got {type(raw).__name__}")
+    version = raw.pop("v", None)
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise MessageError(f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})")
+    name = raw.pop("type", None)
+    cls = _TYPES.get(name) if type(name) is str else None
+    if cls is None:
+        raise MessageError(f"unknown message type {name!r}")
+    if expect is not None:
+        want = expect if isinstance(expect, tuple) else (expect,)
+        if cls not in want:
+            raise MessageError(f"expected {'/'.join(c.__name__ for c in want)}, got {name}")
+    return _fields_from_wire(cls, raw, name)
+
+
+assert all(set(c.SCHEMA) == {f.name for f in fields(c)} for c in (*_TYPES.values(), Fingerprint))

@@ -1,0 +1,369 @@
+"""Decode side of the 2D reshard: one ``Receiver`` per decode DCP rank (seed §6.7).
+
+``start(request_id, bootstrap, block_ids)`` asks the prefill instance behind
+``bootstrap`` for its rank table (cached per instance), sends one
+``TransferRequest`` carrying this rank's ``(dcp_size, dcp_rank)``, block table
+and KV regions to every prefill CP rank, and collects their
+``TransferOutcome``s. The pages are in place when every CP rank answered ok;
+any failure, lost connection or deadline fails the whole fetch, naming the CP
+rank and the reason (the destination blocks are then undefined). Nothing
+blocks the caller: a background thread owns the sockets, ``poll()`` returns
+finished fetches.
+
+A prefill rank that dies is noticed through ZMQ's disconnect event (within
+milliseconds on loopback), otherwise by the fetch deadline. After a failure
+caused by a peer (disconnect, timeout, malformed reply) the cached rank table of
+that instance is dropped, so the next fetch re-queries the bootstrap server
+(e.g. finds a restarted rank).
+
+Public API
+----------
+``class FetchError(RuntimeError)``: ``.request_id``, ``.cp_rank`` (None if not rank-specific), ``.reason``.
+``Fetch``: ``.request_id``, ``.ok``, ``.error: FetchError | None``, ``.outcomes: dict[int, TransferOutcome]``,
+    ``.seconds``; ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
+``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
+           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0)``
+    ``.start(request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None)``
+    ``.poll() -> list[Fetch]``        finished fetches since the last call (any thread).
+    ``.wait(request_id, timeout_s) -> Fetch``  blocking helper (tests, benches).
+    ``.close()``                      fails what is in flight, unregisters ``buffers``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.messages import (Fingerprint, MessageError, QueryRanks, RankTable, Reply,
+                                           TransferOutcome, TransferRequest, decode, encode)
+from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.connector.transport import MooncakeTransport
+
+__all__ = ["Receiver", "Fetch", "FetchError"]
+
+log = logging.getLogger(__name__)
+QUERY_RETRY_S = 0.05   # bootstrap said "not all ranks registered yet"
+QUERY_RESEND_S = 1.0   # no answer from the bootstrap server: new socket, ask again
+
+
+class FetchError(RuntimeError):
+    def __init__(self, request_id: str, cp_rank: int | None, reason: str):
+        self.request_id, self.cp_rank, self.reason = request_id, cp_rank, reason
+        where = "" if cp_rank is None else f" from prefill cp rank {cp_rank}"
+        super().__init__(f"fetch of {request_id!r}{where} failed: {reason}")
+
+
+@dataclass
+class Fetch:
+    request_id: str
+    bootstrap: str
+    block_ids: np.ndarray
+    first_page: int
+    deadline: float
+    wait_s: float
+    started: float = field(default_factory=time.monotonic)
+    table: RankTable | None = None
+    inflight: dict = field(default_factory=dict)   # cp_rank -> (peer address, transfer_id)
+    outcomes: dict = field(default_factory=dict)   # cp_rank -> TransferOutcome
+    error: FetchError | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.table is not None and len(self.outcomes) == self.table.cp_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outcomes.values())
+
+    @property
+    def naive_bytes(self) -> int:
+        return sum(o.naive_bytes for o in self.outcomes.values())
+
+
+class _Peer:
+    """A DEALER to one ROUTER (bootstrap server or prefill rank) plus its monitor."""
+
+    def __init__(self, address: str, poller: zmq.Poller, is_boot: bool):
+        self.address, self.is_boot = address, is_boot
+        self.sock = bs.socket(zmq.DEALER)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(address)
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        self.tids: dict[int, Fetch] = {}         # prefill rank: transfer id -> fetch
+        self.waiting: list[Fetch] = []           # bootstrap: fetches waiting for the table
+        self.table: RankTable | None = None
+        self.asked = 0.0                         # bootstrap: when the last query went out (0 = none)
+        self.retry_at = 0.0
+        self.last_reason = "no answer"
+
+    def close(self, poller: zmq.Poller):
+        for s in (self.sock, self.monitor):
+            poller.unregister(s)
+        self.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
+
+
+class Receiver:
+    """Fetches requests' KV pages for one decode DCP rank.
+
+    transport:   this rank's Mooncake transport (the prefill ranks write into it).
+    regions:     this rank's KV regions (all layers); ``buffers``: ``[(addr, nbytes)]``
+                 to register on ``transport`` now and unregister on ``close``
+                 (leave empty if the owner registers the KV itself).
+    dcp_size, dcp_rank: this rank's DCP topology, sent with every request.
+    consumer_rank, consumer_size: this worker among the decode instance's workers.
+    timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
+                 may hold the request while its prefill is still running.
+    """
+
+    def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
+                 engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
+                 dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0):
+        if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
+            raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
+                             f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
+        self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
+        self.engine_id, self.consumer_rank, self.consumer_size = engine_id, consumer_rank, consumer_size
+        self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
+        self.timeout_s, self.wait_s = timeout_s, wait_s
+        self._buffers = [(int(a), int(n)) for a, n in buffers]
+        for a, n in self._buffers:
+            transport.register(a, n)
+        self._tids = itertools.count(1)
+        self._new: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._active: dict[str, Fetch] = {}
+        self._stop = threading.Event()
+        self._waker = bs.Waker()
+        self._thread = threading.Thread(target=self._loop, name=f"dcp2d-recv-{dcp_rank}", daemon=True)
+        self._thread.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def start(self, request_id: str, bootstrap: str, block_ids, first_page: int = 0,
+              timeout_s: float | None = None, wait_s: float | None = None) -> None:
+        """Begin fetching ``request_id`` from the prefill instance at ``bootstrap``.
+
+        block_ids: int ``[n]`` this rank's block table of the request; sequence
+        page ``i`` (with ``i % dcp_size == dcp_rank``) lands in ``block_ids[i // dcp_size]``.
+        """
+        if self._stop.is_set():
+            raise RuntimeError("receiver is closed")
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
+        t = self.timeout_s if timeout_s is None else timeout_s
+        w = self.wait_s if wait_s is None else wait_s
+        self._new.put(Fetch(request_id, bootstrap, ids, int(first_page), time.monotonic() + t, w))
+        self._waker.wake()
+
+    def poll(self) -> list[Fetch]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait(self, request_id: str, timeout_s: float) -> Fetch:
+        """Block until ``request_id`` finishes (other finished fetches stay queued for ``poll``)."""
+        deadline = time.monotonic() + timeout_s
+        held = []
+        try:
+            while True:
+                try:
+                    f = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(f"fetch of {request_id!r} not finished within {timeout_s}s") from None
+                if f.request_id == request_id:
+                    return f
+                held.append(f)
+        finally:
+            for f in held:
+                self._done.put(f)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(timeout_s)
+            self._waker.close()
+        buffers, self._buffers = self._buffers, []
+        for a, _ in buffers:
+            self.transport.unregister(a)
+
+    # ---- background thread: owns every socket ----
+
+    def _loop(self):
+        self._poller = zmq.Poller()
+        self._poller.register(self._waker.socket, zmq.POLLIN)
+        self._peers: dict[str, _Peer] = {}
+        self._boots: dict[str, _Peer] = {}
+        try:
+            while not self._stop.is_set():
+                events = dict(self._poller.poll(int(bs.POLL_S * 1000)))
+                if self._waker.socket in events:
+                    self._waker.drain()
+                while not self._new.empty():
+                    self._begin(self._new.get())
+                for p in list(self._boots.values()) + list(self._peers.values()):
+                    if p.monitor in events and self._disconnected(p):
+                        self._lost(p, "connection lost")
+                    elif p.sock in events:
+                        self._read(p)
+                self._tick()
+        finally:
+            for f in list(self._active.values()):
+                self._finish(f, FetchError(f.request_id, None, "receiver closed"))
+            for p in list(self._boots.values()) + list(self._peers.values()):
+                p.close(self._poller)
+
+    def _begin(self, f: Fetch):
+        if f.request_id in self._active:
+            self._finish(f, FetchError(f.request_id, None, "a fetch of this request is already running"),
+                         track=False)
+            return
+        self._active[f.request_id] = f
+        boot = self._boots.get(f.bootstrap)
+        if boot is None:
+            boot = self._boots[f.bootstrap] = _Peer(f.bootstrap, self._poller, True)
+        if boot.table is not None:
+            self._dispatch(f, boot.table)
+        else:
+            boot.waiting.append(f)
+
+    def _dispatch(self, f: Fetch, table: RankTable):
+        f.table = table
+        regions = self.regions
+        for r, addr in enumerate(table.addresses):
+            peer = self._peers.get(addr)
+            if peer is None:
+                peer = self._peers[addr] = _Peer(addr, self._poller, False)
+            tid = next(self._tids)
+            req = TransferRequest.build(
+                regions=regions, request_id=f.request_id, transfer_id=tid, engine_id=self.engine_id,
+                consumer_rank=self.consumer_rank, consumer_size=self.consumer_size,
+                session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
+                block_ids=f.block_ids, first_page=f.first_page, fingerprint=self.fingerprint, wait_s=f.wait_s)
+            peer.tids[tid] = f
+            f.inflight[r] = (addr, tid)
+            peer.sock.send(encode(req))
+
+    def _read(self, p: _Peer):
+        payload = p.sock.recv()
+        if p.is_boot:
+            return self._read_table(p, payload)
+        try:
+            msg = decode(payload, (TransferOutcome, Reply))
+        except MessageError as e:
+            return self._lost(p, f"malformed reply: {e}")
+        if isinstance(msg, Reply):  # the rank rejected our message: nothing to match it to
+            return self._lost(p, f"rejected: {msg.reason}", drop=False)
+        f = p.tids.pop(msg.transfer_id, None)
+        if f is None or f.request_id != msg.request_id:
+            return  # a late answer to a fetch that already failed
+        f.inflight.pop(msg.cp_rank, None)
+        if not msg.ok:
+            return self._finish(f, FetchError(f.request_id, msg.cp_rank, msg.reason))
+        f.outcomes[msg.cp_rank] = msg
+        if not f.inflight:
+            self._finish(f, None)
+
+    def _read_table(self, boot: _Peer, payload: bytes):
+        boot.asked = 0.0
+        try:
+            msg = decode(payload, (RankTable, Reply))
+            if isinstance(msg, RankTable):
+                self.fingerprint.check(msg.fingerprint)
+        except MessageError as e:
+            for f in boot.waiting:
+                self._finish(f, FetchError(f.request_id, None, f"bootstrap {boot.address}: {e}"))
+            boot.waiting = []
+            return
+        if isinstance(msg, Reply):  # not every rank registered yet: ask again shortly
+            boot.retry_at = time.monotonic() + QUERY_RETRY_S
+            boot.last_reason = msg.reason
+            return
+        boot.table = msg
+        waiting, boot.waiting = boot.waiting, []
+        for f in waiting:
+            if f.request_id in self._active:
+                self._dispatch(f, msg)
+
+    def _tick(self):
+        now = time.monotonic()
+        for boot in self._boots.values():
+            boot.waiting = [f for f in boot.waiting if f.request_id in self._active]
+            if not boot.waiting or boot.table is not None:
+                continue
+            if boot.asked and now - boot.asked > QUERY_RESEND_S:
+                self._renew(boot)  # the server may be gone; a fresh socket drops stale queues
+                boot = self._boots[boot.address]
+            if not boot.asked and now >= boot.retry_at:
+                boot.sock.send(encode(QueryRanks(self.engine_id)))
+                boot.asked = now
+        for f in [f for f in self._active.values() if f.deadline <= now]:
+            if f.table is None:
+                boot = self._boots.get(f.bootstrap)
+                rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({boot and boot.last_reason})"
+            else:
+                pending = sorted(f.inflight)
+                rank, why = pending[0], f"no outcome from cp ranks {pending}"
+            self._finish(f, FetchError(f.request_id, rank, f"timed out after {now - f.started:.1f}s: {why}"),
+                         peer_fault=True)
+
+    def _renew(self, boot: _Peer):
+        fresh = _Peer(boot.address, self._poller, True)
+        fresh.waiting = boot.waiting
+        boot.close(self._poller)
+        self._boots[boot.address] = fresh
+
+    def _disconnected(self, p: _Peer) -> bool:
+        hit = False
+        while p.monitor.poll(0):
+            hit |= recv_monitor_message(p.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return hit
+
+    def _lost(self, p: _Peer, why: str, drop: bool = True):
+        """Peer ``p`` failed: fail everything in flight to it and forget cached tables."""
+        if p.is_boot:
+            for f in p.waiting:
+                self._finish(f, FetchError(f.request_id, None, f"bootstrap {p.address}: {why}"))
+            p.waiting, p.table, p.asked = [], None, 0.0
+            return
+        for tid, f in list(p.tids.items()):
+            rank = next((r for r, (a, t) in f.inflight.items() if t == tid), None)
+            self._finish(f, FetchError(f.request_id, rank, f"{why} ({p.address})"), peer_fault=True)
+        p.tids.clear()
+        if drop and self._peers.get(p.address) is p:
+            p.close(self._poller)
+            del self._peers[p.address]
+
+    def _finish(self, f: Fetch, error: FetchError | None, track: bool = True, peer_fault: bool = False):
+        if track:
+            if self._active.get(f.request_id) is not f:
+                return
+            del self._active[f.request_id]
+        for addr, tid in f.inflight.values():
+            if addr in self._peers:
+                self._peers[addr].tids.pop(tid, None)
+        f.inflight = {}
+        if peer_fault and f.bootstrap in self._boots:
+            self._boots[f.bootstrap].table = None  # re-query: a rank may have moved
+        f.error, f.seconds = error, time.monotonic() - f.started
+        if error is not None:
+            log.warning("%s", error)
+        self._done.put(f)

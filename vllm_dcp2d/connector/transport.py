@@ -1,0 +1,166 @@
+"""Mooncake transfer engine behind a small, typed API (seed §6.3).
+
+Facts this wraps (mooncake-transfer-engine 0.3.13, see notes/mooncake-transfer-engine.md):
+the Python API returns int codes (0 ok, negative error) and never raises; one
+batch of more than ~2048 entries to one peer fails part-way (per-peer TCP queue
+1024 + 1024 pending), so writes go out in batches of at most ``max_batch``
+(1024) entries, one batch in flight per peer; a failed batch leaves the
+destination partly written ("content unknown"); the ``protocol`` argument does
+not choose the transport, ``MC_FORCE_TCP=1`` does; a frozen peer blocks a call
+for ``MC_TRANSFER_TIMEOUT`` seconds (>= 5, read by the engine).
+
+Public API
+----------
+``class TransportError(RuntimeError)``: engine start or memory registration failed.
+``class TransferError(TransportError)``: a write failed; ``.peer``, ``.entries``
+    (descriptors in the failed batch), ``.code``, ``.done_bytes`` (bytes of the
+    batches that completed before it). The destination of the whole write is
+    undefined.
+``MooncakeTransport(hostname="127.0.0.1", *, protocol="tcp", max_batch=1024,
+                    transfer_timeout_s=None)``
+    ``.session_id -> str``                  "host:rpc_port", what peers write to.
+    ``.register(addr: int, nbytes: int)``   idempotent for the same range.
+    ``.unregister(addr: int)``              no-op if not registered.
+    ``.registered() -> dict[int, int]``     addr -> nbytes currently registered.
+    ``.write(peer: str, desc: Descriptors) -> int``  bytes written; raises TransferError.
+    ``.close()``                            unregisters everything; idempotent.
+All methods are thread-safe; ``write`` releases the GIL while the engine works,
+and writes to one peer are serialized (they share the engine's per-peer queue).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from vllm_dcp2d.connector.plan import Descriptors
+
+__all__ = ["TransportError", "TransferError", "MooncakeTransport"]
+
+
+class TransportError(RuntimeError):
+    """The transfer engine could not start or register memory."""
+
+
+class TransferError(TransportError):
+    """A Mooncake write failed; the destination content is undefined."""
+
+    def __init__(self, peer: str, entries: int, code: int, done_bytes: int = 0, detail: str = ""):
+        self.peer, self.entries, self.code, self.done_bytes = peer, entries, code, done_bytes
+        super().__init__(f"Mooncake write to {peer} failed with code {code} on a batch of {entries} "
+                         f"descriptors ({done_bytes} bytes written before it){detail}")
+
+
+class MooncakeTransport:
+    """One Mooncake ``TransferEngine`` in P2PHANDSHAKE mode (no metadata server).
+
+    hostname:           address peers reach this engine at (its session is
+                        ``hostname:rpc_port``, the port chosen by the engine).
+    protocol:           "tcp" sets ``MC_FORCE_TCP=1`` (the engine otherwise picks
+                        RDMA whenever it finds a NIC); "rdma" leaves discovery on.
+    max_batch:          descriptors per engine call (<= 1024 with the default queues).
+    transfer_timeout_s: sets ``MC_TRANSFER_TIMEOUT`` (engine clamps to >= 5 s)
+                        before the engine starts; None keeps the environment's.
+    """
+
+    def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", max_batch: int = 1024,
+                 transfer_timeout_s: float | None = None):
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        if not 1 <= max_batch <= 65535:
+            raise ValueError(f"max_batch must be in [1, 65535], got {max_batch}")
+        if protocol == "tcp":
+            os.environ["MC_FORCE_TCP"] = "1"
+        if transfer_timeout_s is not None:
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(transfer_timeout_s))))
+        from mooncake.engine import TransferEngine  # heavy native module: import on use
+
+        self.max_batch = max_batch
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise TransportError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._lock = threading.Lock()
+        self._regs: dict[int, int] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"MooncakeTransport({self.session_id}, {len(self._regs)} regions)"
+
+    def register(self, addr: int, nbytes: int) -> None:
+        """Register ``[addr, addr + nbytes)`` as readable/writable by peers.
+
+        Registering the exact same range again is a no-op; an overlapping
+        different range raises TransportError.
+        """
+        addr, nbytes = int(addr), int(nbytes)
+        if addr <= 0 or nbytes <= 0:
+            raise ValueError(f"need addr > 0 and nbytes > 0, got addr={addr:#x} nbytes={nbytes}")
+        with self._lock:
+            self._check_open()
+            if self._regs.get(addr) == nbytes:
+                return
+            for a, n in self._regs.items():
+                if a < addr + nbytes and addr < a + n:
+                    raise TransportError(f"[{addr:#x}, +{nbytes}) overlaps registered [{a:#x}, +{n})")
+            rc = self._engine.register_memory(addr, nbytes)
+            if rc != 0:
+                raise TransportError(f"register_memory({addr:#x}, {nbytes}) returned {rc}")
+            self._regs[addr] = nbytes
+
+    def unregister(self, addr: int) -> None:
+        """Unregister the range starting at ``addr``; no-op if it is not registered."""
+        with self._lock:
+            if self._regs.pop(int(addr), None) is None or self._closed:
+                return
+            rc = self._engine.unregister_memory(int(addr))
+            if rc != 0:
+                raise TransportError(f"unregister_memory({int(addr):#x}) returned {rc}")
+
+    def registered(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._regs)
+
+    def write(self, peer: str, desc: Descriptors) -> int:
+        """Write ``desc`` (local ``src`` -> ``peer``'s ``dst``) and wait for completion.
+
+        peer: the target's ``session_id``. desc: int64 ``[n]`` src/dst/length
+        (``dst`` inside memory the peer registered). Returns the bytes written.
+        Raises TransferError on the first failed batch; later batches are not sent.
+        """
+        with self._lock:
+            self._check_open()
+            plock = self._peer_locks.setdefault(peer, threading.Lock())
+        done = 0
+        with plock:
+            for b in desc.batches(self.max_batch):
+                rc = self._engine.batch_transfer_sync_write(peer, b.src.tolist(), b.dst.tolist(),
+                                                            b.length.tolist())
+                if rc != 0:
+                    raise TransferError(peer, len(b), rc, done)
+                done += b.nbytes
+        return done
+
+    def close(self) -> None:
+        """Unregister every registered range; idempotent. The engine itself is
+        released when the object is garbage collected (the wheel has no shutdown)."""
+        with self._lock:
+            if self._closed:
+                return
+            regs, self._regs = self._regs, {}
+            self._closed = True
+            bad = [(a, rc) for a in regs if (rc := self._engine.unregister_memory(a)) != 0]
+        if bad:
+            raise TransportError(f"unregister_memory failed for {[(hex(a), rc) for a, rc in bad]}")
+
+    def _check_open(self):
+        if self._closed:
+            raise TransportError(f"transport {self.session_id} is closed")
