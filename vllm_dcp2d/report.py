@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_dcp2d.connector.plan import Descriptors, KVRegions, plan_request
-from vllm_dcp2d.layout import cdiv, cp_layer_range
+from vllm_dcp2d.layout import _check_size, cdiv, cp_layer_range
 
 __all__ = ["synthetic_request", "reshard_matrix", "format_matrix"]
 
@@ -28,6 +28,7 @@ def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int,
     if tokens < 0 or page_size < 1 or page_bytes < 1:
         raise ValueError(f"need tokens >= 0, page_size >= 1, page_bytes >= 1; got {tokens}, "
                          f"{page_size}, {page_bytes}")
+    cp_size, dcp_size = _check_size("cp_size", cp_size), _check_size("dcp_size", dcp_size)
     pages = cdiv(tokens, page_size)
     local = cdiv(pages, dcp_size)
     rng = np.random.default_rng(shuffle_seed)
@@ -38,8 +39,7 @@ def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int,
         src_ids, dst_ids = rng.permutation(src_pool)[:pages], rng.permutation(dst_pool)[:local]
     src = []
     for r in range(cp_size):
-        layers = np.arange(cp_layer_range(num_layers, cp_size, r).start,
-                           cp_layer_range(num_layers, cp_size, r).stop)
+        layers = np.array(cp_layer_range(num_layers, cp_size, r), dtype=np.int64)
         base = (r + 1) * _SPACE + np.arange(layers.size) * src_pool * page_bytes
         src.append(KVRegions.uniform(layers, base, page_bytes))
     dst = []

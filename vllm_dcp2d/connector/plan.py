@@ -64,7 +64,12 @@ class KVRegions:
         if (nbytes <= 0).any() or (nbytes > stride).any():
             raise ValueError(f"need 0 < page_bytes <= page_stride, got page_bytes {nbytes.tolist()} "
                              f"page_stride {stride.tolist()}")
-        for name, val in (("layer_ids", ids), ("base", base), ("page_stride", stride), ("page_bytes", nbytes)):
+        if ids.size and ids.min() < 0:
+            raise ValueError(f"layer_ids must be >= 0, got {ids.tolist()}")
+        row_of = np.full(int(ids.max()) + 1 if ids.size else 0, -1, dtype=np.int64)
+        row_of[ids] = np.arange(ids.size)
+        for name, val in (("layer_ids", ids), ("base", base), ("page_stride", stride), ("page_bytes", nbytes),
+                          ("_row_of", row_of)):
             object.__setattr__(self, name, val)
 
     @classmethod
@@ -79,12 +84,13 @@ class KVRegions:
 
     def rows(self, layers: np.ndarray, side: str) -> np.ndarray:
         """``base`` rows of ``layers`` (int64 ``[n]``); raises if a layer is not held."""
-        missing = ~np.isin(layers, self.layer_ids)
+        known = (layers >= 0) & (layers < self._row_of.size)
+        idx = np.full(layers.shape, -1, dtype=np.int64)
+        idx[known] = self._row_of[layers[known]]
+        missing = idx < 0
         if missing.any():
             raise ValueError(f"{side} holds no KV for layers {layers[missing].tolist()} "
                              f"(it holds {self.layer_ids.tolist()})")
-        order = np.argsort(self.layer_ids)
-        idx = order[np.searchsorted(self.layer_ids, layers, sorter=order)]
         return self.base[idx]
 
 
@@ -181,14 +187,42 @@ def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_i
         return Descriptors.empty()
     src_base = src.rows(layers, "producer")  # [L, R]
     dst_base = dst.rows(layers, "consumer")
-    # Page offsets are the same for every layer: compute them once, [R, Pd].
-    src_off = src_ids[pages][None, :] * src.page_stride[:, None]
-    dst_off = dst_ids[pages // dcp_size][None, :] * dst.page_stride[:, None]
-    shape = (layers.size, src.num_regions, pages.size)
-    s = (src_base[:, :, None] + src_off[None]).reshape(-1)
-    d = (dst_base[:, :, None] + dst_off[None]).reshape(-1)
-    n = np.broadcast_to(src.page_bytes[None, :, None], shape).reshape(-1)
-    return merge_runs(s, d, n)
+    # Page offsets, and so the runs along the page axis, are the same for
+    # every layer: find them once per region on [Pd] arrays, then add the
+    # layer bases. Runs therefore merge within a (layer, region) row.
+    # pages = start, start + N, ...: both lookups are views, not gathers.
+    start = int(pages[0])
+    src_off = src_ids[start:num_pages:dcp_size]  # [Pd]
+    dst_off = dst_ids[start // dcp_size: start // dcp_size + pages.size]
+    s, d, n = [], [], []
+    for j in range(src.num_regions):  # regions per layer: 1 or 2
+        rs, rd, rn = _page_runs(src_off * src.page_stride[j], dst_off * dst.page_stride[j],
+                                int(src.page_bytes[j]))
+        s.append(src_base[:, j, None] + rs[None, :])  # [L, runs_j]
+        d.append(dst_base[:, j, None] + rd[None, :])
+        n.append(np.broadcast_to(rn[None, :], (layers.size, rn.size)))
+    return Descriptors(_rows_to_flat(s), _rows_to_flat(d), _rows_to_flat(n))
+
+
+def _rows_to_flat(parts: list[np.ndarray]) -> np.ndarray:
+    """``[L, runs_j]`` per region -> layer-major, region-minor flat int64 ``[n]``."""
+    if len(parts) == 1:
+        return np.ascontiguousarray(parts[0]).reshape(-1)
+    return np.concatenate(parts, axis=1).reshape(-1)
+
+
+def _page_runs(src_off: np.ndarray, dst_off: np.ndarray, page_bytes: int):
+    """Merge consecutive pages contiguous on both sides.
+
+    src_off, dst_off: int64 ``[Pd]`` byte offsets of each page. Returns
+    ``(src_off[runs], dst_off[runs], length[runs])``.
+    """
+    brk = (src_off[1:] != src_off[:-1] + page_bytes) | (dst_off[1:] != dst_off[:-1] + page_bytes)
+    if brk.all():  # shuffled block ids: nothing merges, skip the run bookkeeping
+        return src_off, dst_off, np.full(src_off.size, page_bytes, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], brk)))
+    length = np.diff(np.append(starts, src_off.size)) * page_bytes
+    return src_off[starts], dst_off[starts], length
 
 
 def plan_request(num_layers: int, cp_size: int, src_regions: list[KVRegions], src_block_ids,

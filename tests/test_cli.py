@@ -1,0 +1,54 @@
+"""`vllm-dcp2d plan` on the seed's GLM-5.2 configuration (seed §5.3, §6.1)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "vllm_dcp2d.cli"]
+
+
+def run(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_plan_json_matches_seed_numbers():
+    p = run("plan", "--num-layers", "78", "--cp", "8", "--dcp", "4", "--tokens", "32768",
+            "--page-size", "64", "--bytes-per-token-layer", "576", "--json")
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout)
+    assert len(m["paths"]) == 32
+    kv = 78 * 576 * 32768
+    assert m["total_bytes"] == kv and round(kv / 1e9, 2) == 1.47          # ~1.47 GB
+    assert m["naive_bytes"] == 4 * kv and round(4 * kv / 1e9, 2) == 5.89  # seed: ~5.88 GB
+    per_rank = {d: sum(p["bytes"] for p in m["paths"] if p["dcp_rank"] == d) for d in range(4)}
+    assert all(round(b / 1e6) == 368 for b in per_rank.values())        # ~368 MB
+    p0 = m["paths"][0]
+    assert set(p0) == {"cp_rank", "dcp_rank", "layers", "pages", "bytes", "descriptors"}
+    assert p0["layers"] == [0, 10] and p0["pages"] == 128 and p0["bytes"] == 10 * 128 * 64 * 576
+    assert m["paths"][-1]["layers"] == [69, 78]
+
+
+def test_plan_table_is_readable():
+    p = run("plan", "--num-layers", "4", "--cp", "2", "--dcp", "2", "--tokens", "100", "--page-size", "16",
+            "--bytes-per-token-layer", "64")
+    assert p.returncode == 0, p.stderr
+    assert "CP=2 -> DCP=2" in p.stdout and "1.00x the KV" in p.stdout and "2.00x the KV" in p.stdout
+    assert p.stdout.count("\n      0        ") + p.stdout.count("\n      1        ") == 4  # 4 paths
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--dcp", "0"], "dcp_size must be >= 1, got 0"),
+    (["--tokens", "-5"], "need tokens >= 0"),
+])
+def test_plan_bad_input_names_the_value(args, msg):
+    p = run("plan", *args)
+    assert p.returncode == 2 and msg in p.stderr
+
+
+def test_unknown_command():
+    p = run("bogus")
+    assert p.returncode == 2 and "vllm-dcp2d plan" in p.stdout
