@@ -1,0 +1,215 @@
+"""Wire schema: round trips, and every malformed input raises MessageError (fuzzed)."""
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_dcp2d.connector import messages as m
+from vllm_dcp2d.connector.messages import (Fingerprint, FingerprintMismatch, MessageError, QueryRanks, RankTable,
+                                           RegisterRank, Reply, TransferOutcome, TransferRequest, decode, encode)
+from vllm_dcp2d.connector.plan import KVRegions
+
+FP = Fingerprint("glm-5.2@abc", 8, 64, "float8_e4m3fn", 36864, "cpu:[blocks,heads,block,2*head]")
+
+
+def _request(**kw):
+    regions = KVRegions(np.arange(8), np.arange(16).reshape(8, 2) * (1 << 20) + 4096,
+                        np.array([1024, 2048]), np.array([512, 2048]))
+    args = dict(request_id="req-1", transfer_id=7, engine_id="decode-0", consumer_rank=1, consumer_size=2,
+                session="127.0.0.1:15001", dcp_size=2, dcp_rank=1, block_ids=np.array([5, 3, 9]),
+                first_page=1, fingerprint=FP, wait_s=0.5)
+    args.update(kw)
+    return TransferRequest.build(regions=regions, **args)
+
+
+def _outcome(**kw):
+    args = dict(request_id="req-1", transfer_id=7, cp_rank=1, cp_size=2, ok=False, reason="boom", layer_start=4,
+                layer_end=8, num_pages=3, nbytes=0, descriptors=0, batches=0, naive_bytes=0, plan_s=0.001,
+                write_s=0.0)
+    args.update(kw)
+    return TransferOutcome(**args)
+
+
+SAMPLES = [
+    _request(),
+    _outcome(),
+    _outcome(ok=True, reason="", nbytes=1 << 40, descriptors=3, batches=1, naive_bytes=1 << 41),
+    RegisterRank("prefill-0", 1, 2, "tcp://127.0.0.1:5555", FP),
+    QueryRanks("decode-0"),
+    RankTable("prefill-0", 2, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), FP),
+    Reply(True, ""),
+    Reply(False, "x" * 4096),
+]
+
+
+def _same(a, b):
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert np.array_equal(x, y) and y.dtype == np.int64
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda x: type(x).__name__)
+def test_round_trip(msg):
+    _same(decode(encode(msg)), msg)
+    _same(decode(encode(msg), type(msg)), msg)
+
+
+def test_regions_round_trip():
+    req = decode(encode(_request()), TransferRequest)
+    r = req.regions()
+    assert r.base.shape == (8, 2) and r.base[3, 1] == 7 * (1 << 20) + 4096
+    assert r.page_stride.tolist() == [1024, 2048] and r.page_bytes.tolist() == [512, 2048]
+
+
+def test_expect_other_type():
+    with pytest.raises(MessageError, match="expected TransferOutcome/Reply, got TransferRequest"):
+        decode(encode(_request()), (TransferOutcome, Reply))
+
+
+def test_fingerprint_check_names_both_values():
+    FP.check(Fingerprint(*dataclasses.astuple(FP)))
+    other = dataclasses.replace(FP, num_layers=6, kv_dtype="bfloat16")
+    with pytest.raises(FingerprintMismatch) as e:
+        FP.check(other)
+    assert "num_layers: ours 8, peer 6" in str(e.value)
+    assert "kv_dtype: ours 'float8_e4m3fn', peer 'bfloat16'" in str(e.value)
+
+
+def _wire(msg) -> dict:
+    return msgpack.unpackb(encode(msg), raw=False)
+
+
+def _pack(d) -> bytes:
+    return msgpack.packb(d, use_bin_type=True)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(v=2), "unsupported protocol version 2"),
+    (lambda d: d.update(v=True), "unsupported protocol version True"),
+    (lambda d: d.pop("v"), "unsupported protocol version None"),
+    (lambda d: d.update(type="Nope"), "unknown message type 'Nope'"),
+    (lambda d: d.pop("dcp_rank"), r"missing fields \['dcp_rank'\]"),
+    (lambda d: d.update(extra=1), r"unknown fields \[\"'extra'\"\]"),
+    (lambda d: d.update(dcp_rank=2), r"dcp_rank must be in \[0, dcp_size=2\)"),
+    (lambda d: d.update(dcp_size=0), "dcp_size must be in"),
+    (lambda d: d.update(transfer_id=-1), "transfer_id must be in"),
+    (lambda d: d.update(first_page=1.0), "first_page must be an int, got float"),
+    (lambda d: d.update(consumer_rank=True), "consumer_rank must be an int, got bool"),
+    (lambda d: d.update(consumer_rank=2), "consumer_rank must be in"),
+    (lambda d: d.update(request_id=""), "request_id must have 1..512 characters"),
+    (lambda d: d.update(request_id=b"x"), "request_id must be a string, got bytes"),
+    (lambda d: d.update(block_ids=np.array([1, -3]).tobytes()), "block_ids entries must be in"),
+    (lambda d: d.update(block_ids=b"\x01\x02\x03"), "not a multiple of 8"),
+    (lambda d: d.update(block_ids=[1, 2]), "block_ids must be bin"),
+    (lambda d: d.update(base=b"\x00" * 8), "base has 1 entries, expected layers x regions = 8 x 2"),
+    (lambda d: d.update(layer_ids=np.array([0, 0, 1, 2, 3, 4, 5, 6]).tobytes()), "layer_ids must be distinct"),
+    (lambda d: d.update(page_bytes=np.array([4096, 1]).tobytes()), "page_bytes <= page_stride"),
+    (lambda d: d.update(wait_s=float("nan")), "wait_s must be a float"),
+    (lambda d: d.update(wait_s=-1.0), "wait_s must be a float"),
+    (lambda d: d["fingerprint"].pop("layout"), r"fingerprint \(Fingerprint\): missing fields \['layout'\]"),
+    (lambda d: d.update(fingerprint=[1, 2]), "fingerprint must be a map, got list"),
+])
+def test_malformed_request(edit, match):
+    d = _wire(_request())
+    edit(d)
+    with pytest.raises(MessageError, match=match):
+        decode(_pack(d))
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"", "not a valid msgpack"),
+    (b"\xc1", "not a valid msgpack"),
+    (_pack([1, 2]), "must be a map, got list"),
+    (_pack({1: 2}), "not a valid msgpack"),                       # non-str map key
+    (b"\xdd\xff\xff\xff\xff", "not a valid msgpack"),             # array32 claiming 4G entries
+    (b"\xc6\xff\xff\xff\xff" + b"\0" * 10, "not a valid msgpack"),  # bin32 claiming 4 GiB
+    (b"\x91" * 100000, "not a valid msgpack"),                    # nested too deep
+    (encode(Reply(True, "")) + b"\x00", "not a valid msgpack"),    # trailing data
+    ("text", "must be bytes"),
+    (b"\0" * (m.MAX_MESSAGE_BYTES + 1), "exceeds MAX_MESSAGE_BYTES"),
+])
+def test_hostile_bytes(data, match):
+    with pytest.raises(MessageError, match=match):
+        decode(data)
+
+
+def test_every_truncation_rejected():
+    for msg in SAMPLES:
+        data = encode(msg)
+        for n in range(len(data)):
+            with pytest.raises(MessageError):
+                decode(data[:n])
+
+
+def test_big_block_table():
+    req = _request(block_ids=np.arange(1 << 16) * 3)
+    data = encode(req)
+    assert len(data) < (1 << 16) * 8 + 4096
+    assert np.array_equal(decode(data).block_ids, np.arange(1 << 16) * 3)
+
+
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_FUZZ
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(data):
+    try:
+        decode(data)
+    except MessageError:
+        pass
+
+
+@_FUZZ
+@given(st.sampled_from(SAMPLES), st.data())
+def test_fuzz_byte_flips(msg, data):
+    buf = bytearray(encode(msg))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] = data.draw(st.integers(0, 255))
+    try:
+        out = decode(bytes(buf))
+    except MessageError:
+        return
+    assert type(out).__name__ in ("TransferRequest", "TransferOutcome", "RegisterRank", "QueryRanks",
+                                  "RankTable", "Reply")
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=40),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4), max_leaves=12)
+
+
+@_FUZZ
+@given(st.sampled_from(SAMPLES), st.data())
+def test_fuzz_field_values(msg, data):
+    """Replace fields (or nested fingerprint fields) with arbitrary msgpack values."""
+    d = _wire(msg)
+    keys = sorted(d)
+    for k in data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3)):
+        if k == "fingerprint" and data.draw(st.booleans()):
+            d[k][data.draw(st.sampled_from(sorted(d[k])))] = data.draw(_values)
+        else:
+            d[k] = data.draw(_values)
+    try:
+        decode(_pack(d))
+    except MessageError:
+        pass
+
+
+@_FUZZ
+@given(st.dictionaries(st.text(max_size=12), _values, max_size=8))
+def test_fuzz_random_maps(d):
+    d.setdefault("v", 1)
+    d.setdefault("type", "TransferRequest")
+    with pytest.raises(MessageError):
+        decode(_pack(d))

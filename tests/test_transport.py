@@ -1,0 +1,127 @@
+"""MooncakeTransport in one process (two engines over loopback TCP)."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from vllm_dcp2d.connector.plan import Descriptors
+from vllm_dcp2d.connector.transport import MooncakeTransport, TransferError, TransportError
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
+
+class CountingEngine:
+    """Forwards to the real engine, recording the size of every batch call."""
+
+    def __init__(self, engine):
+        self.engine, self.sizes = engine, []
+
+    def batch_transfer_sync_write(self, peer, src, dst, length):
+        self.sizes.append(len(src))
+        return self.engine.batch_transfer_sync_write(peer, src, dst, length)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture
+def pair():
+    a, b = MooncakeTransport(), MooncakeTransport()
+    src = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    a.register(src.ctypes.data, src.nbytes)
+    b.register(dst.ctypes.data, dst.nbytes)
+    yield a, b, src, dst
+    a.close()
+    b.close()
+
+
+def test_scattered_write_is_split_and_exact(pair):
+    a, b, src, dst = pair
+    a._engine = CountingEngine(a._engine)
+    rng = np.random.default_rng(1)
+    n, size = 3000, 64
+    s_slots = rng.permutation(src.nbytes // size)[:n]
+    d_slots = rng.permutation(dst.nbytes // size)[:n]
+    desc = Descriptors(src.ctypes.data + s_slots * size, dst.ctypes.data + d_slots * size, np.full(n, size))
+    assert a.write(b.session_id, desc) == n * size
+    assert a._engine.sizes == [1024, 1024, 952]
+    want = np.zeros_like(dst)
+    want.reshape(-1, size)[d_slots] = src.reshape(-1, size)[s_slots]
+    assert np.array_equal(dst, want)
+    assert a.write(b.session_id, Descriptors.empty()) == 0
+
+
+def test_concurrent_writes_to_one_peer(pair):
+    a, b, src, dst = pair
+    half = src.nbytes // 2
+    errors = []
+
+    def go(off):
+        try:
+            a.write(b.session_id, Descriptors(np.array([src.ctypes.data + off]), np.array([dst.ctypes.data + off]),
+                                              np.array([half])))
+        except Exception as e:  # surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(off,)) for off in (0, half)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and np.array_equal(src, dst)
+
+
+def test_dead_peer_raises_typed_error_fast(pair):
+    a, _, src, dst = pair
+    desc = Descriptors(np.array([src.ctypes.data]), np.array([dst.ctypes.data]), np.array([4096]))
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        a.write("127.0.0.1:1", desc)
+    assert time.monotonic() - t0 < 5
+    assert (e.value.peer, e.value.entries, e.value.code) == ("127.0.0.1:1", 1, -1)
+    assert "127.0.0.1:1" in str(e.value) and "code -1" in str(e.value)
+
+
+def test_unregistered_destination_fails_then_engine_still_works(pair):
+    a, b, src, dst = pair
+    bad = Descriptors(np.array([src.ctypes.data]), np.array([dst.ctypes.data + dst.nbytes]), np.array([4096]))
+    with pytest.raises(TransferError, match="batch of 1 descriptors"):
+        a.write(b.session_id, bad)
+    assert not dst.any()
+    good = Descriptors(np.array([src.ctypes.data]), np.array([dst.ctypes.data]), np.array([4096]))
+    assert a.write(b.session_id, good) == 4096
+    assert np.array_equal(dst[:4096], src[:4096])
+
+
+def test_registration_bookkeeping():
+    t = MooncakeTransport()
+    buf = np.zeros(1 << 16, np.uint8)
+    addr = buf.ctypes.data
+    t.register(addr, 4096)
+    t.register(addr, 4096)  # same range: no-op
+    with pytest.raises(TransportError, match="overlaps"):
+        t.register(addr + 1024, 4096)
+    t.register(addr + 8192, 4096)
+    assert t.registered() == {addr: 4096, addr + 8192: 4096}
+    t.unregister(addr)
+    t.unregister(addr)  # not registered: no-op
+    assert t.registered() == {addr + 8192: 4096}
+    t.close()
+    t.close()
+    assert t.registered() == {}
+    with pytest.raises(TransportError, match="closed"):
+        t.write("127.0.0.1:1", Descriptors.empty())
+    with pytest.raises(TransportError, match="closed"):
+        t.register(addr, 4096)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="protocol must be 'tcp' or 'rdma', got 'ib'"):
+        MooncakeTransport(protocol="ib")
+    with pytest.raises(ValueError, match="max_batch"):
+        MooncakeTransport(max_batch=0)
