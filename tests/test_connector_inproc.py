@@ -1,0 +1,99 @@
+"""DCP2DConnector end to end in one in-process engine (``kv_role="kv_both"``).
+
+The engine is its own prefill and decode instance: a request prefilled with
+``do_remote_decode`` is fetched back by a second request with the returned
+``kv_transfer_params``, through the bootstrap server, the sender, Mooncake
+(TCP on loopback) and the receiver, into other blocks of the same KV cache.
+~20 s, most of it ``import vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+PAGE = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("inproc")
+    model = build_tiny_model("llama", root / "model")
+    stats = root / "stats.jsonl"
+    kv = KVTransferConfig(kv_connector="DCP2DConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+                          kv_connector_extra_config={"bootstrap_port": free_port(), "stats_file": str(stats),
+                                                     "transfer_timeout_s": 5.0, "prefill_wait_s": 0.5})
+    engine = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
+                 kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=4,
+                 enable_prefix_caching=False, kv_transfer_config=kv)
+    yield engine, stats
+    del engine
+
+
+def greedy(n, params=None):
+    from vllm import SamplingParams
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, extra_args=extra)
+
+
+def prompts():
+    return {"short": list(range(3, 3 + 20)), "pages": [(7 * i) % 500 + 3 for i in range(3 * PAGE + 5)]}
+
+
+def records(path):
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(300)
+def test_transfer_equals_local(llm):
+    engine, stats = llm
+    for name, ids in prompts().items():
+        (local,) = engine.generate({"prompt_token_ids": ids}, greedy(8), use_tqdm=False)
+        (pre,) = engine.generate({"prompt_token_ids": ids},
+                                 greedy(1, {"do_remote_decode": True, "transfer_id": name}), use_tqdm=False)
+        params = pre.kv_transfer_params
+        assert params and params["do_remote_prefill"] and params["remote_num_tokens"] == len(ids)
+        before = len(records(stats))
+        (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(8, params), use_tqdm=False)
+        assert dec.outputs[0].token_ids == local.outputs[0].token_ids, name
+        new = [r for r in records(stats)[before:] if r.get("ok")]
+        assert len(new) == 1 and new[0]["request_id"] == params["remote_request_id"]
+        pages = -(-len(ids) // PAGE)
+        assert new[0]["pages"] == pages and new[0]["layers"] == [0, 4]
+        # 4 layers x pages x [2 KV heads, 32 tokens, 2*32] bf16
+        assert new[0]["bytes"] == new[0]["naive_bytes"] == 4 * pages * 2 * PAGE * 64 * 2
+
+
+@pytest.mark.timeout(120)
+def test_expiry_recomputes(llm):
+    """KV that never arrives: the fetch times out, vLLM recomputes, same tokens."""
+    engine, stats = llm
+    ids = prompts()["pages"]
+    (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
+    params = {"do_remote_prefill": True, "remote_request_id": "never-prefilled",
+              "remote_bootstrap_addr": engine.llm_engine.vllm_config.kv_transfer_config
+              .kv_connector_extra_config and
+              f"tcp://127.0.0.1:{engine.llm_engine.vllm_config.kv_transfer_config.kv_connector_extra_config['bootstrap_port']}",
+              "remote_engine_id": "x"}
+    (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, params), use_tqdm=False)
+    assert dec.outputs[0].token_ids == local.outputs[0].token_ids
+    fails = [r for r in records(stats) if r.get("request_id") == "never-prefilled"]
+    assert fails and not fails[-1]["ok"]

@@ -1,0 +1,114 @@
+"""``kv_connector_extra_config`` of DCP2DConnector: parse and validate.
+
+Every key, its type, default and meaning is in ``KEYS`` (the README table is
+generated from the same text). An unknown key or an invalid value raises
+``ConfigError`` from the connector's constructor, which stops vLLM's start-up
+with that message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["ConfigError", "DCP2DConfig", "KEYS", "parse_extra_config", "markdown_table"]
+
+
+class ConfigError(ValueError):
+    """A bad ``kv_connector_extra_config``; the message names key, value and what is expected."""
+
+
+@dataclass(frozen=True)
+class DCP2DConfig:
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 17500
+    cp_size: int = 0
+    transfer_timeout_s: float = 60.0
+    send_timeout_s: float = 120.0
+    prefill_wait_s: float = 30.0
+    protocol: str = "tcp"
+    local_hostname: str = "127.0.0.1"
+    stats_file: str = ""
+
+
+# key -> (role it matters to, doc). Order is the README's order.
+KEYS: dict[str, tuple[str, str]] = {
+    "bootstrap_host": ("producer", "Address the prefill instance's bootstrap server binds to and "
+                       "advertises to decode instances in `kv_transfer_params` (`remote_bootstrap_addr`)."),
+    "bootstrap_port": ("producer", "TCP port of that bootstrap server: one per prefill instance; "
+                       "its CP ranks register their side channel there."),
+    "cp_size": ("producer", "Prefill layer-split size: TP rank `r < cp_size` sends only the layers "
+                "`cp_layer_range(L, cp_size, r)`. 0 (default) = the tensor-parallel size. Values > 1 "
+                "need KV replicated over the TP ranks (MLA, or one KV head); must be <= TP size."),
+    "transfer_timeout_s": ("consumer", "Decode-side expiry: seconds from the decode worker asking for "
+                           "a request's KV until all of it must have arrived. Past it the request's "
+                           "blocks are reported as load errors, so `kv_load_failure_policy` decides: "
+                           "`\"fail\"` ends the request with an error, `\"recompute\"` prefills it locally."),
+    "send_timeout_s": ("producer", "Prefill-side expiry: seconds a finished request's KV blocks are "
+                       "held for decode ranks that have not fetched their pages; then they are freed."),
+    "prefill_wait_s": ("consumer", "How long a prefill rank may hold a decode rank's transfer request "
+                       "for a request it does not know yet (its prefill is still running)."),
+    "protocol": ("both", "Mooncake transport: `\"tcp\"` (default, any machine) or `\"rdma\"` "
+                 "(the engine then discovers the NICs itself)."),
+    "local_hostname": ("both", "Host name or IP this instance's Mooncake engine listens on and "
+                       "advertises to its peers."),
+    "stats_file": ("both", "If set, every worker appends one JSON line per transfer path and request "
+                   "(`cp_rank`, `dcp_rank`, `bytes`, `descriptors`, `seconds`, `ok`) to this file; the "
+                   "same figures also go to vLLM's periodic `KV Transfer metrics` log."),
+}
+
+assert list(KEYS) == [f.name for f in fields(DCP2DConfig)]
+
+
+def _expect(key: str, value, ok: bool, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] = {value!r}: expected {what}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_extra_config(extra: dict | None) -> DCP2DConfig:
+    """Validated settings from ``KVTransferConfig.kv_connector_extra_config``.
+
+    Raises ``ConfigError`` naming the first unknown key or invalid value.
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown} for DCP2DConnector; "
+                          f"valid keys: {sorted(KEYS)}")
+    for key in ("bootstrap_host", "local_hostname"):
+        if key in extra:
+            v = extra[key]
+            _expect(key, v, isinstance(v, str) and v.strip() != "", "a non-empty string")
+    if "stats_file" in extra:
+        _expect("stats_file", extra["stats_file"], isinstance(extra["stats_file"], str), "a file path string")
+    if "bootstrap_port" in extra:
+        v = extra["bootstrap_port"]
+        _expect("bootstrap_port", v, _is_int(v) and 1 <= v <= 65535, "an int port in [1, 65535]")
+    if "cp_size" in extra:
+        v = extra["cp_size"]
+        _expect("cp_size", v, _is_int(v) and v >= 0, "an int >= 0 (0 = tensor-parallel size)")
+    for key in ("transfer_timeout_s", "send_timeout_s", "prefill_wait_s"):
+        if key in extra:
+            v = extra[key]
+            _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")
+            extra[key] = float(v)
+    if "protocol" in extra:
+        v = extra["protocol"]
+        _expect("protocol", v, v in ("tcp", "rdma"), 'one of "tcp", "rdma"')
+    return DCP2DConfig(**extra)
+
+
+def markdown_table() -> str:
+    """The README table of every key: name, default, side, meaning."""
+    defaults = DCP2DConfig()
+    rows = ["| key | default | side | meaning |", "|---|---|---|---|"]
+    for key, (side, doc) in KEYS.items():
+        rows.append(f"| `{key}` | `{getattr(defaults, key)!r}` | {side} | {doc} |")
+    return "\n".join(rows)

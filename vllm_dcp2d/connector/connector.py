@@ -1,0 +1,107 @@
+"""``DCP2DConnector``: vLLM KV connector for page-level 2D KV resharding.
+
+Prefill instances (``kv_role="kv_producer"``) run layer-split: TP rank ``r``
+sends only its layers. Decode instances (``kv_role="kv_consumer"``) run DCP:
+each DCP rank receives only its pages, written straight into vLLM's DCP
+layout. The DCP size and rank travel with every request, so decode instances
+with different DCP sizes share one prefill instance.
+
+This class only dispatches: vLLM builds it twice per instance, once with
+``role=SCHEDULER`` (engine core: ``scheduler.SchedulerSide``) and once per
+worker with ``role=WORKER`` (``worker.WorkerSide``). Settings come from
+``kv_connector_extra_config`` (``config.py``; an unknown key or a bad value
+stops start-up).
+
+    vllm serve MODEL --kv-transfer-config \\
+      '{"kv_connector":"DCP2DConnector","kv_role":"kv_producer",
+        "kv_connector_extra_config":{"bootstrap_port":17500}}'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_dcp2d.connector.config import parse_extra_config
+from vllm_dcp2d.connector.scheduler import DCP2DMetadata, SchedulerSide
+from vllm_dcp2d.connector.stats import DCP2DStats
+from vllm_dcp2d.vllm_compat import connector as compat
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DCP2DConnector"]
+
+
+class DCP2DConnector(compat.KVConnectorBase_V1):
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        compat.base_init(self, vllm_config, role, kv_cache_config)
+        kv = vllm_config.kv_transfer_config
+        cfg = parse_extra_config(kv.kv_connector_extra_config)
+        is_producer = kv.kv_role in ("kv_producer", "kv_both")
+        is_consumer = kv.kv_role in ("kv_consumer", "kv_both")
+        self._scheduler: SchedulerSide | None = None
+        self._worker = None
+        if role == compat.KVConnectorRole.SCHEDULER:
+            if is_consumer:
+                compat.check_interleave(vllm_config)
+            self._scheduler = SchedulerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer)
+        else:
+            from vllm_dcp2d.connector.worker import WorkerSide  # Mooncake/ZMQ only in workers
+            num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+            self._worker = WorkerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, num_blocks)
+
+    # ---- scheduler side (engine core process) ----
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ---- worker side (one per TP rank) ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS
+        until every page arrived): nothing to wait for inside the forward."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Sends happen from the sender's threads once a request's KV is complete;
+        see ``worker`` (layer pipelining) for why nothing is sent per layer here."""
+
+    def wait_for_save(self) -> None:
+        """The sender reads the blocks of finished requests, which vLLM keeps
+        until ``get_finished`` reports them: nothing to wait for per step."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> DCP2DStats | None:
+        return None if self._worker is None else self._worker.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DCP2DStats:
+        return DCP2DStats(data=data or {})
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,182 @@
+"""Scheduler side of DCP2DConnector: which request loads or sends what.
+
+Runs in vLLM's engine-core process, once per instance. No I/O: it only turns
+the scheduler's decisions into ``DCP2DMetadata`` for the workers, and reads
+back what the workers report through ``KVConnectorOutput``.
+
+Producer (prefill, ``kv_role="kv_producer"``), per request that came with
+``kv_transfer_params={"do_remote_decode": true, ...}``:
+  * the step in which its prompt completes lists it in ``computing`` so a
+    worker can send each layer right after computing it, for decode ranks
+    that already asked (layer pipelining);
+  * ``request_finished`` keeps its blocks (returns True) and answers with the
+    ``kv_transfer_params`` a decode instance needs; the next step lists it in
+    ``ready``: the workers serve it to every decode rank that asks, and report
+    it in ``finished_sending`` once all have their pages (or ``send_timeout_s``
+    passed); vLLM then frees the blocks.
+
+Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
+``kv_transfer_params={"do_remote_prefill": true, ...}`` from a producer:
+  * ``get_num_new_matched_tokens`` claims the prompt tokens not cached
+    locally, loaded asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
+  * ``update_state_after_alloc`` records the block table, the next step lists
+    it in ``loads``; each worker (DCP rank) fetches its pages from every prefill
+    CP rank and reports ``finished_recving``, or the blocks as load errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_dcp2d.connector.config import DCP2DConfig
+from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.vllm_compat import connector as compat
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LoadSpec", "SendSpec", "DCP2DMetadata", "SchedulerSide", "transfer_params"]
+
+
+@dataclass
+class SendSpec:
+    """A producer request's KV: ``block_ids`` int ``[cdiv(num_tokens, page_size)]``."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class LoadSpec:
+    """What a consumer worker fetches for one request.
+
+    remote_request_id: the request id on the producer.
+    bootstrap_addr:    producer's bootstrap server, "tcp://host:port".
+    remote_engine_id:  producer's engine id (checked by the bootstrap).
+    block_ids:         int ``[n]`` the request's block table on this instance
+                       (with DCP, one block per ``dcp_size`` pages).
+    first_page:        first page to fetch (earlier ones are cached locally).
+    num_pages:         pages of the prompt, ``cdiv(num_prompt_tokens, page_size)``.
+    """
+
+    remote_request_id: str
+    bootstrap_addr: str
+    remote_engine_id: str
+    block_ids: list[int]
+    first_page: int
+    num_pages: int
+
+
+@dataclass
+class DCP2DMetadata(compat.KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    computing: dict[str, SendSpec] = field(default_factory=dict)
+    ready: dict[str, SendSpec] = field(default_factory=dict)
+    aborted: set[str] = field(default_factory=set)
+
+
+def transfer_params(params: dict | None) -> dict:
+    """``request.kv_transfer_params`` as a dict (never None)."""
+    return params if isinstance(params, dict) else {}
+
+
+class SchedulerSide:
+    """The scheduler-role half of DCP2DConnector (see module doc)."""
+
+    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool):
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.page_size = compat.page_size(vllm_config)
+        self.bootstrap_addr = f"tcp://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
+        self.kv_cache_manager = None
+        self._loads: dict[str, LoadSpec] = {}
+        self._ready: dict[str, SendSpec] = {}
+        self._aborted: set[str] = set()
+        self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
+
+    # -- consumer ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Called by the scheduler for a waiting request, possibly several times
+        before it is admitted; must not change state. Returns the prompt tokens
+        the producer will write beyond the ``num_computed_tokens`` cached locally,
+        and True (loaded asynchronously)."""
+        params = transfer_params(request.kv_transfer_params)
+        if not (self.is_consumer and params.get("do_remote_prefill")):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Called by the scheduler once blocks are allocated for a newly admitted
+        request (``blocks``: all its blocks). Records the load for the next step."""
+        params = transfer_params(request.kv_transfer_params)
+        if self.is_producer and params.get("do_remote_decode"):
+            self._remote_decode[request.request_id] = request.num_prompt_tokens
+        if not (self.is_consumer and params.get("do_remote_prefill")):
+            return
+        # One transfer per request: a preempted request recomputes locally.
+        params["do_remote_prefill"] = False
+        missing = [k for k in ("remote_request_id", "remote_bootstrap_addr", "remote_engine_id") if k not in params]
+        if missing:
+            log.warning("request %s: kv_transfer_params lack %s (got %s); prefilling locally",
+                        request.request_id, missing, sorted(params))
+            return
+        if num_external_tokens == 0:
+            # Fully cached here; the producer still holds blocks until its
+            # send_timeout_s, since nobody will fetch them.
+            return
+        num_tokens = request.num_prompt_tokens
+        self._loads[request.request_id] = LoadSpec(
+            remote_request_id=str(params["remote_request_id"]),
+            bootstrap_addr=str(params["remote_bootstrap_addr"]),
+            remote_engine_id=str(params["remote_engine_id"]),
+            block_ids=list(compat.block_ids(blocks)),
+            first_page=(num_tokens - num_external_tokens) // self.page_size,
+            num_pages=cdiv(num_tokens, self.page_size))
+
+    # -- both --------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
+        """Called by the scheduler at the end of ``schedule()``; resets the pending sets."""
+        meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted)
+        self._loads, self._ready, self._aborted = {}, {}, set()
+        if self.is_producer and self._remote_decode:
+            for req_id, num_tokens in compat.scheduled_tokens(scheduler_output):
+                prompt_len = self._remote_decode.get(req_id)
+                if prompt_len is not None and num_tokens >= prompt_len:
+                    del self._remote_decode[req_id]
+                    meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len)
+        return meta
+
+    def _block_ids(self, req_id: str, num_tokens: int) -> list[int]:
+        ids = compat.request_block_ids(self.kv_cache_manager, req_id)
+        return ids[:cdiv(num_tokens, self.page_size)]
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes, before its blocks are freed.
+
+        Producer: returns ``(True, params for decode)`` to keep the blocks until the
+        workers report ``finished_sending``. Consumer: nothing to keep."""
+        self._remote_decode.pop(request.request_id, None)
+        params = transfer_params(request.kv_transfer_params)
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        if not compat.finished_normally(request) or not block_ids:
+            self._aborted.add(request.request_id)
+            return False, None
+        num_tokens = request.num_prompt_tokens
+        self._ready[request.request_id] = SendSpec(list(block_ids[:cdiv(num_tokens, self.page_size)]), num_tokens)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_request_id": request.request_id,
+            "remote_bootstrap_addr": self.bootstrap_addr,
+            "remote_engine_id": self.engine_id,
+            "remote_num_tokens": num_tokens,
+            "transfer_id": params.get("transfer_id", request.request_id),
+        }

@@ -1,0 +1,138 @@
+"""Transfer statistics of DCP2DConnector, per 2D-reshard path.
+
+A path is ``(cp_rank, dcp_rank)``: prefill layer-split rank ``cp_rank``
+writing its layers of the pages of decode DCP rank ``dcp_rank``. Both sides
+record: the producer what it wrote, the consumer what it received (from the
+producer's ``TransferOutcome``), so the figures exist on either side.
+
+vLLM moves ``KVConnectorStats`` from workers to the logger (``aggregate`` over
+TP ranks, then ``reduce`` per logging interval); ``data`` holds only str keys,
+ints and floats so it serializes anywhere. Also written, one JSON line per
+path per request, to ``stats_file`` when that key is set (the demo and the
+end-to-end tests read it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+__all__ = ["DCP2DStats", "path_key", "StatsFile"]
+
+_COUNTERS = ("failed", "expired")
+_PATH_FIELDS = ("transfers", "bytes", "descriptors", "seconds")
+
+
+def path_key(cp_rank: int, dcp_rank: int) -> str:
+    return f"{cp_rank},{dcp_rank}"
+
+
+@dataclass
+class DCP2DStats(KVConnectorStats):
+    """``data = {"paths": {"r,d": {"transfers", "bytes", "descriptors", "seconds"}},
+    "failed": int, "expired": int}``.
+
+    failed:  path transfers that ended with an error (either side).
+    expired: requests given up on: decode KV that never arrived in
+             ``transfer_timeout_s``, or prefill blocks freed after ``send_timeout_s``.
+    """
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        if not self.data:
+            self.reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.data = {"paths": {}, "failed": 0, "expired": 0}
+
+    def record_path(self, cp_rank: int, dcp_rank: int, nbytes: int, descriptors: int, seconds: float) -> None:
+        """Called by the worker when one path of one request completed."""
+        with self._lock:
+            p = self.data["paths"].setdefault(path_key(cp_rank, dcp_rank), dict.fromkeys(_PATH_FIELDS, 0))
+            p["transfers"] += 1
+            p["bytes"] += int(nbytes)
+            p["descriptors"] += int(descriptors)
+            p["seconds"] += float(seconds)
+
+    def record_failed(self, n: int = 1) -> None:
+        with self._lock:
+            self.data["failed"] += n
+
+    def record_expired(self, n: int = 1) -> None:
+        with self._lock:
+            self.data["expired"] += n
+
+    def clone_and_reset(self) -> DCP2DStats:
+        """Snapshot for one ``get_kv_connector_stats`` call (worker thread safe)."""
+        with self._lock:
+            snap = DCP2DStats(data=json.loads(json.dumps(self.data)))
+            self.reset()
+        return snap
+
+    def is_empty(self) -> bool:
+        return not self.data["paths"] and not any(self.data[k] for k in _COUNTERS)
+
+    def aggregate(self, other: KVConnectorStats) -> DCP2DStats:
+        """Fold ``other`` (another TP rank, or a later interval) into ``self``."""
+        if not isinstance(other, DCP2DStats):
+            raise TypeError(f"cannot aggregate DCP2DStats with {type(other).__name__}")
+        with self._lock:
+            for key, q in other.data["paths"].items():
+                p = self.data["paths"].setdefault(key, dict.fromkeys(_PATH_FIELDS, 0))
+                for f in _PATH_FIELDS:
+                    p[f] += q[f]
+            for k in _COUNTERS:
+                self.data[k] += other.data[k]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """One line of the periodic log: totals plus bytes and ms per path."""
+        paths = self.data["paths"]
+        out: dict[str, int | float] = {
+            "transfers": sum(p["transfers"] for p in paths.values()),
+            "bytes": sum(p["bytes"] for p in paths.values()),
+            "descriptors": sum(p["descriptors"] for p in paths.values()),
+            "failed": self.data["failed"],
+            "expired": self.data["expired"],
+        }
+        for key in sorted(paths):
+            p = paths[key]
+            out[f"path({key}) bytes"] = p["bytes"]
+            out[f"path({key}) ms"] = round(1e3 * p["seconds"], 3)
+        return out
+
+
+class StatsFile:
+    """Appends one JSON object per line to ``path`` (no-op when ``path`` is empty).
+
+    Lines are written with one ``write`` on an ``O_APPEND`` descriptor, so the
+    workers of several instances can share one file.
+    """
+
+    def __init__(self, path: str, side: str, engine_id: str):
+        self.path, self.side, self.engine_id = path, side, engine_id
+
+    def write(self, **record) -> None:
+        if not self.path:
+            return
+        line = json.dumps({"t": time.time(), "side": self.side, "engine_id": self.engine_id, **record})
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)

@@ -1,0 +1,200 @@
+"""Worker side of DCP2DConnector: one per TP rank, in vLLM's worker process.
+
+Producer (prefill) TP rank ``r`` is layer-split CP rank ``r`` of ``cp_size``:
+its ``Sender`` serves only ``cp_layer_range(L, cp_size, r)``, so path
+``(r, d)`` carries layers(r) x pages(d) and nothing else. That is only right
+when every TP rank holds the whole KV of each layer (MLA, or one KV head);
+otherwise start-up fails with a message saying so. TP rank 0 also runs the
+instance's bootstrap server, where every CP rank registers its side channel.
+
+Consumer (decode) TP rank = DCP rank ``d`` of ``dcp_size`` (vLLM's DCP group):
+its ``Receiver`` asks every producer CP rank for this rank's pages, written
+by Mooncake straight into vLLM's DCP layout (page ``i`` -> local block
+``block_ids[i // dcp_size]``). No copy or reshuffle happens on decode.
+
+Hook order per engine step (vLLM ``KVConnectorModelRunnerMixin``):
+``start_load_kv`` -> forward (``wait_for_layer_load`` / ``save_kv_layer`` around
+each attention layer) -> ``wait_for_save`` -> ``get_finished`` ->
+``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats``.
+
+Layer pipelining (``save_kv_layer``): the producer can only write a layer
+to a destination it knows. With the proxy's sequential flow (the decode
+instance is asked only after the prefill answered) no destination is known
+while the prefill computes, so every request is served whole, from
+``request_finished`` on: its blocks are handed to the ``Sender`` in the next
+step, which serves decode ranks that asked (or that ask later). Transfers then
+run on the sender's threads, overlapping the next requests' compute.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from vllm_dcp2d.connector.bootstrap import BootstrapServer
+from vllm_dcp2d.connector.config import ConfigError, DCP2DConfig
+from vllm_dcp2d.connector.messages import Fingerprint
+from vllm_dcp2d.connector.receiver import Receiver
+from vllm_dcp2d.connector.sender import Sender
+from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
+from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.layout import cdiv, cp_layer_range
+from vllm_dcp2d.vllm_compat import connector as compat
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WorkerSide"]
+
+
+class WorkerSide:
+    """The worker-role half of DCP2DConnector (see module doc)."""
+
+    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool,
+                 num_blocks: int):
+        self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, engine_id
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.num_blocks = num_blocks
+        self.page_size = compat.page_size(vllm_config)
+        self.tp_rank, self.tp_size = compat.tp_rank_size()
+        self.dcp_rank, self.dcp_size = compat.dcp_rank_size()
+        self.cp_size = cfg.cp_size or self.tp_size
+        if is_producer:
+            if self.cp_size > self.tp_size:
+                raise ConfigError(f"kv_connector_extra_config['cp_size'] = {self.cp_size}: must be <= "
+                                  f"tensor_parallel_size={self.tp_size} (each CP rank is a TP rank)")
+            if self.cp_size > 1 and not compat.kv_replicated(vllm_config):
+                mc = vllm_config.model_config
+                raise ConfigError(
+                    f"layer-split prefill (cp_size={self.cp_size}) needs every TP rank to hold the whole KV of "
+                    f"each layer (MLA, or one KV head), but {mc.model} has {mc.get_total_num_kv_heads()} KV heads "
+                    f"sharded over TP={self.tp_size}. Use cp_size=1, or tensor_parallel_size=1 on prefill.")
+        if is_consumer:
+            compat.check_interleave(vllm_config)
+        self.stats = DCP2DStats()
+        self.stats_file = StatsFile(cfg.stats_file, "consumer" if is_consumer else "producer", engine_id)
+        self.transport: MooncakeTransport | None = None
+        self.bootstrap: BootstrapServer | None = None
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        self._loading: dict[str, tuple[str, list[int], int]] = {}  # remote id -> (req id, blocks, first page)
+        self._finished_sending: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        """Called once by the model runner after it allocated the paged KV
+        (``{layer_name: tensor}``, see ``compat.kv_regions`` for the layouts).
+        Registers the memory with Mooncake and starts this rank's sender/receiver."""
+        regions, memory = compat.kv_regions(kv_caches, self.num_blocks)
+        layers = np.sort(regions.layer_ids)
+        if not np.array_equal(layers, np.arange(layers.size)):
+            raise ValueError(f"KV layers must be 0..L-1, got {layers.tolist()}")
+        first = next(iter(kv_caches.values()))
+        fingerprint = Fingerprint(
+            model=str(self.vllm_config.model_config.model), num_layers=int(layers.size),
+            page_size=self.page_size, kv_dtype=str(first.dtype).removeprefix("torch."),
+            page_bytes=int(regions.page_bytes.sum()),
+            layout=f"{first.device.type}:{list(first.shape[1:])}")
+        self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol)
+        for addr, nbytes in memory:
+            self.transport.register(addr, nbytes)
+        boot = f"tcp://{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}"
+        if self.is_producer:
+            if self.tp_rank == 0:
+                self.bootstrap = BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port)
+            if self.tp_rank < self.cp_size:
+                self.sender = Sender(self.transport, regions, fingerprint, engine_id=self.engine_id,
+                                     cp_rank=self.tp_rank, cp_size=self.cp_size, host=self.cfg.local_hostname,
+                                     bootstrap=boot, expiry_s=self.cfg.send_timeout_s)
+                r = cp_layer_range(int(layers.size), self.cp_size, self.tp_rank)
+                log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) via %s",
+                         self.tp_rank, self.tp_rank, self.cp_size, r.start, r.stop, self.sender.address)
+        if self.is_consumer:
+            self.receiver = Receiver(self.transport, regions, fingerprint, engine_id=self.engine_id,
+                                     consumer_rank=self.tp_rank, consumer_size=self.tp_size,
+                                     dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
+                                     timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s)
+            log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d", self.tp_rank, self.dcp_rank, self.dcp_size)
+
+    # -- per step -----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta) -> None:
+        """Called by the model runner every step with this step's metadata bound.
+        Producer: hands finished prefills to the sender. Consumer: starts fetches."""
+        for req_id, spec in meta.ready.items():
+            if self.sender is None:  # TP rank beyond cp_size: owns no layers to send
+                self._finished_sending.add(req_id)
+            else:
+                self.sender.add_request(req_id, spec.block_ids, cdiv(spec.num_tokens, self.page_size))
+        for req_id, spec in meta.loads.items():
+            if self.receiver is None:
+                raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
+            self._loading[spec.remote_request_id] = (req_id, spec.block_ids, spec.first_page)
+            self.receiver.start(spec.remote_request_id, spec.bootstrap_addr, spec.block_ids, spec.first_page)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Called by the model runner after every step. Returns request ids whose
+        blocks the producer may free (all decode ranks served, or expired) and
+        requests whose fetch ended on this consumer rank (ok or failed; a failed
+        one's blocks are also in ``get_block_ids_with_load_errors``)."""
+        sending, recving = self._finished_sending, set()
+        self._finished_sending = set()
+        if self.sender is not None:
+            for req_id, why in self.sender.pop_finished().items():
+                sending.add(req_id)
+                if why == "expired":
+                    self.stats.record_expired()
+                    self.stats_file.write(request_id=req_id, event="expired")
+                    log.warning("DCP2D: request %s expired on CP rank %d after send_timeout_s=%.0f s; "
+                                "blocks freed", req_id, self.tp_rank, self.cfg.send_timeout_s)
+        if self.receiver is not None:
+            for f in self.receiver.poll():
+                req_id, block_ids, first_page = self._loading.pop(f.request_id, (None, None, 0))
+                if req_id is None:
+                    continue
+                recving.add(req_id)
+                if f.ok:
+                    self._record(f)
+                else:
+                    self._fail(req_id, f, block_ids, first_page)
+        return sending or None, recving or None
+
+    def _record(self, f) -> None:
+        for cp_rank, o in sorted(f.outcomes.items()):
+            self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s)
+            self.stats_file.write(request_id=f.request_id, cp_rank=cp_rank, cp_size=o.cp_size,
+                                  dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
+                                  pages=o.num_pages, bytes=o.nbytes, naive_bytes=o.naive_bytes,
+                                  descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
+
+    def _fail(self, req_id: str, f, block_ids: list[int], first_page: int) -> None:
+        expired = "timed out" in str(f.error)
+        (self.stats.record_expired if expired else self.stats.record_failed)()
+        # Blocks from the first fetched one on hold undefined KV; vLLM then fails
+        # or recomputes the request (kv_load_failure_policy).
+        self._load_errors.update(block_ids[first_page // self.dcp_size:])
+        self.stats_file.write(request_id=f.request_id, dcp_rank=self.dcp_rank, ok=False, expired=expired,
+                              reason=str(f.error), fetch_seconds=f.seconds)
+        log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); reporting %d blocks as load errors",
+                    req_id, self.dcp_rank, f.error, len(block_ids) - first_page // self.dcp_size)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Called by the model runner after ``get_finished``; returns and clears."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_kv_connector_stats(self) -> DCP2DStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        for part in (self.receiver, self.sender, self.bootstrap):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as e:  # shutting down: report and go on
+                    log.warning("DCP2D: closing %s failed: %s", type(part).__name__, e)
+        if self.transport is not None:
+            self.transport.close()
+        self.receiver = self.sender = self.bootstrap = self.transport = None
