@@ -344,6 +344,9 @@ class Receiver:
                 self._finish(f, FetchError(f.request_id, None, f"bootstrap {p.address}: {why}"))
             p.waiting, p.table, p.asked = [], None, 0.0
             return
+        for boot in self._boots.values():
+            if boot.table is not None and p.address in boot.table.addresses:
+                boot.table = None  # the rank may come back elsewhere: ask the bootstrap again
         for tid, f in list(p.tids.items()):
             rank = next((r for r, (a, t) in f.inflight.items() if t == tid), None)
             self._finish(f, FetchError(f.request_id, rank, f"{why} ({p.address})"), peer_fault=True)
