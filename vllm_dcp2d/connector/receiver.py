@@ -18,7 +18,8 @@ that instance is dropped, so the next fetch re-queries the bootstrap server
 
 Public API
 ----------
-``class FetchError(RuntimeError)``: ``.request_id``, ``.cp_rank`` (None if not rank-specific), ``.reason``.
+``class FetchError(RuntimeError)``: ``.request_id``, ``.cp_rank`` (None if not rank-specific), ``.reason``,
+    ``.timed_out`` (the deadline passed).
 ``Fetch``: ``.request_id``, ``.ok``, ``.error: FetchError | None``, ``.outcomes: dict[int, TransferOutcome]``,
     ``.seconds``; ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
 ``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
@@ -60,6 +61,11 @@ class FetchError(RuntimeError):
         self.request_id, self.cp_rank, self.reason = request_id, cp_rank, reason
         where = "" if cp_rank is None else f" from prefill cp rank {cp_rank}"
         super().__init__(f"fetch of {request_id!r}{where} failed: {reason}")
+
+    @property
+    def timed_out(self) -> bool:
+        """The fetch hit its deadline (as opposed to an explicit failure)."""
+        return self.reason.startswith("timed out")
 
 
 @dataclass
