@@ -1,0 +1,85 @@
+"""Acceptance: vLLM on CPU with decode context parallel (DCP=2) through the plugin's
+attention backend gives the same greedy tokens as DCP=1, with twice the KV capacity.
+
+Each engine runs in a subprocess (this file with ``--run``): vLLM spawns its TP
+workers and needs a ``__main__`` guard. One DCP=2 engine and one DCP=1 reference
+engine (both TP=2, mp executor) serve every prompt shape in two generate calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BLOCK = 32
+KV_BYTES = 64 << 20
+MAX_TOKENS = 40
+
+
+def _prompts() -> dict[str, list[list[int]]]:
+    ids = lambda n, s: [(s * 7 + i * 13) % 500 + 6 for i in range(n)]  # noqa: E731
+    return {
+        # One generate call: a mixed-length batch that covers prompts shorter than a
+        # page, spanning several pages, not page-aligned, and exactly DCP-aligned;
+        # 40 decode steps cross page and rank boundaries for all of them.
+        "batch": [ids(10, 1), ids(150, 2), ids(70, 3), ids(2 * 2 * BLOCK, 4), ids(33, 5)],
+        # A second call: prefix-cache hits on the 150-token prompt (same first 128
+        # tokens) and a long prompt that is prefilled in chunks.
+        "second": [ids(150, 2)[:128] + ids(30, 6), ids(300, 7)],
+    }
+
+
+def _run_engine(model: str, dcp: int, out: str, dtype: str = "auto") -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp,
+              cp_kv_cache_interleave_size=BLOCK, block_size=BLOCK, distributed_executor_backend="mp",
+              enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, max_model_len=1024, max_num_seqs=8,
+              max_num_batched_tokens=128, enable_prefix_caching=True, enable_chunked_prefill=True,
+              seed=0, dtype=dtype)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    result = {}
+    for name, prompts in _prompts().items():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        result[name] = [list(o.outputs[0].token_ids) for o in outs]
+        result[name + "_cached"] = [o.num_cached_tokens for o in outs]
+    Path(out).write_text(json.dumps(result))
+
+
+def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> tuple[dict, int]:
+    out = tmp / f"dcp{dcp}.json"
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env.pop("TRITON_INTERPRET", None)  # engines take vLLM's own Triton decision
+    proc = subprocess.run([sys.executable, __file__, "--run", model, str(dcp), str(out), dtype], env=env,
+                          capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"DCP={dcp} engine failed:\n{log[-6000:]}"
+    cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    assert cap, f"no KV capacity line in the DCP={dcp} log"
+    return json.loads(out.read_text()), int(cap[0].replace(",", ""))
+
+
+@pytest.mark.vllm
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path):
+    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama-mqa", tmp_path / "model")
+    ref, ref_cap = _engine(model, 1, tmp_path)
+    got, cap = _engine(model, 2, tmp_path)
+    for name in ("batch", "second"):
+        for i, (a, b) in enumerate(zip(got[name], ref[name])):
+            assert a == b, f"{name}[{i}]: DCP=2 {a} != DCP=1 {b}"
+    assert got["second_cached"][0] >= 128 - 2 * BLOCK, got["second_cached"]  # a real prefix hit
+    assert cap == 2 * ref_cap, (cap, ref_cap)
+
+
+if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "--run":
+    _run_engine(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -1,0 +1,107 @@
+"""vLLM CPU attention backend with decode context parallel (DCP) support.
+
+Registered over vLLM's ``CPU_ATTN`` by :func:`vllm_dcp2d.vllm_compat.attention.register`.
+With ``dcp_world_size == 1`` every call goes to the stock ``CPUAttentionBackendImpl``
+unchanged. With DCP > 1 (``decode_context_parallel_size``; DCP reuses TP ranks)
+each rank holds 1/N of every sequence's KV pages and a forward pass is:
+
+1. all-gather the queries over the DCP group (``[T, H, D] -> [T, H*N, D]``): the
+   ranks of a DCP group have different query heads but the same KV heads;
+2. attend over the local context pages -> ``(O, LSE)`` for all ``H*N`` heads;
+3. attend the step's own tokens causally over themselves (every rank has their
+   K/V) -> ``(O, LSE)`` for this rank's ``H`` heads;
+4. all-gather the context partials and LSE-merge them with step 3, keeping this
+   rank's heads (seed §5.2).
+
+The KV of the step's tokens is written only on the rank that owns each token
+(the CP slot mapping gives the others slot -1, which the writer skips). Chunked
+prefill, prefix-cache hits and mixed batches all reduce to "context" (tokens
+before the step) plus "new" (the step's tokens), so one path serves them all.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_dcp_group
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.utils.torch_utils import is_quantized_kv_cache
+
+from vllm_dcp2d.attention.dcp import dcp_merge
+from vllm_dcp2d.attention.paged import paged_attention_lse, varlen_attention_lse
+from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout, local_context_lens
+
+__all__ = ["DCPCPUAttentionBackend", "DCPCPUAttentionImpl"]
+
+
+class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
+    # Read by vLLM's DCP gate (v1/worker/cp_utils.py) and backend selection.
+    can_return_lse_for_decode = True
+    supports_dcp = True
+    lse_base_on_e = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.dcp_world_size == 1:
+            return
+        unsupported = {
+            "attn_type != decoder": self.attn_type != AttentionType.DECODER,
+            "ALiBi": self.alibi_slopes is not None,
+            "sliding window": self.sliding_window != -1,
+            "logits soft cap": bool(self.logits_soft_cap),
+            "attention sinks": self.sinks is not None,
+            "KV sharing": self.kv_sharing_target_layer_name is not None,
+            f"kv_cache_dtype={self.kv_cache_dtype}": is_quantized_kv_cache(self.kv_cache_dtype),
+        }
+        bad = [name for name, hit in unsupported.items() if hit]
+        if bad:
+            raise NotImplementedError(f"vllm_dcp2d DCP attention on CPU does not support: {', '.join(bad)}")
+        self.cp_interleave = get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        """Called by vLLM's attention layer for every forward pass of this layer.
+
+        query: ``[T, H, D]``; key, value: ``[T, Hkv, D]``; kv_cache:
+        ``[num_blocks, Hkv, block_size, 2 * D]`` (this rank's pages); output:
+        ``[T, H * D]`` or ``[T, H, D]``, written in place and returned.
+        """
+        if self.dcp_world_size == 1 or attn_metadata is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported with DCP on CPU")
+        t = attn_metadata.num_actual_tokens
+        h, d = self.num_heads, self.head_size
+        group = get_dcp_group()
+        rank = group.rank_in_group
+        q = query[:t]
+        q_all = group.all_gather(q.contiguous(), dim=1)  # [T, H*N, D]
+
+        qsl = attn_metadata.query_start_loc
+        num_reqs = qsl.shape[0] - 1
+        seq_lens = attn_metadata.seq_lens[:num_reqs]
+        context = seq_lens - (qsl[1:] - qsl[:-1])
+        local = local_context_lens(context, self.dcp_world_size, rank, self.cp_interleave)
+
+        nb, hkv, bs, _ = kv_cache.shape
+        pages = kv_cache.view(nb, hkv, 2 * bs * d)
+        k_layout, v_layout = cpu_kv_layout(layer.isa, kv_cache.dtype, bs, d)
+        o_ctx, lse_ctx = paged_attention_lse(
+            q_all, pages[..., : bs * d], pages[..., bs * d:], k_layout, v_layout,
+            attn_metadata.block_table[:num_reqs], local, qsl, self.scale,
+        )
+        new = varlen_attention_lse(q, key[:t], value[:t], qsl, self.scale)
+        out, _ = dcp_merge(o_ctx, lse_ctx, group, heads=slice(rank * h, (rank + 1) * h), local=new)
+        output[:t].copy_(out.reshape(output[:t].shape))
+        return output
+
+
+class DCPCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with DCP; the name stays ``CPU_ATTN`` so anything keyed on the
+    backend name (KV connectors' compatibility checks) sees no difference."""
+
+    @staticmethod
+    def get_impl_cls() -> type[DCPCPUAttentionImpl]:
+        return DCPCPUAttentionImpl

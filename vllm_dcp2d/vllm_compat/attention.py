@@ -1,0 +1,181 @@
+"""Adaptations to vLLM 0.32.0's internals that make DCP attention run on CPU.
+
+vLLM's DCP needs (a) attention impls that return the softmax LSE during decode
+and (b) a slot mapping that sends each token's KV to the DCP rank owning it.
+On CPU vLLM has neither. ``register()`` (called by the plugin entry point in
+every vLLM process) installs both. Each patch below says what it replaces and
+why:
+
+1. ``register_backend(CPU_ATTN, DCPCPUAttentionBackend)``. The CPU platform
+   only ever selects CPU_ATTN / CPU_MLA / AMX_MLA (any other choice is logged
+   as "Cannot use ... backend on CPU" and ignored), so the DCP-capable backend
+   must take over the CPU_ATTN name. It subclasses the stock backend and
+   delegates to it unchanged when ``dcp_world_size == 1``.
+2. ``vllm.utils.cpu_triton_utils._compute_slot_mapping_kernel_impl``. The
+   C++ fallback that replaces ``ComputeSlotMappingKernel.kernel`` on CPU
+   asserts "Context Parallelism is not supported on CPU." We rebind the module
+   attribute to :func:`cp_slot_mapping`, a torch port of the Triton kernel's
+   CP branch that delegates to the stock op when CP is off. The platform
+   installs its fallbacks (``register_triton_kernel_overrides``) right after
+   the general plugins load in each worker and reads this attribute then, so
+   rebinding it here is enough; no vLLM object is wrapped twice.
+3. :func:`cpu_kv_layout`. vLLM's CPU kernels store each (page, KV head) in an
+   ISA-specific packed order (K transposed for ``vec``, VNNI pairs for
+   ``amx``), not the row-major ``[block_size, head_size]`` the tensor shape
+   suggests. The DCP path reads pages in torch, so it asks vLLM's own writer,
+   ``cpu_attn_reshape_and_cache``, where each element lands (bit by bit) and
+   reads pages through that map. Pages keep vLLM's layout, so KV written by a
+   DCP=1 prefill instance is read correctly by a DCP>1 decode instance.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+
+from vllm_dcp2d.vllm_compat import check_vllm_version
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["register", "cp_slot_mapping", "cpu_kv_layout", "local_context_lens"]
+
+_registered = False
+
+
+def register() -> None:
+    """Install the DCP attention support into this process's vLLM (idempotent).
+
+    Called by ``vllm_dcp2d.plugin.register`` in every vLLM process (front end,
+    engine core, workers) before backends are resolved. Raises ``RuntimeError``
+    when vLLM is not the version this module was written against.
+    """
+    global _registered
+    if _registered:
+        return
+    check_vllm_version()
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        # vLLM's GPU backends (FLASH_ATTN, FlashMLA, ...) already support DCP.
+        logger.debug("vllm_dcp2d: not a CPU platform, DCP attention left to vLLM")
+        _registered = True
+        return
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_dcp2d.attention.backend.DCPCPUAttentionBackend")
+    global _stock_slot_mapping
+    _stock_slot_mapping = cpu_triton_utils._compute_slot_mapping_kernel_impl
+    cpu_triton_utils._compute_slot_mapping_kernel_impl = cp_slot_mapping
+    _registered = True
+    logger.debug("vllm_dcp2d: CPU_ATTN overridden, CP slot mapping installed")
+
+
+_stock_slot_mapping = None
+
+
+def cp_slot_mapping(
+    num_tokens: int,
+    max_num_tokens: int,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    block_table_stride: int,
+    slot_mapping: torch.Tensor,
+    KV_CACHE_BLOCK_SIZE: int,
+    TOTAL_CP_WORLD_SIZE: int = 1,
+    TOTAL_CP_RANK: int = 0,
+    CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,
+    PAD_ID: int = -1,
+    BLOCK_SIZE: int = 1024,
+) -> None:
+    """CPU slot mapping with context parallelism (replaces vLLM's CPU fallback).
+
+    Same signature as ``vllm.utils.cpu_triton_utils._compute_slot_mapping_kernel_impl``
+    (called positionally by vLLM's kernel-override wrapper each step, from
+    ``BlockTable.compute_slot_mapping``). Same math as the CP branch of the Triton
+    ``ComputeSlotMappingKernel``: a request's block-table row lists *virtual*
+    blocks of ``block_size * cp`` tokens; in a virtual block, runs of
+    ``interleave`` tokens go round-robin to the CP ranks, and this rank keeps its
+    tokens, in order, in its physical block. Tokens of other ranks get ``PAD_ID``
+    (the KV writer skips them).
+
+    query_start_loc: ``[R + 1]`` int32; positions: ``[num_tokens]`` int64;
+    block_table: ``[max_reqs, block_table_stride]`` int32; slot_mapping:
+    ``[max_num_tokens]`` int64, written in place (padding past ``num_tokens``).
+    """
+    if TOTAL_CP_WORLD_SIZE == 1:
+        assert _stock_slot_mapping is not None, "cp_slot_mapping used before register()"
+        return _stock_slot_mapping(
+            num_tokens, max_num_tokens, query_start_loc, positions, block_table, block_table_stride,
+            slot_mapping, KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
+            CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID, BLOCK_SIZE,
+        )
+    cp, rank, inter, bs = TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK, CP_KV_CACHE_INTERLEAVE_SIZE, KV_CACHE_BLOCK_SIZE
+    qsl = query_start_loc.long()
+    num_reqs = qsl.shape[0] - 1
+    tok = torch.arange(num_tokens, device=positions.device)
+    req = torch.searchsorted(qsl[1:num_reqs + 1], tok, right=True)
+    pos = positions[:num_tokens].long()
+    vblock, voff = pos // (bs * cp), pos % (bs * cp)
+    is_local = (voff // inter) % cp == rank
+    local_off = (voff // (cp * inter)) * inter + voff % inter
+    blocks = block_table.view(-1)[req * block_table_stride + vblock].long()
+    slots = torch.where(is_local, blocks * bs + local_off, PAD_ID)
+    slot_mapping[:num_tokens] = slots
+    slot_mapping[num_tokens:max_num_tokens] = PAD_ID
+
+
+def local_context_lens(context_lens: torch.Tensor, dcp_size: int, dcp_rank: int, interleave: int) -> torch.Tensor:
+    """Tokens of each request's first ``context_lens`` positions held by ``dcp_rank``.
+
+    ``[R]`` int -> ``[R]`` int32; vLLM's ``get_dcp_local_seq_lens`` (the split the
+    slot mapping above produces).
+    """
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    return get_dcp_local_seq_lens(context_lens, dcp_size, dcp_rank, interleave)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's CPU KV writer puts each element of a page, for ``isa``.
+
+    The CPU cache ``[num_blocks, Hkv, block_size, 2 * head_size]`` holds, per
+    (page, head), ``block_size * head_size`` K elements then as many V elements.
+    Returns ``(k_layout, v_layout)``, each ``[block_size, head_size]`` int64: the
+    flat position, inside the K (resp. V) half, of token ``t``'s element ``d``.
+    Found by writing index bits through ``cpu_attn_reshape_and_cache`` itself
+    (values 1 and 2 are exact in every float dtype), so it follows the kernel.
+    """
+    from vllm import _custom_ops as ops
+
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise NotImplementedError(f"DCP on CPU reads float KV caches only, got {dtype}")
+    n = block_size * head_size
+    kv = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = kv.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    idx = torch.arange(n).view(block_size, 1, head_size)
+    slots = torch.arange(block_size, dtype=torch.long)
+    k_where = torch.zeros(n, dtype=torch.long)
+    v_where = torch.zeros(n, dtype=torch.long)
+    for b in range(max(1, math.ceil(math.log2(n)))):
+        bit = (1 + ((idx >> b) & 1)).to(dtype)
+        kv.zero_()
+        ops.cpu_attn_reshape_and_cache(bit, bit, key_cache, value_cache, slots, isa)
+        flat = kv.view(2 * n).float()
+        if not bool(((flat == 1) | (flat == 2)).all()):
+            raise RuntimeError(f"cpu_attn_reshape_and_cache (isa={isa}) does not fill a page one-to-one")
+        k_where |= (flat[:n] == 2).long() << b
+        v_where |= (flat[n:] == 2).long() << b
+    k_layout = torch.empty(n, dtype=torch.long)
+    v_layout = torch.empty(n, dtype=torch.long)
+    k_layout[k_where] = torch.arange(n)
+    v_layout[v_where] = torch.arange(n)
+    for name, where in (("K", k_where), ("V", v_where)):
+        if torch.unique(where).numel() != n:
+            raise RuntimeError(f"{name} layout of isa={isa} is not a permutation of the page")
+    return k_layout.view(block_size, head_size), v_layout.view(block_size, head_size)
