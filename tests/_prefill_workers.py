@@ -168,9 +168,10 @@ def forward_steps(cp, cfg: dict, seed: int, steps: int, page_size: int = 4) -> d
     """Prefill ``steps`` batches with CP; requests reuse prefixes of earlier ones.
 
     Each rank matches prefixes locally (divergent), consensus picks the
-    common part, the rest is recomputed. Step 2 is run once with the local
-    (non-consensus) lens first: every rank must raise, and the group must
-    still serve the same step with consensus right after. Returns per step
+    common part, the rest is recomputed. Step 2 is first run with prefix
+    lens the ranks disagree on: every rank must raise ``ValueError``, and the
+    group must still serve the same step with consensus right after (its
+    failed attempt's slots are simply never reused). Returns per step
     the sequences, consensus lens and this rank's output chunk, and per
     sequence the KV this rank keeps for its owned layers.
     """
@@ -188,13 +189,15 @@ def forward_steps(cp, cfg: dict, seed: int, steps: int, page_size: int = 4) -> d
     done = []  # (tokens, row) of cached sequences, same order on every rank
     out = {"steps": [], "kv": [], "raised": []}
     for step in range(steps):
-        B = int(g.integers(1, 4))
+        last = step == steps - 1  # one token to extend: fewer tokens than ranks
+        B = 1 if last else int(g.integers(1, 4))
         seqs, rows, cached = [], [], []
         for i in range(B):
             n = int(g.integers(2, cfg.max_len + 1))
-            if done and (g.random() < 0.7 or (step == 2 and i == 0)):
+            if done and (g.random() < 0.7 or (step == 2 and i == 0) or last):
                 src_tokens, src_row = done[int(g.integers(0, len(done)))]
-                k = int(g.integers(1, min(len(src_tokens), n - 1) + 1))
+                n = min(len(src_tokens) + 1, cfg.max_len) if last else n
+                k = n - 1 if last else int(g.integers(1, min(len(src_tokens), n - 1) + 1))
                 tokens = np.concatenate([src_tokens[:k], g.integers(0, cfg.vocab, n - k)])
             else:
                 src_row, k, tokens = None, 0, g.integers(0, cfg.vocab, n)
@@ -203,6 +206,8 @@ def forward_steps(cp, cfg: dict, seed: int, steps: int, page_size: int = 4) -> d
             rows.append(int(row_order[len(done) + i]))
         # This rank's local prefix matches: a random part of what is cached.
         local = np.array([int(mine.integers(0, k + 1)) if k else 0 for _, k in cached], dtype=np.int64)
+        if last:
+            local = np.array([k for _, k in cached], dtype=np.int64)
         attempts = [("consensus", None)]
         if step == 2:
             # First try lens on which rank 0 and the others disagree (request 0
@@ -213,7 +218,6 @@ def forward_steps(cp, cfg: dict, seed: int, steps: int, page_size: int = 4) -> d
         for kind, lens in attempts:
             if kind == "consensus":
                 lens = consensus_prefix_lens(None if step == 1 and cp.rank == 1 else local, B, cp)
-            lens = np.minimum(lens, [k for _, k in cached])
             batch = _build_batch(seqs, rows, cached, lens, table, free, cfg)
             try:
                 hidden = cp_prefill_forward(weights, cfg, batch, pool, cp)

@@ -18,10 +18,11 @@ CFG = dict(num_layers=5, max_len=32)
 @pytest.mark.timeout(150)
 def test_cp_forward_equals_reference_bit_exact():
     """3 ranks (layers 2/2/1), 6 steps whose requests reuse earlier prefixes
-    with divergent local matches. Every rank's output rows and the K/V every
-    owner keeps equal the no-CP, no-cache reference exactly; a batch run with
-    disagreeing prefix lens raises on every rank and the group serves it
-    right after with the consensus."""
+    with divergent local matches; the last extends a single token. Every
+    rank's output rows and the K/V every owner keeps equal the no-CP,
+    no-cache reference exactly; a batch run with disagreeing prefix lens
+    raises on every rank and the group serves it right after with the
+    consensus."""
     steps, seed = 6, 3
     results = run_group("_prefill_workers:forward_steps", 3, dict(cfg=CFG, seed=seed, steps=steps),
                         timeout_s=120, gloo_timeout_s=20)
@@ -50,6 +51,7 @@ def test_cp_forward_equals_reference_bit_exact():
         reused += int(np.sum(lens))
         all_seqs.extend(seqs)
     assert reused > 0  # some prefix K/V really went through the owner broadcast
+    assert [len(r["steps"][-1]["hidden"]) for r in results] == [1, 0, 0]  # fewer tokens than ranks
 
     _, ref_kv = reference_forward(weights, cfg, [torch.from_numpy(t) for t in all_seqs])
     for r in results:

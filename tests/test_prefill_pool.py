@@ -96,3 +96,12 @@ def test_prefix_lens_validation():
         normalize_prefix_lens([1.5], 1)
     with pytest.raises(ValueError, match=r"req_to_token.shape\[1\]=10"):
         prefix_slots(torch.zeros(2, 10, dtype=torch.int64), [0], [11])
+
+
+def test_prefill_package_imports_no_vllm():
+    """The prefill package is torch + torch.distributed only."""
+    import subprocess
+    import sys
+
+    code = "import sys, vllm_dcp2d.prefill.forward; assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -221,6 +221,8 @@ def cp_prefill_forward(
             "Batch dropped on every rank."
         )
     dev = pool.device
+    if T == 0:  # agreed above: every rank returns here, no collective skipped by one only
+        return torch.zeros(0, cfg.hidden, dtype=weights["emb"].dtype, device=dev)
     rows = batch.req_pool_indices.to(dev, torch.int64)
     table = batch.req_to_token.to(dev)
     mine = cp_token_range(T, cp.size, cp.rank)
