@@ -130,12 +130,29 @@ def divergence(cp, num_layers: int, steps: int, seed: int, max_len: int = 24) ->
             elif plan["mode"] == "consensus":
                 stats["errors"].append(f"step {step} layer {layer}: consensus step not verifiable")
         stats["steps"] += 1
+    stats["invalid"] = _invalid_views(cp, pool)
     # The group is still in lockstep: one more collective, same value everywhere.
     total = torch.tensor([stats["steps"]], dtype=torch.int64)
     dist.all_reduce(total)
     if int(total) != cp.size * steps:
         raise RuntimeError(f"desynchronized: all_reduce of step counts gave {int(total)}, expected {cp.size * steps}")
     return stats
+
+
+def _invalid_views(cp, pool) -> list[bool]:
+    """Layer 0 twice: rank 1's prefix, then the owner's (rank 0) points outside
+    the pool. Returns, per call, whether this rank raised ``ValueError``; the
+    caller's next collective shows the group is still in lockstep."""
+    table = torch.arange(2 * 8).view(2, 8)
+    raised = []
+    for bad_rank in (1, 0):
+        bad = table + pool.num_tokens if cp.rank == bad_rank else table
+        try:
+            broadcast_owner_layer_prefix(0, pool, cp, bad, [0, 1], [3, 5])
+            raised.append(False)
+        except ValueError:
+            raised.append(True)
+    return raised
 
 
 def evicted_prefix(cp, naive: bool) -> dict:

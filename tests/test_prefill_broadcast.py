@@ -23,7 +23,8 @@ def test_divergent_prefixes_never_hang_and_match_reference():
     """300 steps, 4 ranks, 7 layers (owners 2/2/2/1): per-rank prefix matches,
     page tables, ``None`` prefixes and batch sizes all diverge; every commit
     flag is the protocol's, consensus is the MIN, and every committed
-    attention input equals the owner's K/V bit for bit."""
+    attention input equals the owner's K/V bit for bit. Invalid local views
+    raise without breaking the lockstep."""
     steps, layers = 300, 7
     results = run_group("_prefill_workers:divergence", 4, dict(num_layers=layers, steps=steps, seed=2024),
                         timeout_s=120, gloo_timeout_s=20)
@@ -35,6 +36,8 @@ def test_divergent_prefixes_never_hang_and_match_reference():
         # The run exercised every branch: skips, commits, and refusals.
         assert r["skipped"] > 0 and r["not_committed"] > 0 and r["checked"] > steps
     assert len({r["skipped"] for r in results}) == 1  # n == 0 is a group-wide decision
+    # A rank with an invalid view raises after joining; an invalid owner makes all raise.
+    assert [r["invalid"] for r in results] == [[False, True], [True, True], [False, True], [False, True]]
 
 
 @pytest.mark.timeout(90)

@@ -103,22 +103,37 @@ def broadcast_owner_layer_prefix(
     when its slot count equals the owner's ``n``. A ``False`` rank has still
     joined every collective, so the group stays usable; its attention input
     for the prefix is not valid (use :func:`consensus_prefix_lens` to avoid it).
+
+    Raises ``ValueError`` (after joining this call's collectives) on a rank
+    whose own prefix is invalid, and on every rank if the owner's is.
     """
     if (pool.cp_rank, pool.cp_size) != (cp.rank, cp.size):
         raise ValueError(
             f"pool is for cp_rank {pool.cp_rank}/{pool.cp_size} but the group is rank {cp.rank}/{cp.size}"
         )
     owner = pool.owner(layer)
-    slots = prefix_slots(req_to_token, req_pool_indices, prefix_lens)
     src = cp.global_rank(owner)
+    # A bad local view must not make this rank skip the collectives below:
+    # it joins them and raises afterwards. An owner that cannot read its
+    # prefix sends n = -1 and every rank raises.
+    try:
+        slots, invalid = _local_slots(pool, req_to_token, req_pool_indices, prefix_lens), None
+    except ValueError as e:
+        slots, invalid = torch.zeros(0, dtype=torch.int64), e
+    local_n = -1 if invalid else slots.numel()
 
     # Step 1: every rank joins the count broadcast, whatever its local prefix.
-    count = torch.tensor([slots.numel()], dtype=torch.int64, device=cp.device)
+    count = torch.tensor([local_n], dtype=torch.int64, device=cp.device)
     dist.broadcast(count, src=src, group=cp.group)
     n = int(count.item())
     # Step 2: the branch depends on n only, which is the same on every rank.
+    if n < 0:
+        raise ValueError(f"cp_rank {cp.rank}, layer {layer}: owner rank {owner} has an invalid prefix"
+                         + (f"; here too: {invalid}" if invalid else ""))
     if n == 0:
-        return cp.rank == owner or slots.numel() == 0
+        if invalid:
+            raise ValueError(f"cp_rank {cp.rank}, layer {layer}: {invalid}") from invalid
+        return cp.rank == owner or local_n == 0
 
     kv = pool.layer_kv(layer)  # [2, num_tokens, H, D]
     slots = slots.to(kv.device)
@@ -127,12 +142,23 @@ def broadcast_owner_layer_prefix(
     else:
         buf = torch.empty((2, n, *kv.shape[2:]), dtype=kv.dtype, device=cp.device)
     dist.broadcast(buf, src=src, group=cp.group)
+    if invalid:
+        raise ValueError(f"cp_rank {cp.rank}, layer {layer}: {invalid}") from invalid
     if cp.rank == owner:
         return True
-    if slots.numel() != n:
+    if local_n != n:
         return False  # consumed without committing: the local view disagrees with the owner
     kv[:, slots] = buf.to(kv.device)
     return True
+
+
+def _local_slots(pool: LayerSplitKVPool, req_to_token, req_pool_indices, prefix_lens) -> torch.Tensor:
+    """:func:`prefix_slots`, checked against the pool's token slots."""
+    slots = prefix_slots(req_to_token, req_pool_indices, prefix_lens)
+    if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < pool.num_tokens):
+        raise ValueError(f"prefix token slots must be in [0, {pool.num_tokens}), "
+                         f"got [{int(slots.min())}, {int(slots.max())}]")
+    return slots
 
 
 def consensus_prefix_lens(prefix_lens, batch_size: int, cp: CPGroup) -> np.ndarray:
