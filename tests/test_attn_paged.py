@@ -1,0 +1,154 @@
+"""Page-sharded attention: every DCP rank's (O, LSE) over its local pages, merged,
+equals float64 attention over the whole sequence."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from vllm_dcp2d.attention.dcp import dcp_merge
+from vllm_dcp2d.attention.paged import (
+    attention_lse,
+    gather_pages,
+    paged_attention_lse,
+    plain_layout,
+    varlen_attention_lse,
+)
+from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
+
+
+class StackGroup:
+    """Single-process stand-in for a DCP group: all_gather returns the partials of
+    all simulated ranks, which the test registers before calling."""
+
+    def __init__(self, world_size, rank, parts):
+        self.world_size, self.rank_in_group, self.parts = world_size, rank, parts
+
+    def all_gather(self, x, dim=-1):
+        assert dim == 0
+        key = "o" if x.dim() == 4 else "lse"
+        return torch.cat([p[key][None] for p in self.parts], dim=0)
+
+
+def _reference(q, k, v, q_lens, kv_lens, scale):
+    """float64 causal attention, queries = last q_lens tokens of each sequence.
+    q [T, H, D]; k/v per request lists of [L, Hkv, D]."""
+    outs, lses, t0 = [], [], 0
+    for r, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        qq = q[t0:t0 + ql].double()
+        kk = k[r][:kl].double().repeat_interleave(q.shape[1] // k[r].shape[1], dim=1)
+        vv = v[r][:kl].double().repeat_interleave(q.shape[1] // k[r].shape[1], dim=1)
+        s = torch.einsum("thd,lhd->htl", qq, kk) * scale
+        mask = torch.arange(kl)[None, :] > (kl - ql + torch.arange(ql))[:, None]
+        s = s.masked_fill(mask, float("-inf"))
+        outs.append(torch.einsum("htl,lhd->thd", torch.softmax(s, -1), vv))
+        lses.append(torch.logsumexp(s, -1).T)
+        t0 += ql
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _shard_pages(k_seq, v_seq, page, dcp, rank, num_slots, gen):
+    """Place one rank's pages of each sequence in a random paged cache.
+
+    Page p of a sequence belongs to rank p % dcp at local slot p // dcp (seed §5.1),
+    the layout vLLM's CP slot mapping gives with cp_kv_cache_interleave_size = page.
+    Returns the cache [num_blocks, Hkv, page*D] (flat, plain layout), block_table and
+    the local token counts."""
+    hkv, d = k_seq[0].shape[1:]
+    kc = torch.randn(num_slots, hkv, page, d, generator=gen)  # garbage where unused
+    vc = torch.randn(num_slots, hkv, page, d, generator=gen)
+    free = torch.randperm(num_slots, generator=gen).tolist()
+    width = max(math.ceil(len(k) / page / dcp) for k in k_seq) + 1
+    table = torch.zeros(len(k_seq), width, dtype=torch.int32)
+    local_lens = []
+    for r, (k, v) in enumerate(zip(k_seq, v_seq)):
+        pages = np.arange(math.ceil(len(k) / page))
+        mine = pages[dcp_page_owner(pages, dcp) == rank]
+        n = 0
+        for p in mine:
+            blk = free.pop()
+            table[r, dcp_local_slot(int(p), dcp)] = blk
+            chunk = slice(p * page, min((p + 1) * page, len(k)))
+            kc[blk, :, : chunk.stop - chunk.start] = k[chunk].transpose(0, 1)
+            vc[blk, :, : chunk.stop - chunk.start] = v[chunk].transpose(0, 1)
+            n += chunk.stop - chunk.start
+        local_lens.append(n)
+    flat = lambda c: c.reshape(num_slots, hkv, page * d)  # noqa: E731
+    return flat(kc), flat(vc), table, torch.tensor(local_lens)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    dcp=st.integers(1, 4),
+    page=st.sampled_from([4, 16]),
+    ctx=st.lists(st.integers(0, 70), min_size=1, max_size=4),
+    new=st.data(),
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    d=st.sampled_from([8, 40]),
+    seed=st.integers(0, 1000),
+)
+def test_sharded_context_plus_new_tokens_equals_full_attention(dcp, page, ctx, new, hkv, group, d, seed):
+    """Context on dcp ranks (empty shards included) + causal new tokens, merged."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = [new.draw(st.integers(1, 5)) for _ in ctx]
+    h = hkv * group
+    scale = 1 / math.sqrt(d)
+    k_seq = [torch.randn(c + n, hkv, d, generator=gen) for c, n in zip(ctx, q_lens)]
+    v_seq = [torch.randn(c + n, hkv, d, generator=gen) for c, n in zip(ctx, q_lens)]
+    q = torch.randn(sum(q_lens), h, d, generator=gen)
+    qsl = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32)
+    ref_o, ref_lse = _reference(q, k_seq, v_seq, q_lens, [c + n for c, n in zip(ctx, q_lens)], scale)
+
+    layout = plain_layout(page, d)
+    ctx_k = [k[:c] for k, c in zip(k_seq, ctx)]
+    ctx_v = [v[:c] for v, c in zip(v_seq, ctx)]
+    parts = []
+    for rank in range(dcp):
+        kc, vc, table, local = _shard_pages(ctx_k, ctx_v, page, dcp, rank, 40, gen)
+        o, lse = paged_attention_lse(q, kc, vc, layout, layout, table, local, qsl, scale)
+        parts.append({"o": o, "lse": lse})
+    new_k = torch.cat([k[c:] for k, c in zip(k_seq, ctx)])
+    new_v = torch.cat([v[c:] for v, c in zip(v_seq, ctx)])
+    local_new = varlen_attention_lse(q, new_k, new_v, qsl, scale)
+    out, lse = dcp_merge(parts[0]["o"], parts[0]["lse"], StackGroup(dcp, 0, parts), local=local_new)
+    torch.testing.assert_close(out.double(), ref_o, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+def test_empty_shard_and_empty_rows():
+    """A rank without pages of a request returns O = 0, LSE = -inf; padded query rows too."""
+    q = torch.randn(1, 2, 3, 8)
+    k = torch.randn(1, 5, 1, 8)
+    o, lse = attention_lse(q, k, k, torch.tensor([2]), torch.tensor([0]), 0.5, causal=False)
+    assert torch.equal(o, torch.zeros_like(o)) and (lse == float("-inf")).all()
+    o, lse = attention_lse(q, k, k, torch.tensor([1]), torch.tensor([5]), 0.5, causal=False)
+    assert (lse[0, 0] > float("-inf")).all() and (lse[0, 1] == float("-inf")).all()
+    assert torch.equal(o[0, 1], torch.zeros(3, 8)) and not torch.isnan(o).any()
+
+
+def test_head_dim_split_k_v_and_non_contiguous_queries():
+    """MLA-style: K and V read from one latent page (V = first Dv dims of K)."""
+    gen = torch.Generator().manual_seed(0)
+    page, dk, dv, h = 4, 24, 16, 3
+    kv_seq = torch.randn(10, 1, dk, generator=gen)
+    q = torch.randn(h, 2, dk, generator=gen).transpose(0, 1)  # non-contiguous [T=2, H, Dk]
+    kc, _, table, local = _shard_pages([kv_seq], [kv_seq], page, 1, 0, 8, gen)
+    k_layout = plain_layout(page, dk)
+    o, lse = paged_attention_lse(q, kc, kc, k_layout, k_layout[:, :dv], table, local,
+                                 torch.tensor([0, 2]), 0.3)
+    s = torch.einsum("thd,ld->thl", q.double(), kv_seq[:, 0].double()) * 0.3
+    torch.testing.assert_close(o.double(), torch.softmax(s, -1) @ kv_seq[:, 0, :dv].double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-5, rtol=0)
+
+
+def test_gather_pages_follows_layout_and_table():
+    cache = torch.arange(3 * 2 * 8).float().view(3, 2, 8)  # 3 pages, 2 heads, page 4 x D 2
+    layout = torch.tensor([[0, 4], [1, 5], [2, 6], [3, 7]])  # K stored transposed ([D, page])
+    table = torch.tensor([[2, 0]])
+    g = gather_pages(cache, layout, table, 6)  # [1, 6, 2, 2]
+    assert g.shape == (1, 6, 2, 2)
+    assert g[0, 0, 1].tolist() == [cache[2, 1, 0].item(), cache[2, 1, 4].item()]
+    assert g[0, 5, 0].tolist() == [cache[0, 0, 1].item(), cache[0, 0, 5].item()]
