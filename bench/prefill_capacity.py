@@ -33,7 +33,8 @@ CONFIGS = [  # (model, layers, cp_size)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-gib", type=float, default=40.0, help="KV memory per rank")
-    ap.add_argument("--bytes", type=int, default=576, help="KV bytes per token per layer (GLM-5.2 FP8 latent: 576)")
+    ap.add_argument("--bytes", type=int, default=576,
+                    help="KV bytes per token per layer (GLM-5.2 FP8 latent: 576)")
     args = ap.parse_args()
     if args.bytes < 2 or args.bytes % 2:
         ap.error(f"--bytes must be even and >= 2 (K and V halves), got {args.bytes}")

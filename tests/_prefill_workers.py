@@ -135,7 +135,7 @@ def divergence(cp, num_layers: int, steps: int, seed: int, max_len: int = 24) ->
     total = torch.tensor([stats["steps"]], dtype=torch.int64)
     dist.all_reduce(total)
     if int(total) != cp.size * steps:
-        raise RuntimeError(f"desynchronized: all_reduce of step counts gave {int(total)}, expected {cp.size * steps}")
+        raise RuntimeError(f"desynchronized: step-count all_reduce gave {int(total)}, expected {cp.size * steps}")
     return stats
 
 

@@ -103,5 +103,6 @@ def test_prefill_package_imports_no_vllm():
     import subprocess
     import sys
 
-    code = "import sys, vllm_dcp2d.prefill.forward; assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)"
+    code = ("import sys, vllm_dcp2d.prefill.forward, vllm_dcp2d.prefill; "
+            "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -36,7 +36,9 @@ from vllm_dcp2d.prefill.pool import LayerSplitKVPool
 __all__ = ["normalize_prefix_lens", "prefix_slots", "broadcast_owner_layer_prefix", "consensus_prefix_lens"]
 
 
-def normalize_prefix_lens(prefix_lens: Sequence[int] | np.ndarray | torch.Tensor | None, batch_size: int) -> np.ndarray:
+def normalize_prefix_lens(
+    prefix_lens: Sequence[int] | np.ndarray | torch.Tensor | None, batch_size: int
+) -> np.ndarray:
     """Prefix lengths as int64 ``[batch_size]``; ``None`` becomes zeros.
 
     The ``None`` guard runs on every rank, so a rank that has no prefix

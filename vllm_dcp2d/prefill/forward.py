@@ -17,9 +17,9 @@ is the data flow of prefill CP layer-split:
 5. each rank's queries attend over that slot through its page table.
 
 Bit-exactness against :func:`reference_forward` (no CP, no cache: every
-sequence recomputed from token 0) is by construction, not by tolerance:
-every reduction has a shape that depends neither on the batch nor on the
-chunk. Linear layers reduce with an explicit broadcast-multiply + ``sum``
+sequence recomputed from token 0, on the same device) is by construction,
+not by tolerance: every reduction has a shape that depends neither on the
+batch nor on the chunk. Linear layers reduce with an explicit broadcast-multiply + ``sum``
 over the input dim (a BLAS GEMM may pick a different kernel, hence summation
 order, for a different row count), and attention always reads a fixed window
 of ``max_len`` key slots, masked, so a query's softmax and weighted sum see
@@ -40,7 +40,9 @@ from vllm_dcp2d.prefill.broadcast import broadcast_owner_layer_prefix, normalize
 from vllm_dcp2d.prefill.dist import CPGroup
 from vllm_dcp2d.prefill.pool import LayerSplitKVPool
 
-__all__ = ["TinyConfig", "PrefillBatch", "init_weights", "cp_token_range", "cp_prefill_forward", "reference_forward"]
+__all__ = [
+    "TinyConfig", "PrefillBatch", "init_weights", "cp_token_range", "cp_prefill_forward", "reference_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tens
     scores = (q[:, None] * k).sum(-1) / math.sqrt(q.shape[-1])  # [M, W, H]
     scores = scores.masked_fill(~valid[..., None], float("-inf"))
     p = torch.softmax(scores, dim=1)
-    v = torch.where(valid[..., None, None], v, torch.zeros((), dtype=v.dtype))
+    v = torch.where(valid[..., None, None], v, 0.0)
     return (p[..., None] * v).sum(1)
 
 

@@ -47,18 +47,19 @@ class LayerSplitKVPool:
     ):
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.layers = cp_layer_range(num_layers, cp_size, cp_rank)  # validates L, N, r
-        self.num_layers = num_layers
-        self.cp_size = cp_size
-        self.cp_rank = cp_rank
-        self.num_pages = num_pages
-        self.page_size = page_size
+        self.num_layers = int(num_layers)
+        self.cp_size = int(cp_size)
+        self.cp_rank = int(cp_rank)
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
         self.num_slots = local_layer_count(num_layers, cp_size, cp_rank)
         self.transient_slot = self.num_slots - 1
         self.kv = torch.zeros(
-            self.num_slots, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            self.num_slots, 2, self.num_pages, self.page_size, int(num_kv_heads), int(head_dim),
+            dtype=dtype, device=device,
         )
 
     @property
