@@ -196,7 +196,7 @@ def test_fuzz_field_values(msg, data):
     d = _wire(msg)
     keys = sorted(d)
     for k in data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3)):
-        if k == "fingerprint" and data.draw(st.booleans()):
+        if k == "fingerprint" and isinstance(d[k], dict) and d[k] and data.draw(st.booleans()):
             d[k][data.draw(st.sampled_from(sorted(d[k])))] = data.draw(_values)
         else:
             d[k] = data.draw(_values)
