@@ -15,6 +15,7 @@ import pickle
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 
 import torch.multiprocessing as mp
 
@@ -61,7 +62,9 @@ def _entry(rank, world_size, init_method, target, args, out_dir, gloo_timeout_s)
     import torch
 
     torch.set_num_threads(1)  # ranks share 2 cores; intra-op threads only add contention
-    from vllm_dcp2d.prefill.dist import init_cp_group
+    import torch.distributed as dist
+
+    from vllm_dcp2d.prefill.dist import cp_group_from, init_cp_group
 
     def write(result):
         tmp = os.path.join(out_dir, f".rank{rank}.tmp")
@@ -70,13 +73,16 @@ def _entry(rank, world_size, init_method, target, args, out_dir, gloo_timeout_s)
         os.replace(tmp, os.path.join(out_dir, f"rank{rank}.pkl"))
 
     try:
-        cp = init_cp_group(rank, world_size, init_method, backend="gloo", timeout_s=gloo_timeout_s)
+        # Rendezvous with a generous timeout (spawned ranks start seconds apart
+        # on a loaded machine); the scenario then runs on a group whose every
+        # collective is bounded by the short gloo_timeout_s.
+        init_cp_group(rank, world_size, init_method, backend="gloo", timeout_s=max(60.0, gloo_timeout_s))
+        dist.barrier()
+        cp = cp_group_from(dist.new_group(backend="gloo", timeout=timedelta(seconds=gloo_timeout_s)))
         module, name = target.split(":")
         result = getattr(importlib.import_module(module), name)(cp, **args)
     except BaseException as e:  # report anything, including gloo timeouts
         write({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         os._exit(1)  # skip teardown: peers may be gone or stuck mid-collective
     write(result)
-    import torch.distributed as dist
-
     dist.destroy_process_group()

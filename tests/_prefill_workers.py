@@ -133,7 +133,7 @@ def divergence(cp, num_layers: int, steps: int, seed: int, max_len: int = 24) ->
     stats["invalid"] = _invalid_views(cp, pool)
     # The group is still in lockstep: one more collective, same value everywhere.
     total = torch.tensor([stats["steps"]], dtype=torch.int64)
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=cp.group)
     if int(total) != cp.size * steps:
         raise RuntimeError(f"desynchronized: step-count all_reduce gave {int(total)}, expected {cp.size * steps}")
     return stats
@@ -166,7 +166,7 @@ def evicted_prefix(cp, naive: bool) -> dict:
     fn = naive_broadcast_owner_layer_prefix if naive else broadcast_owner_layer_prefix
     committed = [fn(layer, pool, cp, table, rows, lens) for layer in range(2)]
     done = torch.tensor([1], dtype=torch.int64)
-    dist.all_reduce(done)  # the next collective of the next step
+    dist.all_reduce(done, group=cp.group)  # the next collective of the next step
     if int(done) != cp.size:
         raise RuntimeError(f"desynchronized: all_reduce gave {int(done)}, expected {cp.size}")
     return {"committed": committed}
