@@ -165,7 +165,7 @@ class WorkerSide:
         for cp_rank, o in sorted(f.outcomes.items()):
             self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s)
             self.stats_file.write(request_id=f.request_id, cp_rank=cp_rank, cp_size=o.cp_size,
-                                  dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
+                                  tp_rank=self.tp_rank, dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
                                   pages=o.num_pages, bytes=o.nbytes, naive_bytes=o.naive_bytes,
                                   descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
 
