@@ -13,6 +13,7 @@ from vllm_dcp2d.connector.messages import (Fingerprint, FingerprintMismatch, Mes
                                            RegisterRank, Reply, TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions
 
+pytestmark = pytest.mark.timeout(120)
 FP = Fingerprint("glm-5.2@abc", 8, 64, "float8_e4m3fn", 36864, "cpu:[blocks,heads,block,2*head]")
 
 
