@@ -1,0 +1,102 @@
+"""Scheduler side of DCP2DConnector against fake vLLM objects (no engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from vllm_dcp2d.connector.config import DCP2DConfig  # noqa: E402
+from vllm_dcp2d.connector.scheduler import SchedulerSide  # noqa: E402
+
+PAGE = 32
+
+
+def side(producer=False, consumer=False, **cfg):
+    vc = NS(cache_config=NS(block_size=PAGE))
+    s = SchedulerSide(vc, DCP2DConfig(bootstrap_port=4242, **cfg), "eng", producer, consumer)
+    s.kv_cache_manager = NS(get_block_ids=lambda rid: ([10, 11, 12, 13, 14],))
+    return s
+
+
+def request(rid="r", n=100, params=None, status=RequestStatus.RUNNING):
+    return NS(request_id=rid, num_prompt_tokens=n, kv_transfer_params=params, status=status)
+
+
+def sched_out(new=(), cached=(), tokens=None):
+    new_reqs = [NS(req_id=r, num_computed_tokens=c) for r, c in new]
+    return NS(scheduled_new_reqs=new_reqs,
+              scheduled_cached_reqs=NS(req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]),
+              num_scheduled_tokens=tokens or {}, total_num_scheduled_tokens=sum((tokens or {}).values()))
+
+
+REMOTE = {"do_remote_prefill": True, "remote_request_id": "p-1", "remote_bootstrap_addr": "tcp://h:1",
+          "remote_engine_id": "pe"}
+
+
+def test_consumer_claims_uncached_prompt_async():
+    s = side(consumer=True)
+    req = request(params=dict(REMOTE))
+    assert s.get_num_new_matched_tokens(req, 0) == (100, True)
+    assert s.get_num_new_matched_tokens(req, 64) == (36, True)
+    assert s.get_num_new_matched_tokens(request(params=None), 0) == (0, False)
+    assert side(producer=True).get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_consumer_load_spec_and_one_shot():
+    s = side(consumer=True)
+    params = dict(REMOTE)
+    req = request(params=params)
+    blocks = NS(get_block_ids=lambda: ([7, 3, 9, 1],))
+    s.update_state_after_alloc(req, blocks, num_external_tokens=100 - 64)  # 64 tokens cached locally
+    meta = s.build_connector_meta(sched_out())
+    spec = meta.loads["r"]
+    assert (spec.remote_request_id, spec.bootstrap_addr, spec.remote_engine_id) == ("p-1", "tcp://h:1", "pe")
+    assert spec.block_ids == [7, 3, 9, 1] and spec.first_page == 2 and spec.num_pages == 4
+    assert params["do_remote_prefill"] is False          # a preempted request recomputes locally
+    assert s.build_connector_meta(sched_out()).loads == {}  # handed over once
+
+
+def test_consumer_bad_params_prefill_locally():
+    s = side(consumer=True)
+    req = request(params={"do_remote_prefill": True})
+    s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1],)), 100)
+    assert s.build_connector_meta(sched_out()).loads == {}
+
+
+def test_producer_holds_blocks_and_answers_params():
+    s = side(producer=True)
+    req = request(params={"do_remote_decode": True, "transfer_id": "t"})
+    s.update_state_after_alloc(req, None, 0)
+    # chunked prefill: prompt not complete after the first chunk, complete after the second
+    m1 = s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 64}))
+    assert m1.computing == {}
+    m2 = s.build_connector_meta(sched_out(cached=[("r", 64)], tokens={"r": 36}))
+    assert m2.computing["r"].block_ids == [10, 11, 12, 13] and m2.computing["r"].num_tokens == 100
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = s.request_finished(req, [10, 11, 12, 13])
+    assert delay is True
+    assert params == {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": "r",
+                      "remote_bootstrap_addr": "tcp://127.0.0.1:4242", "remote_engine_id": "eng",
+                      "remote_num_tokens": 100, "transfer_id": "t"}
+    meta = s.build_connector_meta(sched_out())
+    assert meta.ready["r"].block_ids == [10, 11, 12, 13]
+
+
+def test_producer_aborted_frees_at_once():
+    s = side(producer=True)
+    req = request(params={"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
+    assert s.request_finished(req, [1, 2]) == (False, None)
+    meta = s.build_connector_meta(sched_out())
+    assert meta.aborted == {"r"} and meta.ready == {}
+
+
+def test_plain_requests_untouched():
+    s = side(producer=True, consumer=True)
+    req = request(status=RequestStatus.FINISHED_STOPPED)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.request_finished(req, [1]) == (False, None)
