@@ -1,0 +1,33 @@
+"""Speculative decoding (EAGLE / MTP) under DCP (seed §8), usable without vLLM.
+
+draft   dcp_disabled() for the draft forward, draft pool sizing, memory figure
+verify  greedy acceptance, MIN agreement of the accepted prefix across the DCP group
+group   a DCP group (world_size, rank_in_group, all_gather) over torch.distributed
+"""
+
+from vllm_dcp2d.spec_decode.draft import (
+    SpecKVBytes,
+    dcp_disabled,
+    dcp_enabled,
+    draft_pool_tokens,
+    effective_dcp,
+    effective_dcp_rank,
+    spec_kv_bytes,
+)
+from vllm_dcp2d.spec_decode.group import TorchGroup
+from vllm_dcp2d.spec_decode.verify import accept_greedy, agree_accepted_prefix, kv_commit_mask, verify_greedy
+
+__all__ = [
+    "SpecKVBytes",
+    "dcp_disabled",
+    "dcp_enabled",
+    "draft_pool_tokens",
+    "effective_dcp",
+    "effective_dcp_rank",
+    "spec_kv_bytes",
+    "TorchGroup",
+    "accept_greedy",
+    "agree_accepted_prefix",
+    "kv_commit_mask",
+    "verify_greedy",
+]
