@@ -26,6 +26,13 @@ why:
    ``cpu_attn_reshape_and_cache``, where each element lands (bit by bit) and
    reads pages through that map. Pages keep vLLM's layout, so KV written by a
    DCP=1 prefill instance is read correctly by a DCP>1 decode instance.
+4. ``register_backend(CPU_MLA, DCPCPUMLABackend)`` (as 1, for MLA models). The
+   CPU platform picks AMX_MLA on AMX CPUs unless CPU_MLA is requested, so DCP
+   with MLA needs ``attention_config={"backend": "CPU_MLA"}`` there.
+5. :func:`install_mla_dcp_combine`: ``MLADCPManager._init_combine``. vLLM's
+   MLA layer merges DCP partials with ``cp_lse_ag_out_rs``, a Triton kernel
+   (Triton has no CPU backend here); the replacement all-gathers and merges
+   in torch. Installed lazily by the DCP MLA impl, only when DCP > 1.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from vllm_dcp2d.vllm_compat import check_vllm_version
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register", "cp_slot_mapping", "cpu_kv_layout", "local_context_lens"]
+__all__ = ["register", "cp_slot_mapping", "cpu_kv_layout", "local_context_lens", "install_mla_dcp_combine",
+           "cp_lse_combine_torch"]
 
 _registered = False
 
@@ -67,11 +75,12 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_dcp2d.attention.backend.DCPCPUAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_MLA, "vllm_dcp2d.attention.backend_mla.DCPCPUMLABackend")
     global _stock_slot_mapping
     _stock_slot_mapping = cpu_triton_utils._compute_slot_mapping_kernel_impl
     cpu_triton_utils._compute_slot_mapping_kernel_impl = cp_slot_mapping
     _registered = True
-    logger.debug("vllm_dcp2d: CPU_ATTN overridden, CP slot mapping installed")
+    logger.debug("vllm_dcp2d: CPU_ATTN and CPU_MLA overridden, CP slot mapping installed")
 
 
 _stock_slot_mapping = None
@@ -179,3 +188,41 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int)
         if torch.unique(where).numel() != n:
             raise RuntimeError(f"{name} layout of isa={isa} is not a permutation of the page")
     return k_layout.view(block_size, head_size), v_layout.view(block_size, head_size)
+
+
+def cp_lse_combine_torch(partial_output: torch.Tensor, partial_lse: torch.Tensor, cp_group, is_lse_base_on_e: bool = True,
+                         seq_lens=None, query_start_loc=None) -> torch.Tensor:
+    """Torch stand-in for vLLM's ``cp_lse_ag_out_rs`` (same call signature).
+
+    partial_output: ``[B, Hg, D]``, partial_lse: ``[B, Hg]``, this rank's attention
+    over its pages for all ``Hg = H * N`` heads of the DCP group. Returns
+    ``[B, H, D]`` in partial_output.dtype: the merged result for this rank's heads
+    (what the all-gather + reduce-scatter of the original returns). ``seq_lens`` /
+    ``query_start_loc`` only serve vLLM's empty-shard masking; an empty shard
+    already has LSE -inf here.
+    """
+    from vllm_dcp2d.attention.dcp import dcp_merge
+
+    n, rank = cp_group.world_size, cp_group.rank_in_group
+    h = partial_output.shape[1] // n
+    out, _ = dcp_merge(partial_output, partial_lse, cp_group, heads=slice(rank * h, (rank + 1) * h),
+                       base_e=is_lse_base_on_e)
+    return out.to(partial_output.dtype)
+
+
+def install_mla_dcp_combine() -> None:
+    """Make ``MLADCPManager`` combine DCP partials with :func:`cp_lse_combine_torch`
+    (idempotent; called by ``DCPCPUMLAImpl.__init__`` before vLLM's ``MLAAttention``
+    builds its ``MLADCPManager``)."""
+    from vllm.v1.attention.ops import dcp as vllm_dcp
+
+    if getattr(vllm_dcp.MLADCPManager._init_combine, "_dcp2d", False):
+        return
+
+    def _init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp):
+        if use_pcp or self.use_a2a:
+            raise NotImplementedError("vllm_dcp2d's CPU MLA DCP combine supports dcp_comm_backend='ag_rs' without PCP")
+        return functools.partial(cp_lse_combine_torch, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e)
+
+    _init_combine._dcp2d = True
+    vllm_dcp.MLADCPManager._init_combine = _init_combine

@@ -1,0 +1,83 @@
+"""vLLM CPU MLA backend with decode context parallel (DCP) support.
+
+Registered over vLLM's ``CPU_MLA`` by :func:`vllm_dcp2d.vllm_compat.attention.register`.
+With ``dcp_world_size == 1`` it is the stock ``CPUMLAImpl``. With DCP > 1 vLLM's
+shared MLA code (``MLAAttention.forward_impl``) does the DCP choreography: it
+all-gathers the absorbed decode queries over the DCP group, calls
+:meth:`DCPCPUMLAImpl.forward_mqa` (latent attention over this rank's pages,
+returning the LSE), then combines the ranks' partials with
+``MLADCPManager.combine``, which ``vllm_compat.attention`` points at the torch
+merge (vLLM's is a Triton kernel, unusable on CPU).
+
+Limits (raised, not silently wrong): one query token per decode request (no
+speculative decode), and prefills without cached context (the CPU platform
+turns chunked prefill and prefix caching off for MLA on non-AMX CPUs; on AMX
+CPUs pass ``enable_chunked_prefill=False, enable_prefix_caching=False``): vLLM's
+DCP context gather for MLA prefill uses CUDA ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+from vllm_dcp2d.attention.paged import paged_attention_lse, plain_layout
+from vllm_dcp2d.vllm_compat.attention import install_mla_dcp_combine
+
+__all__ = ["DCPCPUMLABackend", "DCPCPUMLAImpl"]
+
+
+class DCPCPUMLAImpl(CPUMLAImpl):
+    can_return_lse_for_decode = True
+    supports_dcp = True
+    lse_base_on_e = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        # AttentionImplBase.__new__ set the DCP size; CPUMLAImpl.__init__ forces 1.
+        dcp_size, dcp_rank = self.dcp_world_size, self.dcp_rank
+        super().__init__(*args, **kwargs)
+        if dcp_size == 1:
+            return
+        self.dcp_world_size, self.dcp_rank = dcp_size, dcp_rank
+        self.total_cp_world_size, self.total_cp_rank = dcp_size, dcp_rank
+        self.need_to_return_lse_for_decode = True
+        self.cp_kv_cache_interleave_size = (
+            get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size)
+        install_mla_dcp_combine()
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        """Called by ``MLAAttention.forward_impl`` for the decode tokens of a step.
+
+        q: ``[B, Hg, L + R]`` (or a ``(q_nope [B, Hg, L], q_pe [B, Hg, R])`` tuple),
+        the absorbed queries of all ``Hg`` heads of the DCP group; kv_c_and_k_pe_cache:
+        ``[num_blocks, block_size, L + R]`` (this rank's pages). Returns
+        ``(o [B, Hg, L] in q.dtype, lse [B, Hg] float32)`` over the local pages;
+        with DCP == 1, the stock kernel's ``(o, None)``.
+        """
+        if self.dcp_world_size == 1:
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        dec = attn_metadata.decode
+        b = q.shape[0]
+        if dec.seq_lens.shape[0] != b:
+            raise NotImplementedError(
+                f"DCP MLA on CPU takes one query token per decode request, got {b} tokens "
+                f"for {dec.seq_lens.shape[0]} requests")
+        nb, bs, dk = kv_c_and_k_pe_cache.shape
+        pages = kv_c_and_k_pe_cache.view(nb, 1, bs * dk)
+        layout = plain_layout(bs, dk, device=q.device)  # the MLA writer stores rows as-is
+        qsl = torch.arange(b + 1, device=q.device)
+        # dec.seq_lens are this rank's local lengths under DCP (MLA metadata builder).
+        o, lse = paged_attention_lse(q, pages, pages, layout, layout[:, : self.kv_lora_rank],
+                                     dec.block_table, dec.seq_lens, qsl, self.scale)
+        return o.to(q.dtype), lse
+
+
+class DCPCPUMLABackend(CPUMLABackend):
+    """``CPU_MLA`` with DCP; keeps the name ``CPU_MLA``."""
+
+    @staticmethod
+    def get_impl_cls() -> type[DCPCPUMLAImpl]:
+        return DCPCPUMLAImpl
