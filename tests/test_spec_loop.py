@@ -13,15 +13,17 @@ import pytest
 import torch
 
 from _prefill_group import run_group
-from _spec_model import POISON, make_weights, prompts_for, reference_greedy
-from _spec_workers import spec_decode
+from _spec_model import POISON, forward, make_weights, prompts_for, reference_greedy
+from _spec_workers import pools, spec_decode
 from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
 from vllm_dcp2d.prefill.forward import TinyConfig
+from vllm_dcp2d.spec_decode import dcp_disabled
 
 CFG = TinyConfig(num_layers=2, hidden=16, num_heads=2, head_dim=8, ffn=32, vocab=48, max_len=64)
 ARGS = dict(cfg=CFG, seed=2, batch=3, max_prompt=12, k=4, gen_len=16, page_size=4)
 N = 2
 CASES = ("clean", "corrupt")
+PROMPTS = prompts_for(ARGS["seed"], ARGS["batch"], CFG.vocab, ARGS["max_prompt"])
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -38,9 +40,8 @@ def ranks():
 def reference(ranks):
     """Per request: (greedy tokens, KV of all but the last), long enough for both cases."""
     w = make_weights(CFG, ARGS["seed"])
-    prompts = prompts_for(ARGS["seed"], ARGS["batch"], CFG.vocab, ARGS["max_prompt"])
     out = []
-    for b, p in enumerate(prompts):
+    for b, p in enumerate(PROMPTS):
         n = max(len(ranks[0][c]["tokens"][b]) for c in CASES) - len(p)
         seq, kv = reference_greedy(w, CFG, torch.as_tensor(p), n)
         out.append((seq.numpy(), kv.numpy()))
@@ -56,8 +57,7 @@ def test_tokens_equal_plain_greedy(ranks, reference, case):
     for r in range(N):
         for b, (seq, _) in enumerate(reference):
             got = ranks[r][case]["tokens"][b]
-            assert len(got) - len(prompts_for(ARGS["seed"], ARGS["batch"], CFG.vocab, ARGS["max_prompt"])[b]) \
-                >= ARGS["gen_len"]
+            assert len(got) - len(PROMPTS[b]) >= ARGS["gen_len"]
             np.testing.assert_array_equal(got, seq[: len(got)], err_msg=f"{case} rank {r} request {b}")
 
 
@@ -78,8 +78,7 @@ def test_ranks_draft_verify_and_accept_identically(ranks):
 
 def test_divergent_rank_commits_the_agreed_prefix(ranks):
     runs = [res["corrupt"] for res in ranks]
-    for key in ("accepted",):
-        assert [a.tobytes() for a in _steps(runs[0], key)] == [a.tobytes() for a in _steps(runs[1], key)]
+    assert [a.tobytes() for a in _steps(runs[0], "accepted")] == [a.tobytes() for a in _steps(runs[1], "accepted")]
     local = np.stack([np.stack(_steps(r, "local")) for r in runs])  # [N, steps, B]
     np.testing.assert_array_equal(local.min(0), np.stack(_steps(runs[0], "accepted")))
     assert (local[0] != local[1]).any(), "the corrupted drafts never changed rank 1's acceptance"
@@ -137,3 +136,21 @@ def test_single_rank_loop_equals_plain_greedy():
     for b, p in enumerate(prompts):
         seq, _ = reference_greedy(w, CFG, torch.as_tensor(p), len(res["tokens"][b]) - len(p))
         np.testing.assert_array_equal(res["tokens"][b], seq.numpy())
+
+
+def test_attention_refuses_a_pool_sharded_differently_from_the_effective_dcp():
+    """The draft pool is unsharded: a draft forward outside dcp_disabled() (DCP=2
+    here) fails before any collective; the target's sharded pool fails inside it."""
+    class TwoRanks(_OneRank):
+        world_size = 2
+
+        def all_gather(self, x, dim=-1):
+            raise AssertionError("no collective may run")
+
+    w = make_weights(CFG, 0)
+    target, draft = pools(CFG, 1, 4, TwoRanks())
+    ids, lens, ctx = torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([0])
+    with pytest.raises(ValueError, match="sharded over 1 ranks but attention runs at DCP=2"):
+        forward(w, CFG, 1, ids, lens, ctx, draft, TwoRanks())
+    with pytest.raises(ValueError, match="sharded over 2 ranks but attention runs at DCP=1"), dcp_disabled():
+        forward(w, CFG, 1, ids, lens, ctx, target, TwoRanks())

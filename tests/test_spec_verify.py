@@ -1,0 +1,138 @@
+"""Greedy verification and the agreed accepted prefix (in-process; ranks are threads)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_dcp2d.spec_decode import accept_greedy, agree_accepted_prefix, kv_commit_mask, verify_greedy
+
+
+class ThreadGroup:
+    """Rank ``rank`` of ``n`` threads sharing ``slots``: all_gather like vLLM's
+    GroupCoordinator. A rank that skips a collective breaks the barrier (timeout)."""
+
+    def __init__(self, rank, n, slots, barrier):
+        self.world_size, self.rank_in_group = n, rank
+        self.slots, self.barrier = slots, barrier
+        self.calls = 0
+
+    def all_gather(self, x, dim=-1):
+        self.calls += 1
+        self.slots[self.rank_in_group] = x.clone()
+        self.barrier.wait()
+        out = torch.cat(list(self.slots), dim=dim)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return out
+
+
+def run_ranks(fn, inputs):
+    """``fn(x, group)`` on one thread per entry of ``inputs``; returns (results, errors, calls)."""
+    n = len(inputs)
+    slots, barrier = [None] * n, threading.Barrier(n, timeout=10)
+    groups = [ThreadGroup(r, n, slots, barrier) for r in range(n)]
+    results, errors = [None] * n, [None] * n
+
+    def body(r):
+        try:
+            results[r] = fn(inputs[r], groups[r])
+        except Exception as e:  # noqa: BLE001 - reported per rank
+            errors[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results, errors, [g.calls for g in groups]
+
+
+def _loop_accept(draft, target):
+    acc, nxt = [], []
+    for d, t in zip(draft.tolist(), target.tolist()):
+        a = 0
+        while a < len(d) and d[a] == t[a]:
+            a += 1
+        acc.append(a)
+        nxt.append(t[a])
+    return acc, nxt
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 6), st.integers(1, 3), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.int64, torch.int32]))
+def test_accept_greedy_matches_a_loop(b, k, vocab, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.randint(0, vocab, (b, k), generator=g, dtype=dtype)
+    target = torch.randint(0, vocab, (b, k + 1), generator=g, dtype=dtype)
+    acc, nxt = accept_greedy(draft, target)
+    assert acc.dtype == nxt.dtype == torch.int64
+    assert (acc.tolist(), nxt.tolist()) == _loop_accept(draft, target)
+
+
+def test_accept_greedy_examples_and_errors():
+    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
+    target = torch.tensor([[5, 6, 7, 9], [5, 0, 7, 9], [0, 2, 3, 4]])
+    acc, nxt = accept_greedy(draft, target)
+    assert acc.tolist() == [3, 1, 0] and nxt.tolist() == [9, 0, 0]  # a later match after a miss never counts
+    with pytest.raises(ValueError, match=r"\[B, K \+ 1\]"):
+        accept_greedy(draft, target[:, :3])
+    with pytest.raises(ValueError, match="integer token ids"):
+        accept_greedy(draft.float(), target)
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        accept_greedy(draft[0], target)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda n: st.lists(
+    st.lists(st.integers(0, 5), min_size=0, max_size=5), min_size=n, max_size=n)))
+def test_agreed_prefix_is_the_padded_min_on_every_rank(per_rank):
+    """Ranks may disagree, even on the batch size: a request one rank lacks gets 0."""
+    inputs = [torch.tensor(a, dtype=torch.int64) for a in per_rank]
+    results, errors, calls = run_ranks(agree_accepted_prefix, inputs)
+    assert errors == [None] * len(inputs)
+    width = max(len(a) for a in per_rank)
+    padded = np.zeros((len(per_rank), width), dtype=np.int64)
+    for r, a in enumerate(per_rank):
+        padded[r, : len(a)] = a
+    mins = padded.min(0) if width else padded.sum(0)
+    for r, res in enumerate(results):
+        assert res.dtype == torch.int64 and res.tolist() == mins[: len(per_rank[r])].tolist()
+    assert len(set(calls)) == 1  # the same collectives on every rank
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1, -1]), torch.tensor([[1, 2]]), torch.tensor([1.0, 2.0])])
+def test_an_invalid_rank_makes_every_rank_raise_without_hanging(bad):
+    inputs = [torch.tensor([2, 3]), bad, torch.tensor([1, 1])]
+    results, errors, calls = run_ranks(agree_accepted_prefix, inputs)
+    assert all(isinstance(e, ValueError) and "rank(s) [1]" in str(e) for e in errors), errors
+    assert calls == [1, 1, 1]
+    # The group is still usable: the next step's agreement works.
+    results, errors, _ = run_ranks(agree_accepted_prefix, [torch.tensor([2, 3])] * 3)
+    assert errors == [None] * 3 and all(r.tolist() == [2, 3] for r in results)
+
+
+def test_verify_greedy_commits_the_agreed_prefix():
+    """Rank 1's draft diverges at index 1: it accepts 1, rank 0 accepts 3; both
+    commit 1 token plus target_tokens[:, 1], which both computed identically."""
+    target = torch.tensor([[4, 5, 6, 7]])
+    drafts = [torch.tensor([[4, 5, 6]]), torch.tensor([[4, 9, 6]])]
+    results, errors, _ = run_ranks(lambda d, g: verify_greedy(d, target, g), drafts)
+    assert errors == [None, None]
+    for (acc, nxt, local), want_local in zip(results, ([3], [1])):
+        assert acc.tolist() == [1] and nxt.tolist() == [5] and local.tolist() == want_local
+
+
+def test_kv_commit_mask():
+    m = kv_commit_mask(torch.tensor([0, 2, 3]), 4)
+    assert m.tolist() == [[True, False, False, False], [True, True, True, False], [True] * 4]
+    with pytest.raises(ValueError, match="num_inputs=4"):
+        kv_commit_mask(torch.tensor([4]), 4)
+    with pytest.raises(ValueError, match=">= 0"):
+        kv_commit_mask(torch.tensor([-1]), 4)
