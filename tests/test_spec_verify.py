@@ -136,3 +136,9 @@ def test_kv_commit_mask():
         kv_commit_mask(torch.tensor([4]), 4)
     with pytest.raises(ValueError, match=">= 0"):
         kv_commit_mask(torch.tensor([-1]), 4)
+
+
+def test_non_tensor_input_still_joins_and_raises():
+    results, errors, calls = run_ranks(agree_accepted_prefix, [torch.tensor([1]), [1]])
+    assert all(isinstance(e, ValueError) for e in errors) and "torch.Tensor" in str(errors[1])
+    assert calls == [1, 1]

@@ -12,7 +12,7 @@ shard: inside ``with dcp_disabled():`` (or a function decorated with
 ``@dcp_disabled()``) the answer is 1, i.e. attend over the local, full pool
 and merge nothing across ranks.
 
-Run ``python -m vllm_dcp2d.spec_decode.draft`` for the memory table.
+Run ``python -m vllm_dcp2d.spec_decode`` for the memory table (:func:`memory_table`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "effective_dcp_rank",
     "SpecKVBytes",
     "spec_kv_bytes",
+    "memory_table",
 ]
 
 # Depth of nested dcp_disabled() blocks in the current context. A ContextVar,
@@ -137,8 +138,9 @@ def spec_kv_bytes(
     )
 
 
-def _main() -> None:
-    """GLM-5.2 (78 layers, 576 B/token/layer, 64-token pages): per-rank GB."""
+def memory_table() -> None:
+    """Print :func:`spec_kv_bytes` for GLM-5.2 (78 layers, 576 B/token/layer, 64-token
+    pages), per rank, in GB: a 1-layer MTP draft, and a draft as deep as the target."""
     print(f"{'seq':>7} {'dcp':>3} {'draft_layers':>12} {'target_shard_GB':>15} "
           f"{'draft_pool_GB':>13} {'full_target_GB':>14} {'draft/shard':>11}")
     for seq in (32768, 131072, 524288):
@@ -148,6 +150,3 @@ def _main() -> None:
                 print(f"{seq:>7} {dcp:>3} {dl:>12} {m.target_shard / 1e9:>15.3f} {m.draft_pool / 1e9:>13.3f} "
                       f"{m.full_target / 1e9:>14.3f} {m.draft_pool / m.target_shard:>11.3f}")
 
-
-if __name__ == "__main__":
-    _main()

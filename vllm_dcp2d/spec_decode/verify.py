@@ -6,7 +6,10 @@ same logits on every rank, so greedy acceptance is the same on every rank.
 :func:`agree_accepted_prefix` still reduces the accepted counts to their MIN
 over the group before anything is committed: should one rank's drafts or
 logits differ (a bug, a corrupted buffer), every rank still commits the
-same number of tokens and the sharded KV pool stays consistent.
+same number of tokens and the sharded KV pool stays consistent. The
+committed tokens are the same too: target outputs up to the first draft index
+where ranks differ come from identical inputs, and at that index at most one
+of the differing drafts matches the target, so the MIN stops there or before.
 
 Verification of request ``b`` feeds ``K + 1`` tokens: its pending last token,
 then ``draft_tokens[b]``; ``target_tokens[b, i]`` is the target's greedy
@@ -75,11 +78,11 @@ def agree_accepted_prefix(accepted: torch.Tensor, group: Group) -> torch.Tensor:
     try:
         counts, invalid = _counts(accepted), None
     except ValueError as e:
-        counts, invalid = torch.zeros(0, dtype=torch.int64, device=accepted.device), e
+        counts, invalid = torch.zeros(0, dtype=torch.int64, device=getattr(accepted, "device", "cpu")), e
     if group.world_size == 1:
         if invalid:
             raise invalid
-        return counts
+        return counts.clone()
     size = torch.tensor([-1 if invalid else counts.numel()], dtype=torch.int64, device=counts.device)
     sizes = group.all_gather(size, dim=0)  # [N]
     bad = (sizes < 0).nonzero().flatten().tolist()
