@@ -92,13 +92,13 @@ def test_target_shards_equal_reference_page_by_page(ranks, reference, case):
     """Page ``i`` of request ``b`` is virtual page ``g = b * pages_per_req + i``,
     on rank ``g % N`` at slot ``g // N``; only committed tokens were written."""
     ps = ARGS["page_size"]
-    pools = [res[case]["target_kv"] for res in ranks]  # [L, 2, slots, H, ps, Dh] per rank
-    pages_per_req = pools[0].shape[2] * N // ARGS["batch"]
+    shards = [res[case]["target_kv"] for res in ranks]  # [L, 2, slots, H, ps, Dh] per rank
+    pages_per_req = shards[0].shape[2] * N // ARGS["batch"]
     kv_len = ranks[0][case]["kv_len"]
     for b, (_, ref) in enumerate(reference):  # ref [L, 2, S - 1, H, Dh]
         for i in range(pages_per_req):
             g = b * pages_per_req + i
-            page = pools[dcp_page_owner(g, N)][:, :, dcp_local_slot(g, N)]  # [L, 2, H, ps, Dh]
+            page = shards[dcp_page_owner(g, N)][:, :, dcp_local_slot(g, N)]  # [L, 2, H, ps, Dh]
             n = int(np.clip(kv_len[b] - i * ps, 0, ps))
             want = np.full_like(page, POISON)
             want[:, :, :, :n] = ref[:, :, i * ps: i * ps + n].transpose(0, 1, 3, 2, 4)
@@ -109,14 +109,15 @@ def test_draft_pool_is_full_and_replicated(ranks, reference):
     """The draft pool holds every page of every request on every rank (clean case):
     the draft layer's KV, equal to the target's first layer, up to draft_len."""
     ps = ARGS["page_size"]
-    pools = [res["clean"]["draft_kv"] for res in ranks]  # [1, 2, slots, H, ps, Dh]
-    assert pools[0].tobytes() == pools[1].tobytes()
-    pages_per_req = pools[0].shape[2] // ARGS["batch"]
+    replicas = [res["clean"]["draft_kv"] for res in ranks]  # [1, 2, slots, H, ps, Dh]
+    assert replicas[0].tobytes() == replicas[1].tobytes()
+    pages_per_req = replicas[0].shape[2] // ARGS["batch"]
     assert pages_per_req * ps >= CFG.max_len
     for b, (_, ref) in enumerate(reference):
         n = int(ranks[0]["clean"]["draft_len"][b])
-        pages = pools[0][0, :, b * pages_per_req: (b + 1) * pages_per_req]  # [2, pages, H, ps, Dh]
-        flat = pages.transpose(0, 1, 3, 2, 4).reshape(2, -1, *pages.shape[2:3], pages.shape[-1])
+        pages = replicas[0][0, :, b * pages_per_req: (b + 1) * pages_per_req]  # [2, pages, H, ps, Dh]
+        _, _, h, _, dh = pages.shape
+        flat = pages.transpose(0, 1, 3, 2, 4).reshape(2, -1, h, dh)  # [2, positions, H, Dh]
         np.testing.assert_array_equal(flat[:, :n], ref[0, :, :n])
 
 
