@@ -81,5 +81,46 @@ def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path):
     assert cap == 2 * ref_cap, (cap, ref_cap)
 
 
+def _run_plain(model: str, out: str) -> None:
+    """TP=1, in-process engine in the model's own dtype (bf16): the stock-kernel path."""
+    from vllm import LLM, SamplingParams
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    llm = LLM(model=model, block_size=BLOCK, distributed_executor_backend="uni", enforce_eager=True,
+              kv_cache_memory_bytes=KV_BYTES, max_model_len=1024, max_num_seqs=8, seed=0)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()["batch"]], sp, use_tqdm=False)
+    Path(out).write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                     "backend": AttentionBackendEnum.CPU_ATTN.get_path()}))
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_plugin_is_a_no_op_without_dcp(tmp_path):
+    """With DCP=1 the overriding backend and slot mapping must change nothing: same
+    tokens, bit for bit, as vLLM with general plugins disabled (VLLM_PLUGINS="")."""
+    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama", tmp_path / "model")
+    runs = {}
+    for name, plugins in (("plugin", None), ("stock", "")):
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("VLLM_PLUGINS", None)
+        if plugins is not None:
+            env["VLLM_PLUGINS"] = plugins
+        out = tmp_path / f"{name}.json"
+        proc = subprocess.run([sys.executable, __file__, "--plain", model, str(out)], env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, f"{name} engine failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+        runs[name] = json.loads(out.read_text())
+    assert runs["plugin"]["backend"] == "vllm_dcp2d.attention.backend.DCPCPUAttentionBackend"
+    assert runs["stock"]["backend"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    assert runs["plugin"]["tokens"] == runs["stock"]["tokens"]
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--plain":
+    _run_plain(sys.argv[2], sys.argv[3])
 if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "--run":
     _run_engine(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])
