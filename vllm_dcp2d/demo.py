@@ -136,9 +136,11 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
     env = {}
     if cpu:
         cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "4"]
-        if tp > 1:
-            cores = os.cpu_count() or 1
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp))
+        cores = os.cpu_count() or 1
+        # One core per TP rank (vLLM's "auto" binding refuses TP=2 on one NUMA node). TP=1 stays
+        # unbound: with "auto" its OpenMP threads pin every core and the connector's
+        # threads starve (measured: fetches never served on a 2-core machine).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp)) if tp > 1 else "nobind"
     return Process(name, cmd + list(args), port, log_dir / f"{name}.log", env)
 
 

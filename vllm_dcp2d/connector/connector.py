@@ -83,7 +83,9 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         """Sends happen from the sender's threads once a request's KV is complete;
-        see ``worker`` (layer pipelining) for why nothing is sent per layer here."""
+        see ``worker`` (layer pipelining) for why nothing is sent per layer here.
+        Checks that the layer's KV is still the memory registered with Mooncake."""
+        self._worker.check_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         """The sender reads the blocks of finished requests, which vLLM keeps

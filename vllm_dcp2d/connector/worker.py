@@ -80,6 +80,7 @@ class WorkerSide:
         self._loading: dict[str, tuple[str, list[int], int]] = {}  # remote id -> (req id, blocks, first page)
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
+        self._kv_ptrs: dict[str, int] = {}
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -88,6 +89,7 @@ class WorkerSide:
         (``{layer_name: tensor}``, see ``compat.kv_regions`` for the layouts).
         Registers the memory with Mooncake and starts this rank's sender/receiver."""
         regions, memory = compat.kv_regions(kv_caches, self.num_blocks)
+        self._kv_ptrs = {name: t.data_ptr() for name, t in kv_caches.items()}
         layers = np.sort(regions.layer_ids)
         if not np.array_equal(layers, np.arange(layers.size)):
             raise ValueError(f"KV layers must be 0..L-1, got {layers.tolist()}")
@@ -179,6 +181,13 @@ class WorkerSide:
                               reason=str(f.error), fetch_seconds=f.seconds)
         log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); reporting %d blocks as load errors",
                     req_id, self.dcp_rank, f.error, len(block_ids) - first_page // self.dcp_size)
+
+    def check_layer(self, layer_name: str, kv_layer) -> None:
+        """The KV of ``layer_name`` must still be the memory registered with Mooncake."""
+        ptr = self._kv_ptrs.get(layer_name)
+        if ptr is not None and kv_layer.data_ptr() != ptr:
+            raise RuntimeError(f"KV cache of {layer_name} moved from {ptr:#x} (registered with Mooncake) to "
+                               f"{kv_layer.data_ptr():#x}; transfers would write freed memory")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called by the model runner after ``get_finished``; returns and clears."""
