@@ -13,7 +13,8 @@ Limits (raised, not silently wrong): one query token per decode request (no
 speculative decode), and prefills without cached context (the CPU platform
 turns chunked prefill and prefix caching off for MLA on non-AMX CPUs; on AMX
 CPUs pass ``enable_chunked_prefill=False, enable_prefix_caching=False``): vLLM's
-DCP context gather for MLA prefill uses CUDA ops.
+DCP context gather for MLA prefill calls ``ops.cp_gather_cache``, which the CPU
+build of vLLM 0.32 lacks (``torch.ops._C_cache_ops`` has no ``cp_gather_cache``).
 """
 
 from __future__ import annotations
