@@ -18,6 +18,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 PAGE = 32
+SEND_TIMEOUT_S = 3.0
 
 
 def free_port() -> int:
@@ -40,12 +41,18 @@ def llm(tmp_path_factory):
     stats = root / "stats.jsonl"
     kv = KVTransferConfig(kv_connector="DCP2DConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"bootstrap_port": free_port(), "stats_file": str(stats),
-                                                     "transfer_timeout_s": 5.0, "prefill_wait_s": 0.5})
+                                                     "transfer_timeout_s": 5.0, "prefill_wait_s": 0.5,
+                                                     "send_timeout_s": SEND_TIMEOUT_S})
     engine = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
                  kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=4,
                  enable_prefix_caching=False, kv_transfer_config=kv)
     yield engine, stats
     del engine
+
+
+def free_blocks(engine) -> int:
+    """Free KV blocks of the in-process engine's scheduler."""
+    return engine.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 def greedy(n, params=None):
@@ -65,6 +72,7 @@ def records(path):
 @pytest.mark.timeout(300)
 def test_transfer_equals_local(llm):
     engine, stats = llm
+    free = free_blocks(engine)
     for name, ids in prompts().items():
         (local,) = engine.generate({"prompt_token_ids": ids}, greedy(8), use_tqdm=False)
         (pre,) = engine.generate({"prompt_token_ids": ids},
@@ -80,6 +88,37 @@ def test_transfer_equals_local(llm):
         assert new[0]["pages"] == pages and new[0]["layers"] == [0, 4]
         # 4 layers x pages x [2 KV heads, 32 tokens, 2*32] bf16
         assert new[0]["bytes"] == new[0]["naive_bytes"] == 4 * pages * 2 * PAGE * 64 * 2
+    engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)  # one more step: frees land
+    assert free_blocks(engine) == free  # producer freed after the fetch, consumer after decoding
+
+
+@pytest.mark.timeout(120)
+def test_loaded_kv_is_used(llm):
+    """Decode prompt B over the KV of prompt A (same length): the output follows A's KV."""
+    engine, _ = llm
+    a = prompts()["pages"]
+    b = [t + 1 for t in a]
+    (local_b,) = engine.generate({"prompt_token_ids": b}, greedy(8), use_tqdm=False)
+    (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
+    assert dec.outputs[0].token_ids != local_b.outputs[0].token_ids
+
+
+@pytest.mark.timeout(120)
+def test_producer_expiry_frees_blocks(llm):
+    """A prefill nobody fetches holds its blocks for send_timeout_s, then frees them."""
+    import time
+
+    engine, stats = llm
+    free = free_blocks(engine)
+    engine.generate({"prompt_token_ids": prompts()["pages"]}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    # Offline, the engine steps only inside generate(): this step hands the held blocks to the sender.
+    engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)
+    assert free_blocks(engine) == free - 4
+    time.sleep(SEND_TIMEOUT_S + 0.5)
+    engine.generate({"prompt_token_ids": [5]}, greedy(2), use_tqdm=False)  # steps the engine
+    assert free_blocks(engine) == free
+    assert records(stats)[-1]["event"] == "expired"
 
 
 @pytest.mark.timeout(120)
@@ -88,12 +127,12 @@ def test_expiry_recomputes(llm):
     engine, stats = llm
     ids = prompts()["pages"]
     (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
+    port = engine.llm_engine.vllm_config.kv_transfer_config.kv_connector_extra_config["bootstrap_port"]
     params = {"do_remote_prefill": True, "remote_request_id": "never-prefilled",
-              "remote_bootstrap_addr": engine.llm_engine.vllm_config.kv_transfer_config
-              .kv_connector_extra_config and
-              f"tcp://127.0.0.1:{engine.llm_engine.vllm_config.kv_transfer_config.kv_connector_extra_config['bootstrap_port']}",
-              "remote_engine_id": "x"}
+              "remote_bootstrap_addr": f"tcp://127.0.0.1:{port}", "remote_engine_id": "x"}
+    free = free_blocks(engine)
     (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids
+    assert free_blocks(engine) == free
     fails = [r for r in records(stats) if r.get("request_id") == "never-prefilled"]
-    assert fails and not fails[-1]["ok"]
+    assert fails and not fails[-1]["ok"]  # "not ready" from the producer after prefill_wait_s

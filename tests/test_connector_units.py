@@ -1,0 +1,94 @@
+"""Connector pieces without an engine: stats, KV regions of vLLM layouts, start-up checks."""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_dcp2d.connector.plan import plan_path  # noqa: E402
+from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile  # noqa: E402
+from vllm_dcp2d.vllm_compat import connector as compat  # noqa: E402
+
+
+def test_stats_aggregate_reduce_pickle():
+    a, b = DCP2DStats(), DCP2DStats()
+    a.record_path(0, 1, 100, 2, 0.5)
+    b.record_path(0, 1, 50, 1, 0.25)
+    b.record_path(1, 0, 7, 1, 0.0)
+    b.record_failed()
+    b.record_expired(2)
+    a.aggregate(pickle.loads(pickle.dumps(b)))
+    assert a.data["paths"]["0,1"] == {"transfers": 2, "bytes": 150, "descriptors": 3, "seconds": 0.75}
+    r = a.reduce()
+    assert (r["bytes"], r["transfers"], r["failed"], r["expired"]) == (157, 3, 1, 2)
+    assert r["path(0,1) bytes"] == 150 and r["path(1,0) ms"] == 0.0
+    snap = a.clone_and_reset()
+    assert a.is_empty() and not snap.is_empty() and snap.data["paths"]["1,0"]["bytes"] == 7
+    assert DCP2DStats(data=snap.to_dict()).reduce() == r
+    with pytest.raises(TypeError):
+        a.aggregate(object())
+
+
+def test_stats_file(tmp_path):
+    f = StatsFile(str(tmp_path / "s.jsonl"), "consumer", "e")
+    f.write(a=1)
+    f.write(a=2)
+    StatsFile("", "consumer", "e").write(a=3)  # disabled: no-op
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and '"a": 2' in lines[1] and '"side": "consumer"' in lines[0]
+
+
+def test_regions_cpu_layout_byte_exact():
+    """Planned descriptors on the CPU layout move exactly pages(d) of each layer."""
+    nb, h, bs, d = 8, 1, 4, 2
+    src = {f"model.layers.{i}.self_attn.attn": torch.arange(nb * h * bs * 2 * d, dtype=torch.int16).view(
+        nb, h, bs, 2 * d) + 1000 * i for i in range(3)}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    sreg, smem = compat.kv_regions(src, nb)
+    dreg, _ = compat.kv_regions(dst, nb)
+    assert len(smem) == 3 and sreg.page_bytes.tolist() == [h * bs * 2 * d * 2]
+    src_blocks, dst_blocks = np.array([5, 1, 6, 2, 7]), np.array([3, 0, 4])
+    desc = plan_path(sreg, src_blocks, [1, 2], dreg, dst_blocks, dcp_size=2, dcp_rank=0)
+    for s, t, n in zip(desc.src, desc.dst, desc.length):  # memmove stands in for Mooncake
+        ctypes.memmove(int(t), int(s), int(n))
+    names = list(src)
+    expect = {k: torch.zeros_like(v) for k, v in src.items()}
+    for layer in (1, 2):
+        for page in (0, 2, 4):  # the pages of DCP rank 0 land in local block page // 2
+            expect[names[layer]][dst_blocks[page // 2]] = src[names[layer]][src_blocks[page]]
+    for name in names:  # layer 0 is not this CP rank's; nothing else was touched
+        assert torch.equal(dst[name], expect[name]), name
+
+
+def test_regions_gpu_layout_two_regions():
+    t = torch.zeros(2, 6, 16, 2, 8, dtype=torch.bfloat16)  # [2, blocks, block, heads, head]
+    reg, mem = compat.kv_regions({"layers.0.attn": t}, 6)
+    assert reg.num_regions == 2 and reg.page_stride.tolist() == [16 * 2 * 8 * 2] * 2
+    assert reg.base[0, 1] - reg.base[0, 0] == t.stride(0) * 2 and mem == [(t.data_ptr(), t.numel() * 2)]
+    with pytest.raises(ValueError, match="expected \\[num_blocks=5"):
+        compat.kv_regions({"layers.0.attn": t}, 5)
+
+
+def test_interleave_check_says_what_to_set():
+    vc = NS(parallel_config=NS(decode_context_parallel_size=2, cp_kv_cache_interleave_size=1),
+            cache_config=NS(block_size=32))
+    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 32"):
+        compat.check_interleave(vc)
+    vc.parallel_config.cp_kv_cache_interleave_size = 32
+    compat.check_interleave(vc)
+    vc.parallel_config.decode_context_parallel_size = 1
+    vc.parallel_config.cp_kv_cache_interleave_size = 1
+    compat.check_interleave(vc)
+
+
+def test_kv_replicated():
+    mc = lambda mla, heads: NS(model_config=NS(use_mla=mla, get_total_num_kv_heads=lambda: heads))  # noqa: E731
+    assert compat.kv_replicated(mc(True, 4)) and compat.kv_replicated(mc(False, 1))
+    assert not compat.kv_replicated(mc(False, 2))
