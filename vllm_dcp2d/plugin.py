@@ -22,10 +22,7 @@ def register() -> None:
     # the factory refuses duplicates.
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_dcp2d.connector.connector", "DCP2DConnector")
-    try:  # TEMPORARY during parallel development; the lead removes this guard
-        from vllm_dcp2d.vllm_compat import attention
-    except ModuleNotFoundError as e:
-        logger.warning("vllm_dcp2d: attention backend not available yet: %s", e)
-        return
+    from vllm_dcp2d.vllm_compat import attention
+
     attention.register()
     logger.debug("vllm_dcp2d registered %s and the DCP attention backend", CONNECTOR_NAME)
