@@ -18,10 +18,10 @@ CONNECTOR_NAME = "DCP2DConnector"
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    # register() may run twice in one process (in-process engine + CLI);
-    # the factory refuses duplicates.
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+    try:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_dcp2d.connector.connector", "DCP2DConnector")
+    except ValueError:
+        pass  # already registered: register() can run twice in one process (in-process engine + CLI)
     from vllm_dcp2d.vllm_compat import attention
 
     attention.register()

@@ -57,13 +57,13 @@ def register() -> None:
     """Install the DCP attention support into this process's vLLM (idempotent).
 
     Called by ``vllm_dcp2d.plugin.register`` in every vLLM process (front end,
-    engine core, workers) before backends are resolved. Raises ``RuntimeError``
-    when vLLM is not the version this module was written against.
+    engine core, workers) before backends are resolved. On CPU, raises
+    ``RuntimeError`` when vLLM is not the version these patches were written
+    against; elsewhere nothing is patched, so any version is accepted.
     """
     global _registered
     if _registered:
         return
-    check_vllm_version()
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -71,6 +71,7 @@ def register() -> None:
         logger.debug("vllm_dcp2d: not a CPU platform, DCP attention left to vLLM")
         _registered = True
         return
+    check_vllm_version()
     from vllm.utils import cpu_triton_utils
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
