@@ -57,8 +57,17 @@ def test_consumer_load_spec_and_one_shot():
     spec = meta.loads["r"]
     assert (spec.remote_request_id, spec.bootstrap_addr, spec.remote_engine_id) == ("p-1", "tcp://h:1", "pe")
     assert spec.block_ids == [7, 3, 9, 1] and spec.first_page == 2 and spec.num_pages == 4
+    assert spec.timeout_s == 60.0
     assert params["do_remote_prefill"] is False          # a preempted request recomputes locally
     assert s.build_connector_meta(sched_out()).loads == {}  # handed over once
+
+
+@pytest.mark.parametrize("given,used", [(4, 4.0), (0.5, 0.5), (-1, 60.0), ("5", 60.0), (True, 60.0)])
+def test_consumer_per_request_timeout(given, used):
+    s = side(consumer=True)
+    s.update_state_after_alloc(request(params=dict(REMOTE, transfer_timeout_s=given)),
+                               NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
+    assert s.build_connector_meta(sched_out()).loads["r"].timeout_s == used
 
 
 def test_consumer_bad_params_prefill_locally():

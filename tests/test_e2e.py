@@ -58,12 +58,13 @@ def cluster(tmp_path_factory):
     stats = work / "stats.jsonl"
     common = {"stats_file": str(stats)}
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE,
-                          extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 60.0})
+                          extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=E2E_DCP,
-                         block_size=PAGE, extra_config={**common, "transfer_timeout_s": 60.0})
+                         block_size=PAGE, extra_config={**common, "transfer_timeout_s": 300.0,
+                                                        "prefill_wait_s": 120.0})
     decode1 = vllm_server("decode1", model, free_port(), work, role="kv_consumer", tp=2, block_size=PAGE,
                           failure_policy="recompute",
-                          extra_config={**common, "transfer_timeout_s": EXPIRY_S, "prefill_wait_s": 60.0})
+                          extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy")
     proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1")
     procs = [prefill, decode, decode1, proxy, proxy1]
@@ -163,15 +164,18 @@ def test_streaming(cluster):
 
 @pytest.mark.timeout(600)
 def test_decode_expiry_recomputes(cluster):
-    """KV that never arrives: after transfer_timeout_s the fetch expires, its blocks
+    """KV that never arrives: after its transfer_timeout_s the fetch expires, its blocks
     are reported as load errors and decode1 (policy "recompute") prefills locally."""
     c = cluster
     prompt = ids(2 * PAGE + 3, 9)
     ref = complete(c["prefill"].url, c["model"], prompt)
     boot = [a for a in c["prefill"].cmd if "bootstrap_port" in a][0]
     port = __import__("json").loads(boot)["kv_connector_extra_config"]["bootstrap_port"]
+    # the producer holds an unknown request for prefill_wait_s (120 s): only the
+    # request's own transfer_timeout_s can end this fetch
     params = {"do_remote_prefill": True, "remote_request_id": "never-prefilled",
-              "remote_bootstrap_addr": f"tcp://127.0.0.1:{port}", "remote_engine_id": "none"}
+              "remote_bootstrap_addr": f"tcp://127.0.0.1:{port}", "remote_engine_id": "none",
+              "transfer_timeout_s": EXPIRY_S}
     t0 = time.monotonic()
     out = complete(c["decode1"].url, c["model"], prompt, kv_transfer_params=params)
     elapsed = time.monotonic() - t0

@@ -42,7 +42,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "transfer_timeout_s": ("consumer", "Decode-side expiry: seconds from the decode worker asking for "
                            "a request's KV until all of it must have arrived. Past it the request's "
                            "blocks are reported as load errors, so `kv_load_failure_policy` decides: "
-                           "`\"fail\"` ends the request with an error, `\"recompute\"` prefills it locally."),
+                           "`\"fail\"` ends the request with an error, `\"recompute\"` prefills it locally. "
+                           "A request's `kv_transfer_params` may carry its own `transfer_timeout_s`."),
     "send_timeout_s": ("producer", "Prefill-side expiry: seconds a finished request's KV blocks are "
                        "held for decode ranks that have not fetched their pages; then they are freed."),
     "prefill_wait_s": ("consumer", "How long a prefill rank may hold a decode rank's transfer request "

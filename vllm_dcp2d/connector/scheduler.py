@@ -61,6 +61,8 @@ class LoadSpec:
                        (with DCP, one block per ``dcp_size`` pages).
     first_page:        first page to fetch (earlier ones are cached locally).
     num_pages:         pages of the prompt, ``cdiv(num_prompt_tokens, page_size)``.
+    timeout_s:         deadline of the fetch: ``transfer_timeout_s`` from the request's
+                       ``kv_transfer_params`` if given (a router's per-request budget), else the config's.
     """
 
     remote_request_id: str
@@ -69,6 +71,7 @@ class LoadSpec:
     block_ids: list[int]
     first_page: int
     num_pages: int
+    timeout_s: float
 
 
 @dataclass
@@ -133,6 +136,11 @@ class SchedulerSide:
             # Fully cached here; the producer still holds blocks until its
             # send_timeout_s, since nobody will fetch them.
             return
+        timeout = params.get("transfer_timeout_s", self.cfg.transfer_timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            log.warning("request %s: kv_transfer_params['transfer_timeout_s'] = %r is not seconds in (0, 86400]; "
+                        "using %s", request.request_id, timeout, self.cfg.transfer_timeout_s)
+            timeout = self.cfg.transfer_timeout_s
         num_tokens = request.num_prompt_tokens
         self._loads[request.request_id] = LoadSpec(
             remote_request_id=str(params["remote_request_id"]),
@@ -140,7 +148,7 @@ class SchedulerSide:
             remote_engine_id=str(params["remote_engine_id"]),
             block_ids=list(compat.block_ids(blocks)),
             first_page=(num_tokens - num_external_tokens) // self.page_size,
-            num_pages=cdiv(num_tokens, self.page_size))
+            num_pages=cdiv(num_tokens, self.page_size), timeout_s=float(timeout))
 
     # -- both --------------------------------------------------------------------------------
 

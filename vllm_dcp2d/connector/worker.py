@@ -134,7 +134,8 @@ class WorkerSide:
             if self.receiver is None:
                 raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
             self._loading[spec.remote_request_id] = (req_id, spec.block_ids, spec.first_page)
-            self.receiver.start(spec.remote_request_id, spec.bootstrap_addr, spec.block_ids, spec.first_page)
+            self.receiver.start(spec.remote_request_id, spec.bootstrap_addr, spec.block_ids, spec.first_page,
+                                timeout_s=spec.timeout_s)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Called by the model runner after every step. Returns request ids whose
