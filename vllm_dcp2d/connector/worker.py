@@ -28,7 +28,9 @@ run on the sender's threads, overlapping the next requests' compute.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 
 import numpy as np
 
@@ -99,6 +101,10 @@ class WorkerSide:
             page_size=self.page_size, kv_dtype=str(first.dtype).removeprefix("torch."),
             page_bytes=int(regions.page_bytes.sum()),
             layout=f"{first.device.type}:{list(first.shape[1:])}")
+        with _unpinned():
+            self._start(regions, memory, fingerprint, int(layers.size))
+
+    def _start(self, regions, memory, fingerprint, num_layers: int) -> None:
         self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol)
         for addr, nbytes in memory:
             self.transport.register(addr, nbytes)
@@ -110,7 +116,7 @@ class WorkerSide:
                 self.sender = Sender(self.transport, regions, fingerprint, engine_id=self.engine_id,
                                      cp_rank=self.tp_rank, cp_size=self.cp_size, host=self.cfg.local_hostname,
                                      bootstrap=boot, expiry_s=self.cfg.send_timeout_s)
-                r = cp_layer_range(int(layers.size), self.cp_size, self.tp_rank)
+                r = cp_layer_range(num_layers, self.cp_size, self.tp_rank)
                 log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) via %s",
                          self.tp_rank, self.tp_rank, self.cp_size, r.start, r.stop, self.sender.address)
         if self.is_consumer:
@@ -208,3 +214,30 @@ class WorkerSide:
         if self.transport is not None:
             self.transport.close()
         self.receiver = self.sender = self.bootstrap = self.transport = None
+
+
+@contextlib.contextmanager
+def _unpinned():
+    """Let the threads started inside (Mooncake's engine, ZMQ's I/O thread, the
+    sender/receiver threads) run on every CPU of the machine.
+
+    vLLM's CPU worker pins its process to its OpenMP cores (e.g.
+    ``VLLM_CPU_OMP_THREADS_BIND="0|1"``: one core per TP rank), and new threads
+    inherit the creating thread's affinity. Pinned there, the connector's I/O
+    competed with the worker's spinning compute threads and, on a loaded 2-core
+    machine, a decode rank's ZMQ handshake with a prefill rank timed out. The
+    calling thread's own affinity is restored on exit.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    pinned = os.sched_getaffinity(0)  # pid 0: the calling thread
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # e.g. a cgroup cpuset narrower than cpu_count: keep the pinning
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
