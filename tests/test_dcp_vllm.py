@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _vllm_engine import run_engine
 
 BLOCK = 32
 KV_BYTES = 64 << 20
@@ -54,15 +54,8 @@ def _run_engine(model: str, dcp: int, out: str, dtype: str = "auto") -> None:
 
 def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> tuple[dict, int]:
     out = tmp / f"dcp{dcp}.json"
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    env.pop("TRITON_INTERPRET", None)  # engines take vLLM's own Triton decision
-    proc = subprocess.run([sys.executable, __file__, "--run", model, str(dcp), str(out), dtype], env=env,
-                          capture_output=True, text=True, timeout=400)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"DCP={dcp} engine failed:\n{log[-6000:]}"
-    cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert cap, f"no KV capacity line in the DCP={dcp} log"
-    return json.loads(out.read_text()), int(cap[0].replace(",", ""))
+    return run_engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="1")
 
 
 @pytest.mark.vllm

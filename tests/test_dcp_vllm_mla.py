@@ -16,13 +16,11 @@ could not tell a DCP bug from that noise.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _vllm_engine import run_engine
 
 BLOCK = 16
 
@@ -46,15 +44,7 @@ def _run_engine(model: str, dcp: int, out: str) -> None:
 
 def _engine(model: str, dcp: int, tmp: Path) -> tuple[list, int]:
     out = tmp / f"mla{dcp}.json"
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, __file__, "--run", model, str(dcp), str(out)], env=env,
-                          capture_output=True, text=True, timeout=400)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"DCP={dcp} MLA engine failed:\n{log[-6000:]}"
-    cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert cap, f"no KV capacity line in the DCP={dcp} log"
-    return json.loads(out.read_text()), int(cap[0].replace(",", ""))
+    return run_engine(__file__, [model, str(dcp), str(out)], out, f"DCP={dcp} MLA")
 
 
 @pytest.mark.vllm

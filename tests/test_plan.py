@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.connector.plan import Descriptors, KVRegions, merge_runs, plan_path, plan_request
+from vllm_dcp2d.connector.plan import Descriptors, KVRegions, plan_path, plan_request
 from vllm_dcp2d.layout import cdiv, cp_layer_owner, cp_layer_range
 
 ARENA = 1 << 32  # arena k owns fake addresses [k * ARENA, (k + 1) * ARENA)
@@ -137,11 +137,6 @@ def test_dcp_filter_exact_descriptors():
     assert desc.length.tolist() == [10, 10]
     # skipping a cached prefix of 2 pages leaves only page 3
     assert plan_path(src, [4, 3, 2, 1, 0], [0], dst, [7, 2, 9], 2, 1, first_page=2).src.tolist() == [1010]
-
-
-def test_merge_runs_needs_both_sides_contiguous():
-    d = merge_runs(np.array([0, 10, 20, 40]), np.array([100, 110, 125, 135]), np.array([10, 10, 10, 5]))
-    assert d.src.tolist() == [0, 20, 40] and d.length.tolist() == [20, 10, 5]
 
 
 def test_batches_split_and_keep_order():

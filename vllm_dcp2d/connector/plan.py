@@ -28,7 +28,7 @@ import numpy as np
 
 from vllm_dcp2d.layout import _check_rank, _check_size, cdiv, cp_layer_range, dcp_pages_for_rank
 
-__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request", "merge_runs"]
+__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request"]
 
 
 @dataclass(frozen=True)
@@ -123,17 +123,6 @@ class Descriptors:
         for s in range(0, len(self), max_entries):
             yield Descriptors(self.src[s:s + max_entries], self.dst[s:s + max_entries],
                               self.length[s:s + max_entries])
-
-
-def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Descriptors:
-    """Merge consecutive descriptors that are contiguous on both sides."""
-    if src.size == 0:
-        return Descriptors.empty()
-    end_src = src[:-1] + length[:-1]
-    end_dst = dst[:-1] + length[:-1]
-    brk = (src[1:] != end_src) | (dst[1:] != end_dst)
-    starts = np.flatnonzero(np.concatenate(([True], brk)))
-    return Descriptors(src[starts], dst[starts], np.add.reduceat(length, starts))
 
 
 def _check_compatible(src: KVRegions, dst: KVRegions) -> None:

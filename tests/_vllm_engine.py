@@ -1,0 +1,25 @@
+"""Run a test module's vLLM engine in a subprocess (TP workers are spawned, so
+each engine needs its own ``__main__``) and read back its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_engine(script: str, args: list[str], out: Path, label: str, **env_extra: str) -> tuple:
+    """``python script --run *args`` with TP=2 core binding; returns
+    ``(json written to out, KV capacity in tokens from vLLM's log)``."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", **env_extra)
+    env.pop("TRITON_INTERPRET", None)  # engines take vLLM's own Triton decision
+    proc = subprocess.run([sys.executable, script, "--run", *args], env=env,
+                          capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{label} engine failed:\n{log[-6000:]}"
+    cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    assert cap, f"no KV capacity line in the {label} log"
+    return json.loads(out.read_text()), int(cap[0].replace(",", ""))
