@@ -16,8 +16,9 @@ def test_defaults():
 def test_all_keys():
     cfg = parse_extra_config({"bootstrap_host": "10.0.0.1", "bootstrap_port": 9000, "cp_size": 2,
                               "transfer_timeout_s": 5, "send_timeout_s": 7.5, "prefill_wait_s": 1,
-                              "protocol": "rdma", "local_hostname": "node1", "stats_file": "/tmp/s.jsonl"})
-    assert cfg.bootstrap_port == 9000 and cfg.cp_size == 2 and cfg.transfer_timeout_s == 5.0
+                              "protocol": "rdma", "local_hostname": "node1", "stats_file": "/tmp/s.jsonl",
+                              "cpu_poll_sleep_us": 0})
+    assert cfg.cpu_poll_sleep_us == 0 and cfg.bootstrap_port == 9000 and cfg.cp_size == 2 and cfg.transfer_timeout_s == 5.0
     assert isinstance(cfg.transfer_timeout_s, float) and cfg.protocol == "rdma"
 
 
@@ -39,6 +40,8 @@ def test_unknown_key_names_valid_ones():
     ("bootstrap_host", "", "non-empty string"),
     ("local_hostname", 3, "non-empty string"),
     ("stats_file", 1, "file path"),
+    ("cpu_poll_sleep_us", -1, r"int in \[0, 100000\] microseconds"),
+    ("cpu_poll_sleep_us", 0.5, "microseconds"),
 ])
 def test_bad_values(key, value, expect):
     with pytest.raises(ConfigError, match=expect) as e:

@@ -40,6 +40,7 @@ __all__ = ["BootstrapError", "BootstrapServer", "Waker", "request", "register_ra
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 POLL_S = 0.1  # how often background loops check their stop flag
+RESEND_S, RESEND_MAX_S = 1.0, 8.0  # an unanswered bootstrap message is sent again after 1, 2, 4, 8, 8, ... s
 
 
 class BootstrapError(RuntimeError):
@@ -53,6 +54,11 @@ def context() -> zmq.Context:
 def socket(kind: int) -> zmq.Socket:
     s = context().socket(kind)
     s.setsockopt(zmq.LINGER, 0)
+    # No ZMTP handshake deadline (ZMQ's default is 30 s): on an overloaded host a
+    # handshake can take longer, and ZMQ then drops the connection and reports it
+    # as lost. Every wait here has its own deadline; a dead peer closes its TCP
+    # connection, which the disconnect monitors see.
+    s.setsockopt(zmq.HANDSHAKE_IVL, 0)
     return s
 
 
@@ -118,16 +124,21 @@ def request(address: str, msg, expect, timeout_s: float):
 
 
 def _retry(what: str, server: str, timeout_s: float, attempt):
+    """Call ``attempt(seconds)`` until it returns a non-error reply. Each attempt
+    waits twice as long as the one before (1 s, 2 s, ... up to 8 s): with a fixed
+    short wait, a host too loaded to connect and answer within it never succeeds."""
     deadline = time.monotonic() + timeout_s
     last = "no attempt"
+    wait = RESEND_S
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise BootstrapError(f"{what} via {server} failed within {timeout_s:.1f}s: {last}")
         try:
-            reply = attempt(min(left, 1.0))
+            reply = attempt(min(left, wait))
         except BootstrapError as e:
             last = str(e)
+            wait = min(2 * wait, RESEND_MAX_S)
         else:
             if not isinstance(reply, Reply) or reply.ok:
                 return reply

@@ -28,6 +28,7 @@ class DCP2DConfig:
     protocol: str = "tcp"
     local_hostname: str = "127.0.0.1"
     stats_file: str = ""
+    cpu_poll_sleep_us: int = 200
 
 
 # key -> (role it matters to, doc). Order is the README's order.
@@ -55,6 +56,10 @@ KEYS: dict[str, tuple[str, str]] = {
     "stats_file": ("both", "If set, every worker appends one JSON line per transfer path and request "
                    "(`cp_rank`, `dcp_rank`, `bytes`, `descriptors`, `seconds`, `ok`) to this file; the "
                    "same figures also go to vLLM's periodic `KV Transfer metrics` log."),
+    "cpu_poll_sleep_us": ("both", "CPU hosts only: microseconds vLLM's shared-memory queues sleep between "
+                          "polls instead of spinning (their latency grows by at most this). Without it, "
+                          "every TP worker of an instance that holds or awaits KV spins a core, starving "
+                          "the transfers on small hosts. 0 keeps vLLM's spinning; ignored on GPU hosts."),
 }
 
 assert list(KEYS) == [f.name for f in fields(DCP2DConfig)]
@@ -100,6 +105,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
             v = extra[key]
             _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")
             extra[key] = float(v)
+    if "cpu_poll_sleep_us" in extra:
+        v = extra["cpu_poll_sleep_us"]
+        _expect("cpu_poll_sleep_us", v, _is_int(v) and 0 <= v <= 100_000, "an int in [0, 100000] microseconds")
     if "protocol" in extra:
         v = extra["protocol"]
         _expect("protocol", v, v in ("tcp", "rdma"), 'one of "tcp", "rdma"')

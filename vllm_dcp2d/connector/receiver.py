@@ -53,7 +53,6 @@ __all__ = ["Receiver", "Fetch", "FetchError"]
 
 log = logging.getLogger(__name__)
 QUERY_RETRY_S = 0.05   # bootstrap said "not all ranks registered yet"
-QUERY_RESEND_S = 1.0   # no answer from the bootstrap server: new socket, ask again
 
 
 class FetchError(RuntimeError):
@@ -110,6 +109,7 @@ class _Peer:
         self.waiting: list[Fetch] = []           # bootstrap: fetches waiting for the table
         self.table: RankTable | None = None
         self.asked = 0.0                         # bootstrap: when the last query went out (0 = none)
+        self.resend_s = bs.RESEND_S              # bootstrap: ask again after this long without an answer
         self.retry_at = 0.0
         self.last_reason = "no answer"
 
@@ -289,7 +289,7 @@ class Receiver:
             self._finish(f, None)
 
     def _read_table(self, boot: _Peer, payload: bytes):
-        boot.asked = 0.0
+        boot.asked, boot.resend_s = 0.0, bs.RESEND_S
         try:
             msg = decode(payload, (RankTable, Reply))
             if isinstance(msg, RankTable):
@@ -315,9 +315,11 @@ class Receiver:
             boot.waiting = [f for f in boot.waiting if f.request_id in self._active]
             if not boot.waiting or boot.table is not None:
                 continue
-            if boot.asked and now - boot.asked > QUERY_RESEND_S:
-                self._renew(boot)  # the server may be gone; a fresh socket drops stale queues
-                boot = self._boots[boot.address]
+            if boot.asked and now - boot.asked > boot.resend_s:
+                # No answer yet: ask again on the same socket (ZMQ reconnects to a
+                # restarted server by itself), waiting longer each time so that a
+                # slow, loaded server is not flooded; extra answers are harmless.
+                boot.asked, boot.resend_s = 0.0, min(2 * boot.resend_s, bs.RESEND_MAX_S)
             if not boot.asked and now >= boot.retry_at:
                 boot.sock.send(encode(QueryRanks(self.engine_id)))
                 boot.asked = now
@@ -330,12 +332,6 @@ class Receiver:
                 rank, why = pending[0], f"no outcome from cp ranks {pending}"
             self._finish(f, FetchError(f.request_id, rank, f"timed out after {now - f.started:.1f}s: {why}"),
                          peer_fault=True)
-
-    def _renew(self, boot: _Peer):
-        fresh = _Peer(boot.address, self._poller, True)
-        fresh.waiting = boot.waiting
-        boot.close(self._poller)
-        self._boots[boot.address] = fresh
 
     def _disconnected(self, p: _Peer) -> bool:
         hit = False

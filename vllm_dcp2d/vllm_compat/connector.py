@@ -9,6 +9,7 @@ parallel state and the KV cache tensor layouts of the CPU and GPU backends.
 from __future__ import annotations
 
 import inspect
+import time
 
 import numpy as np
 import torch
@@ -20,7 +21,8 @@ from vllm_dcp2d.connector.plan import KVRegions
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "base_init", "page_size",
            "block_ids", "request_block_ids", "scheduled_tokens", "finished_normally", "tp_rank_size",
-           "dcp_rank_size", "kv_replicated", "layer_index", "kv_regions", "check_interleave"]
+           "dcp_rank_size", "kv_replicated", "layer_index", "kv_regions", "check_interleave",
+           "sleep_between_shm_polls"]
 
 VLLM_TARGETS = ("0.32", "0.33")
 
@@ -151,3 +153,40 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[KVR
         raise ValueError("register_kv_caches got no KV cache tensors")
     regions = KVRegions(np.array(layers), np.array(bases), np.array(strides), np.array(nbytes))
     return regions, sorted(mem.items())
+
+
+def sleep_between_shm_polls(sleep_us: int) -> bool:
+    """On CPU, let vLLM's shared-memory message queues sleep ``sleep_us`` between
+    polls instead of spinning; returns True if installed.
+
+    Called once in every process that builds the connector (engine core and
+    each worker), before the first step. vLLM 0.32's ``MessageQueue`` readers
+    (TP workers waiting for the next step, the engine core waiting for their
+    outputs) spin on ``sched_yield`` for 1 s after every read. A producer that
+    holds finished requests for decode, or a consumer waiting for KV, steps
+    every few ms, so its workers never stop spinning: each one holds a core.
+    On a small CPU host that starves everything else, the connector's transfer
+    and side-channel threads first (measured on 2 cores with a prefill and a
+    decode instance at TP=2: a 4-descriptor Mooncake write took 146 ms instead
+    of 4 ms, fetches stalled past 60 s). A short sleep keeps the queue's
+    polling (and its latency, <= ``sleep_us``) and frees the core. GPU hosts
+    keep vLLM's spin: nothing is installed there, nor when ``sleep_us`` is 0.
+    """
+    from vllm.platforms import current_platform
+
+    if sleep_us <= 0 or not current_platform.is_cpu():
+        return False
+    from vllm_dcp2d.vllm_compat import check_vllm_version
+
+    check_vllm_version()
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    seconds = sleep_us / 1e6
+
+    def nap() -> None:
+        time.sleep(seconds)
+
+    # shm_broadcast looks up its module-level sched_yield at every poll
+    # (SpinCondition.wait and the writer's wait for readers).
+    shm_broadcast.sched_yield = nap
+    return True
