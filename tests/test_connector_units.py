@@ -92,3 +92,26 @@ def test_kv_replicated():
     mc = lambda mla, heads: NS(model_config=NS(use_mla=mla, get_total_num_kv_heads=lambda: heads))  # noqa: E731
     assert compat.kv_replicated(mc(True, 4)) and compat.kv_replicated(mc(False, 1))
     assert not compat.kv_replicated(mc(False, 2))
+
+
+@pytest.mark.timeout(240)
+def test_shm_polls_sleep_instead_of_spinning():
+    """cpu_poll_sleep_us: a vLLM shm-queue reader waiting within its busy window
+    uses a fraction of the CPU it spins away by default, and still gets every message."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def run(sleep_us: int) -> dict:
+        child = Path(__file__).with_name("_shm_poll.py")
+        p = subprocess.run([sys.executable, str(child), str(sleep_us)], capture_output=True, text=True,
+                           timeout=200)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    spin, nap = run(0), run(500)
+    assert (spin["installed"], nap["installed"]) == (False, True)
+    for r in (spin, nap):
+        assert r["first"] == "first" and r["second"] == {"second": [2]}
+    assert nap["cpu_s"] < 0.5 * spin["cpu_s"], (nap, spin)

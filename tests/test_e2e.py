@@ -1,22 +1,16 @@
 """End to end on CPU: prefill and decode ``vllm serve`` instances with the PD proxy.
 
 One prefill instance (tiny ``llama-mqa``, TP=2 = 2 layer-split CP ranks) serves
-two decode instances at once: ``decode`` (TP=2, DCP=``E2E_DCP``) and
+two decode instances at once: ``decode`` (TP=2, DCP=2) and
 ``decode1`` (TP=2, DCP=1: the one KV head is replicated, so both TP ranks fetch
 all pages; ``kv_load_failure_policy="recompute"``), each behind
 its own proxy. The prefill instance itself, asked without ``kv_transfer_params``,
 is the non-disaggregated reference. All on loopback, started once per module
-(~1-3 min on 2 cores) and always killed.
-
-``E2E_DCP`` is 2 when the plugin's DCP attention backend is installed
-(``vllm_dcp2d.vllm_compat.attention``), else 1 (decode TP=2 with the one KV
-head replicated: both TP ranks fetch all pages).
+(~1 min on 2 cores) and always killed.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 
 import pytest
@@ -26,15 +20,7 @@ from vllm_dcp2d.demo import free_port, post_json, proxy_server, read_stats, vllm
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
 
-pytestmark = [
-    pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc,
-    # Opt-in until it is reliable on a 2-core machine: under load a decode rank's
-    # ZMQ handshake with a prefill worker's side channel can stall for ZMQ's 30 s
-    # handshake interval (fetch_seconds 30.06, "connection lost"), failing the
-    # request. Passes on a quiet machine; see issue 6's notes.
-    pytest.mark.skipif(os.environ.get("DCP2D_E2E") != "1",
-                       reason="set DCP2D_E2E=1 to run the multi-server end-to-end tests (~3-5 min)"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
 PAGE = 32
 LAYERS = 4                # tiny llama-mqa
@@ -44,8 +30,7 @@ DTYPE = "float32"
 PAGE_BYTES = PAGE * 2 * 32 * 4  # 1 KV head x (K+V) x head_dim 32 x fp32, per token per layer
 MAX_TOKENS = 12
 EXPIRY_S = 4.0
-E2E_DCP = int(os.environ.get("DCP2D_E2E_DCP", "2" if importlib.util.find_spec(
-    "vllm_dcp2d.vllm_compat.attention") else "1"))
+DCP = 2
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -70,7 +55,7 @@ def cluster(tmp_path_factory):
     common = {"stats_file": str(stats)}
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE, dtype=DTYPE,
                           extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
-    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=E2E_DCP, dtype=DTYPE,
+    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, dtype=DTYPE,
                          block_size=PAGE, extra_config={**common, "transfer_timeout_s": 300.0,
                                                         "prefill_wait_s": 120.0})
     decode1 = vllm_server("decode1", model, free_port(), work, role="kv_consumer", tp=2, block_size=PAGE, dtype=DTYPE,
@@ -126,10 +111,10 @@ def check_paths(recs: list[dict], n_tokens: int, dcp: int, tp: int, first_page: 
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("which,tp,dcp", [("proxy", 2, E2E_DCP), ("proxy1", 2, 1)])
+@pytest.mark.parametrize("which,tp,dcp", [("proxy", 2, DCP), ("proxy1", 2, 1)])
 def test_proxy(cluster, which, tp, dcp):
     """Every prompt through the proxy: the bytes of every (cp_rank, dcp_rank) path equal
-    the plan's; with DCP=1 the greedy tokens equal the non-disaggregated instance's."""
+    the plan's, and the greedy tokens equal the non-disaggregated instance's."""
     c = cluster
     for name, prompt in PROMPTS.items():
         ref = complete(c["prefill"].url, c["model"], prompt)
@@ -137,16 +122,7 @@ def test_proxy(cluster, which, tp, dcp):
         out = complete(c[which].url, c["model"], prompt)
         recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
         check_paths(recs, len(prompt), dcp, tp, FIRST_PAGE[name])
-        if dcp == 1:
-            assert tokens(out) == tokens(ref), name
-
-
-@pytest.mark.skipif(E2E_DCP == 1, reason="decode runs with DCP=1 (no DCP attention backend installed)")
-def test_dcp2_greedy_equals_local(cluster):
-    c = cluster
-    for name, prompt in PROMPTS.items():
-        assert tokens(complete(c["proxy"].url, c["model"], prompt)) == \
-            tokens(complete(c["prefill"].url, c["model"], prompt)), name
+        assert tokens(out) == tokens(ref), name
 
 
 @pytest.mark.timeout(600)

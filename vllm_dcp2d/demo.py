@@ -250,6 +250,8 @@ def main(argv: list[str]) -> int:
                          extra_config={"stats_file": str(stats)})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work)
     procs = [prefill, decode, proxy]
+    # SIGTERM (timeout, CI cancel) unwinds like Ctrl-C, so the servers are stopped below.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         print(f"starting prefill (TP={args.prefill_tp}, layer-split CP={args.prefill_tp}) and decode "
               f"(TP={args.decode_tp}, DCP={args.decode_dcp}); logs in {work}")

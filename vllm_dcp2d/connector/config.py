@@ -28,7 +28,7 @@ class DCP2DConfig:
     protocol: str = "tcp"
     local_hostname: str = "127.0.0.1"
     stats_file: str = ""
-    cpu_poll_sleep_us: int = 200
+    cpu_poll_sleep_us: int = 500
 
 
 # key -> (role it matters to, doc). Order is the README's order.

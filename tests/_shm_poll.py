@@ -1,0 +1,36 @@
+"""Child of test_connector_units.test_shm_polls_sleep: one vLLM MessageQueue,
+reader in a thread; prints the reader's CPU seconds while it waits 0.6 s idle
+for the second message (argv[1]: cpu_poll_sleep_us, 0 = vLLM's spin)."""
+
+import json
+import sys
+import threading
+import time
+
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+from vllm_dcp2d.vllm_compat import connector as compat
+
+installed = compat.sleep_between_shm_polls(int(sys.argv[1]))
+writer = MessageQueue(1, 1)
+handle = writer.export_handle()
+out = {"installed": installed}
+
+
+def reader():
+    r = MessageQueue.create_from_handle(handle, 0)
+    r.wait_until_ready()
+    out["first"] = r.dequeue(timeout=30)
+    t0 = time.thread_time()
+    out["second"] = r.dequeue(timeout=30)
+    out["cpu_s"] = time.thread_time() - t0
+
+
+t = threading.Thread(target=reader)
+t.start()
+writer.wait_until_ready()
+writer.enqueue("first")
+time.sleep(0.6)  # within the reader's 1 s busy window: vLLM spins here
+writer.enqueue({"second": [2]})
+t.join(60)
+print(json.dumps(out))
