@@ -64,3 +64,11 @@ def test_table_documents_every_key():
     table = markdown_table()
     for key in KEYS:
         assert f"| `{key}` |" in table
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/connector.md"])
+def test_docs_hold_the_current_table(doc):
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / doc).read_text()
+    assert markdown_table() in text, f"regenerate the key table in {doc} from config.markdown_table()"
