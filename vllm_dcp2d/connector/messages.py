@@ -300,6 +300,7 @@ class TransferOutcome(_Message):
     nbytes, descriptors, batches: what was written (0 when failed before writing).
     naive_bytes:       what a full-sequence send to this rank would have moved.
     plan_s, write_s:   seconds spent planning and in Mooncake writes.
+    early_layers:      layers written while the prefill was still running (layer pipelining).
     """
 
     request_id: str
@@ -317,15 +318,20 @@ class TransferOutcome(_Message):
     naive_bytes: int
     plan_s: float
     write_s: float
+    early_layers: int = 0
 
     SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR), "cp_rank": _Int(0, 1 << 12),
               "cp_size": _Int(1, 1 << 12), "ok": _Bool(), "reason": _Str(4096, min_len=0),
               "layer_start": _Int(0, 1 << 16), "layer_end": _Int(0, 1 << 16),
               "num_pages": _Int(0, MAX_COUNT), "nbytes": _Int(0, MAX_COUNT),
               "descriptors": _Int(0, MAX_COUNT), "batches": _Int(0, MAX_COUNT),
-              "naive_bytes": _Int(0, MAX_COUNT), "plan_s": _SECONDS, "write_s": _SECONDS}
+              "naive_bytes": _Int(0, MAX_COUNT), "plan_s": _SECONDS, "write_s": _SECONDS,
+              "early_layers": _Int(0, 1 << 16)}
 
     def validate(self) -> None:
+        if self.early_layers > self.layer_end - self.layer_start:
+            raise MessageError(f"early_layers {self.early_layers} > layers sent "
+                               f"[{self.layer_start}, {self.layer_end})")
         if self.cp_rank >= self.cp_size:
             raise MessageError(f"cp_rank must be in [0, cp_size={self.cp_size}), got {self.cp_rank}")
         if self.layer_end < self.layer_start:

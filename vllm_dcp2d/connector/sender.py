@@ -9,8 +9,11 @@ rank's ROUTER socket. For each one the sender checks the fingerprint, plans
 and answers a ``TransferOutcome``.
 
 A request whose id is not known yet (prefill still running) is held for the
-request's ``wait_s`` seconds and served as soon as ``add_request`` arrives;
-after that it fails with "not ready". A request is finished, and reported by
+request's ``wait_s`` seconds. While it is held, ``layer_ready`` (called by the
+prefill worker from ``save_kv_layer``, right after a layer's KV is computed)
+writes that layer to it at once: the layer-pipelined transfer. ``add_request``
+then writes the layers not written yet and answers; past ``wait_s`` the held
+request fails with "not ready". A request is finished, and reported by
 ``pop_finished``, when ``consumer_size`` distinct consumer ranks of one
 consumer engine got their pages; one nobody completes is dropped after
 ``expiry_s``. Finished ids are forgotten: a later fetch fails "unknown request".
@@ -25,7 +28,9 @@ Public API
          port=0, bootstrap=None, expiry_s=300.0, num_workers=2, register_timeout_s=10.0)``
     ``.address -> str``               this rank's side channel ("tcp://host:port").
     ``.layers -> range``              the layers this rank sends.
+    ``.layer_ready(request_id, layer, block_ids, num_pages, event=None)``  one layer of it is computed.
     ``.add_request(request_id, block_ids, num_pages=None)``  KV of the request is ready.
+    ``.held(request_id) -> int``      fetches of it waiting for its KV.
     ``.pop_finished() -> dict[str, str]``  request id -> "done" | "expired"; the owner frees blocks.
     ``.stats() -> SenderStats``       per-path bytes/descriptors/seconds and failures.
     ``.close()``                      stops threads; leaves the transport to its owner.
@@ -39,6 +44,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import zmq
@@ -77,6 +83,24 @@ class SenderStats:
 
 
 @dataclass
+class _Held:
+    """A decode rank's TransferRequest that arrived before the request's KV was
+    complete, and what has been written to it layer by layer so far."""
+
+    identity: bytes
+    req: TransferRequest
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time; ordered close
+    sent: set = field(default_factory=set)  # layers written
+    nbytes: int = 0
+    descriptors: int = 0
+    plan_s: float = 0.0
+    write_s: float = 0.0
+    error: str = ""
+    closed: bool = False  # answered (or failed): write nothing more
+
+
+@dataclass
 class _Request:
     block_ids: np.ndarray
     num_pages: int
@@ -105,7 +129,7 @@ class Sender:
         self.expiry_s = expiry_s
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
-        self._pending: dict[str, list] = {}  # request id -> [(identity, TransferRequest, deadline)]
+        self._pending: dict[str, list[_Held]] = {}  # request id -> fetches held until add_request
         self._finished: dict[str, str] = {}
         self._stats = SenderStats()
         self._work: queue.Queue = queue.Queue()
@@ -146,8 +170,32 @@ class Sender:
         with self._lock:
             self._requests[request_id] = _Request(ids, n, time.monotonic() + self.expiry_s)
             waiting = self._pending.pop(request_id, [])
-        for identity, req, _ in waiting:
-            self._work.put((identity, req))
+        for held in waiting:
+            self._work.put(partial(self._answer, held.identity, held.req, held))
+
+    def layer_ready(self, request_id: str, layer: int, block_ids, num_pages: int, event=None) -> None:
+        """Layer ``layer`` of ``request_id`` is computed in ``block_ids`` (int ``[P]``)
+        for its ``num_pages`` pages: write it now to every fetch held for the request.
+
+        Called by the owner from its forward pass (``save_kv_layer``), so it only
+        queues work. ``event``: a ``torch.cuda.Event`` recorded after the layer's
+        KV write on the compute stream (None on CPU), waited for before reading.
+        A no-op for layers of other CP ranks or requests nobody asked for yet.
+        """
+        if layer not in self.layers:
+            return
+        with self._lock:
+            held = list(self._pending.get(request_id, ()))
+        if not held:
+            return
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
+        for h in held:
+            self._work.put(partial(self._write_layer, h, layer, ids, int(num_pages), event))
+
+    def held(self, request_id: str) -> int:
+        """How many fetches of ``request_id`` are held, waiting for its KV."""
+        with self._lock:
+            return len(self._pending.get(request_id, ()))
 
     def pop_finished(self) -> dict[str, str]:
         """Requests the owner may free now: id -> "done" (all consumer ranks served)
@@ -215,10 +263,10 @@ class Sender:
             known = req.request_id in self._requests
             if not known and req.wait_s > 0:
                 self._pending.setdefault(req.request_id, []).append(
-                    (identity, req, time.monotonic() + req.wait_s))
+                    _Held(identity, req, time.monotonic() + req.wait_s))
                 return
         if known:
-            self._work.put((identity, req))
+            self._work.put(partial(self._answer, identity, req, None))
         else:
             self._send(identity, self._failed(req, f"unknown request id {req.request_id!r} on cp rank "
                                                    f"{self.cp_rank} (not added, or already finished/expired)"))
@@ -231,63 +279,101 @@ class Sender:
                 del self._requests[rid]
                 self._finished[rid] = "expired"
             for rid, items in list(self._pending.items()):
-                keep = [x for x in items if x[2] > now]
-                late += [x for x in items if x[2] <= now]
+                keep = [h for h in items if h.deadline > now]
+                late += [h for h in items if h.deadline <= now]
                 if keep:
                     self._pending[rid] = keep
                 else:
                     del self._pending[rid]
-        for identity, req, _ in late:
-            self._send(identity, self._failed(req, f"request {req.request_id!r} not ready on cp rank "
-                                                   f"{self.cp_rank} after waiting {req.wait_s:.1f}s"))
+        for h in late:
+            with h.lock:  # after any layer write in flight; none starts after this
+                h.closed = True
+            self._send(h.identity, self._failed(h.req, f"request {h.req.request_id!r} not ready on cp rank "
+                                                       f"{self.cp_rank} after waiting {h.req.wait_s:.1f}s"))
 
     # ---- workers: plan + write ----
 
     def _work_loop(self):
         while not self._stop.is_set():
             try:
-                identity, req = self._work.get(timeout=bs.POLL_S)
+                job = self._work.get(timeout=bs.POLL_S)
             except queue.Empty:
                 continue
-            self._out.put((identity, self._serve(req)))
-            self._waker.wake()
+            job()
 
-    def _serve(self, req: TransferRequest) -> TransferOutcome:
+    def _answer(self, identity: bytes, req: TransferRequest, held: _Held | None) -> None:
+        self._out.put((identity, self._serve(req, held)))
+        self._waker.wake()
+
+    def _plan_write(self, req: TransferRequest, block_ids, layers, num_pages: int):
+        """Plan and write ``layers`` x pages(req's DCP rank); returns (bytes, descriptors,
+        plan s, write s). Raises ValueError (cannot plan) or TransportError."""
         t0 = time.perf_counter()
-        with self._lock:
-            state = self._requests.get(req.request_id)
-        if state is None:
-            return self._failed(req, f"request {req.request_id!r} finished or expired on cp rank {self.cp_rank}")
-        try:
-            desc = plan_path(self.regions, state.block_ids, self.layers, req.regions(), req.block_ids,
-                             req.dcp_size, req.dcp_rank, req.first_page, state.num_pages)
-        except ValueError as e:
-            return self._failed(req, f"cannot plan on cp rank {self.cp_rank}: {e}", state.num_pages)
+        desc = plan_path(self.regions, block_ids, layers, req.regions(), req.block_ids,
+                         req.dcp_size, req.dcp_rank, req.first_page, num_pages)
         t1 = time.perf_counter()
-        key = (req.engine_id, req.dcp_size, req.dcp_rank)
-        naive = len(self.layers) * max(0, state.num_pages - req.first_page) * int(self.regions.page_bytes.sum())
-        try:
-            nbytes = self.transport.write(req.session, desc)
-        except TransportError as e:
+        nbytes = self.transport.write(req.session, desc)
+        return nbytes, len(desc), t1 - t0, time.perf_counter() - t1
+
+    def _write_layer(self, h: _Held, layer: int, block_ids, num_pages: int, event) -> None:
+        """One layer to one held fetch (a worker-thread job queued by ``layer_ready``)."""
+        if event is not None:
+            event.synchronize()
+        with h.lock:
+            if h.closed or h.error or layer in h.sent:
+                return
+            try:
+                nbytes, n, plan_s, write_s = self._plan_write(h.req, block_ids, [layer], num_pages)
+            except (ValueError, TransportError) as e:
+                h.error = f"layer {layer} (written early): {e}"
+                return
+            h.sent.add(layer)
+            h.nbytes += nbytes
+            h.descriptors += n
+            h.plan_s += plan_s
+            h.write_s += write_s
+
+    def _serve(self, req: TransferRequest, held: _Held | None = None) -> TransferOutcome:
+        """Write what ``req`` still lacks (all of this rank's layers, or those a held
+        fetch did not get layer by layer) and build its answer."""
+        h = held or _Held(b"", req, 0.0)
+        with h.lock:  # waits for a layer write in flight; later ones see `closed`
+            h.closed = True
             with self._lock:
-                self._stats.paths.setdefault(key, PathStats()).failures += 1
-            return self._failed(req, f"cp rank {self.cp_rank}: {e}", state.num_pages)
-        t2 = time.perf_counter()
+                state = self._requests.get(req.request_id)
+            if state is None:
+                return self._failed(req, f"request {req.request_id!r} finished or expired on cp rank "
+                                         f"{self.cp_rank}")
+            key = (req.engine_id, req.dcp_size, req.dcp_rank)
+            try:
+                if h.error:  # a layer written early failed: the destination is undefined
+                    raise TransportError(h.error)
+                todo = [layer for layer in self.layers if layer not in h.sent]
+                nbytes, n, plan_s, write_s = self._plan_write(req, state.block_ids, todo, state.num_pages)
+            except ValueError as e:
+                return self._failed(req, f"cannot plan on cp rank {self.cp_rank}: {e}", state.num_pages)
+            except TransportError as e:
+                with self._lock:
+                    self._stats.paths.setdefault(key, PathStats()).failures += 1
+                return self._failed(req, f"cp rank {self.cp_rank}: {e}", state.num_pages)
+        nbytes, n = nbytes + h.nbytes, n + h.descriptors
+        plan_s, write_s = plan_s + h.plan_s, write_s + h.write_s
+        naive = len(self.layers) * max(0, state.num_pages - req.first_page) * int(self.regions.page_bytes.sum())
         with self._lock:
             p = self._stats.paths.setdefault(key, PathStats())
             p.transfers += 1
             p.nbytes += nbytes
             p.naive_bytes += naive
-            p.descriptors += len(desc)
-            p.write_s += t2 - t1
+            p.descriptors += n
+            p.write_s += write_s
             served = state.done.setdefault(req.engine_id, set())
             served.add(req.consumer_rank)
             if len(served) >= req.consumer_size and self._requests.get(req.request_id) is state:
                 del self._requests[req.request_id]
                 self._finished[req.request_id] = "done"
         return TransferOutcome(req.request_id, req.transfer_id, self.cp_rank, self.cp_size, True, "",
-                               self.layers.start, self.layers.stop, state.num_pages, nbytes, len(desc),
-                               -(-len(desc) // self.transport.max_batch), naive, t1 - t0, t2 - t1)
+                               self.layers.start, self.layers.stop, state.num_pages, nbytes, n,
+                               -(-n // self.transport.max_batch), naive, plan_s, write_s, len(h.sent))
 
     def _failed(self, req: TransferRequest, reason: str, num_pages: int = 0) -> TransferOutcome:
         with self._lock:
