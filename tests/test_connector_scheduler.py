@@ -86,14 +86,34 @@ def test_producer_holds_blocks_and_answers_params():
     assert m1.computing == {}
     m2 = s.build_connector_meta(sched_out(cached=[("r", 64)], tokens={"r": 36}))
     assert m2.computing["r"].block_ids == [10, 11, 12, 13] and m2.computing["r"].num_tokens == 100
+    assert m2.computing["r"].key == "t"  # decode ranks fetch it by the client's transfer_id
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = s.request_finished(req, [10, 11, 12, 13])
     assert delay is True
-    assert params == {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": "r",
+    assert params == {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": "t",
                       "remote_bootstrap_addr": "tcp://127.0.0.1:4242", "remote_engine_id": "eng",
                       "remote_num_tokens": 100, "transfer_id": "t"}
     meta = s.build_connector_meta(sched_out())
-    assert meta.ready["r"].block_ids == [10, 11, 12, 13]
+    assert meta.ready["r"].block_ids == [10, 11, 12, 13] and meta.ready["r"].key == "t"
+
+
+def test_producer_transfer_keys_unique_while_in_flight():
+    """A transfer_id in use by a request whose blocks are still held is not reused:
+    the second request is fetched by its request id. Freed blocks release the key."""
+    s = side(producer=True)
+    a = request("a", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
+    b = request("b", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
+    c = request("c", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
+    long = request("d", params={"do_remote_decode": True, "transfer_id": "x" * 257},
+                   status=RequestStatus.FINISHED_STOPPED)
+    for r in (a, b, long):
+        s.update_state_after_alloc(r, None, 0)
+    assert s.request_finished(a, [1])[1]["remote_request_id"] == "t"
+    assert s.request_finished(b, [2])[1]["remote_request_id"] == "b"
+    assert s.request_finished(long, [3])[1]["remote_request_id"] == "d"
+    s.update_connector_output(NS(finished_sending={"a"}))
+    s.update_state_after_alloc(c, None, 0)
+    assert s.request_finished(c, [4])[1]["remote_request_id"] == "t"
 
 
 def test_producer_aborted_frees_at_once():

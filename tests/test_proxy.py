@@ -105,3 +105,69 @@ def test_bad_json():
             async with s.post(px.make_url("/v1/completions"), data=b"{nope") as resp:
                 return resp.status
     assert asyncio.run(go()) == 400
+
+
+async def run_pipelined(bodies, prefill_status=200, prefill_key=None):
+    """Several requests through one --pipelined proxy; the fake prefill answers
+    like DCP2DConnector (remote_request_id = the request's transfer_id)."""
+    seen: list = []
+    decode_started = asyncio.Event()
+
+    async def prefill(request):
+        body = await request.json()
+        seen.append(("prefill", body))
+        if seen[0] is not seen[-1]:  # pipelined calls: decode was sent before the prefill answered
+            await asyncio.wait_for(decode_started.wait(), 5)
+        if prefill_status != 200 and len(seen) > 1:
+            return web.json_response({"error": {"message": "bad prompt"}}, status=prefill_status)
+        tid = body["kv_transfer_params"]["transfer_id"]
+        return web.json_response({"kv_transfer_params": {
+            "do_remote_prefill": True, "remote_request_id": prefill_key or tid, "transfer_id": tid,
+            "remote_bootstrap_addr": "tcp://127.0.0.1:1", "remote_engine_id": "pe"}})
+
+    async def decode(request):
+        body = await request.json()
+        seen.append(("decode", body))
+        decode_started.set()
+        await asyncio.sleep(0.2)
+        return web.json_response({"choices": [{"text": "decoded"}]})
+
+    apps = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        apps.append(app)
+    out = []
+    async with TestServer(apps[0]) as p, TestServer(apps[1]) as d:
+        proxy = Proxy([str(p.make_url(""))], [str(d.make_url(""))], timeout_s=5, pipelined=True)
+        async with TestServer(proxy.app()) as px, aiohttp.ClientSession() as s:
+            for body in bodies:
+                decode_started.clear()
+                async with s.post(px.make_url("/v1/completions"), json=body) as resp:
+                    out.append((resp.status, await resp.read()))
+    return out, seen
+
+
+@pytest.mark.timeout(30)
+def test_pipelined_sends_decode_with_transfer_id_at_once():
+    out, seen = asyncio.run(run_pipelined([{"prompt": "a"}, {"prompt": "b"}]))
+    assert [s for s, _ in out] == [200, 200]
+    # first request: sequential (learns the route); second: the fake prefill answers only
+    # once the decode call arrived, so the decode went out before the prefill finished
+    assert [k for k, _ in seen[:2]] == ["prefill", "decode"]
+    assert sorted(k for k, _ in seen[2:]) == ["decode", "prefill"]
+    second_prefill = [b for k, b in seen[2:] if k == "prefill"][0]
+    second_decode = [b for k, b in seen[2:] if k == "decode"][0]
+    tid = second_prefill["kv_transfer_params"]["transfer_id"]
+    assert second_decode["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": tid, "transfer_id": tid,
+        "remote_bootstrap_addr": "tcp://127.0.0.1:1", "remote_engine_id": "pe"}
+
+
+@pytest.mark.timeout(30)
+def test_pipelined_prefill_failure_cancels_decode():
+    out, _ = asyncio.run(run_pipelined([{"prompt": "a"}, {"prompt": "b"}], prefill_status=400))
+    assert out[0][0] == 200
+    assert out[1][0] == 400 and b"bad prompt" in out[1][1]
+    out, _ = asyncio.run(run_pipelined([{"prompt": "a"}, {"prompt": "b"}], prefill_key="other"))
+    assert out[1][0] == 502 and b"transfer key" in out[1][1]

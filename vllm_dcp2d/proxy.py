@@ -12,6 +12,15 @@ upstream, round-robin over the instances of each kind:
 2. to a decode instance, unchanged except for those ``kv_transfer_params``;
    its answer (streamed or not) goes back to the client as is.
 
+With ``--pipelined`` both calls go out at once once the proxy knows the
+prefill instance's bootstrap address and engine id (learnt from its first
+answer): the decode request carries ``remote_request_id = transfer_id``, its
+ranks ask the prefill ranks right away, and each prefill rank writes every
+layer to them as soon as the layer is computed (layer pipelining), instead of
+the whole request after the prefill answered. If the prefill call fails, the
+decode call is cancelled (vLLM aborts the request) and the client gets the
+prefill's error.
+
 Upstream failures become HTTP errors: an upstream 4xx is passed through with
 its body (the client's request is wrong), an unreachable or failing upstream
 gives 502, an upstream that does not answer in ``--timeout`` seconds 504.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -66,7 +76,7 @@ def decode_body(body: dict, kv_transfer_params: dict) -> dict:
 class Proxy:
     """Routes requests; one ``aiohttp.ClientSession`` for all upstream calls."""
 
-    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0):
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0, pipelined: bool = False):
         if not prefill or not decode:
             raise ValueError(f"need at least one prefill and one decode URL, got prefill={prefill} "
                              f"decode={decode}")
@@ -76,6 +86,8 @@ class Proxy:
         self._next_decode = itertools.cycle(self.decode)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
+        self.pipelined = pipelined
+        self._routes: dict[str, dict] = {}  # prefill URL -> its remote_bootstrap_addr, remote_engine_id
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
@@ -111,23 +123,59 @@ class Proxy:
             return _error(400, f"request body is not JSON: {e}")
         if not isinstance(body, dict):
             return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
-        path = request.path
+        path, stream = request.path, bool(body.get("stream"))
+        prefill = next(self._next_prefill)
+        started: list[web.StreamResponse] = []  # the client response, once its headers went out
         try:
-            params = await self._prefill(path, body)
-            return await self._decode(request, path, decode_body(body, params), bool(body.get("stream")))
+            route = self._routes.get(prefill) if self.pipelined else None
+            if route is not None:
+                return await self._pipelined(request, path, body, prefill, route, started)
+            params = await self._prefill(prefill, path, body, uuid.uuid4().hex)
+            return await self._decode(request, path, decode_body(body, params), stream, started)
         except UpstreamError as e:
             log.warning("%s: %s", path, e)
+            if started:  # headers are gone already: end the stream with an SSE error event
+                msg = {"error": {"message": str(e), "code": e.status}}
+                await started[0].write(f"data: {json.dumps(msg)}\n\n".encode())
+                await started[0].write_eof()
+                return started[0]
             return web.json_response(e.body, status=e.status)
 
-    async def _prefill(self, path: str, body: dict) -> dict:
+    async def _prefill(self, prefill: str, path: str, body: dict, transfer_id: str) -> dict:
         """Run the prefill; returns the ``kv_transfer_params`` for decode."""
-        url = next(self._next_prefill) + path
-        data = await self._post_json(url, prefill_body(body, uuid.uuid4().hex), "prefill")
+        url = prefill + path
+        try:
+            data = await self._post_json(url, prefill_body(body, transfer_id), "prefill")
+        except UpstreamError:
+            self._routes.pop(prefill, None)  # it may come back elsewhere: learn again
+            raise
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             raise UpstreamError(502, f"prefill {url} returned no kv_transfer_params for decode "
                                      f"(got {params!r}); is it running DCP2DConnector as kv_producer?")
+        if all(isinstance(params.get(k), str) for k in ("remote_bootstrap_addr", "remote_engine_id")):
+            self._routes[prefill] = {k: params[k] for k in ("remote_bootstrap_addr", "remote_engine_id")}
         return params
+
+    async def _pipelined(self, request: web.Request, path: str, body: dict, prefill: str, route: dict,
+                         started: list) -> web.StreamResponse:
+        """Prefill and decode at once; the decode fetches by ``transfer_id``."""
+        tid = uuid.uuid4().hex
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": tid,
+                  "transfer_id": tid, **route}
+        decode = asyncio.ensure_future(self._decode(request, path, decode_body(body, params),
+                                                    bool(body.get("stream")), started))
+        try:
+            answer = await self._prefill(prefill, path, body, tid)
+            if answer.get("remote_request_id") != tid:
+                raise UpstreamError(502, f"prefill {prefill} did not take transfer_id {tid!r} as the "
+                                         f"transfer key (answered {answer.get('remote_request_id')!r})")
+        except BaseException:
+            decode.cancel()  # closes the upstream connection: vLLM aborts the decode request
+            with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+                await decode
+            raise
+        return await decode
 
     async def _post_json(self, url: str, body: dict, kind: str) -> dict:
         try:
@@ -140,11 +188,11 @@ class Proxy:
         except aiohttp.ClientError as e:
             raise UpstreamError(502, f"{kind} {url} unreachable: {e!r}")
 
-    async def _decode(self, request: web.Request, path: str, body: dict, stream: bool) -> web.StreamResponse:
+    async def _decode(self, request: web.Request, path: str, body: dict, stream: bool,
+                      started: list) -> web.StreamResponse:
         url = next(self._next_decode) + path
         if not stream:
             return web.json_response(await self._post_json(url, body, "decode"))
-        out: web.StreamResponse | None = None
         try:
             async with self.session.post(url, json=body) as resp:
                 if resp.status != 200:
@@ -152,19 +200,15 @@ class Proxy:
                 out = web.StreamResponse(status=200, headers={
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
                 await out.prepare(request)
+                started.append(out)
                 async for chunk in resp.content.iter_any():
                     await out.write(chunk)
                 await out.write_eof()
                 return out
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            if out is None:
-                raise UpstreamError(504 if isinstance(e, asyncio.TimeoutError) else 502,
-                                    f"decode {url} failed: {e!r}")
-            # Headers are gone already: end the stream with an SSE error event.
-            msg = {"error": {"message": f"decode {url} failed mid-stream: {e!r}", "code": 502}}
-            await out.write(f"data: {json.dumps(msg)}\n\n".encode())
-            await out.write_eof()
-            return out
+            # after the headers went out, ``handle`` ends the stream with an SSE error event
+            raise UpstreamError(504 if isinstance(e, asyncio.TimeoutError) else 502,
+                                f"decode {url} failed{' mid-stream' if started else ''}: {e!r}")
 
 
 def _upstream_status(kind: str, url: str, status: int, raw: bytes) -> UpstreamError:
@@ -193,13 +237,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per upstream call")
+    p.add_argument("--pipelined", action="store_true",
+                   help="send prefill and decode at once (layer-pipelined transfer); see the module doc")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    proxy = Proxy(args.prefill, args.decode, args.timeout)
+    proxy = Proxy(args.prefill, args.decode, args.timeout, args.pipelined)
     log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, proxy.prefill, proxy.decode)
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
     return 0

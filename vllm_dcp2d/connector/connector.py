@@ -70,6 +70,9 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
     # ---- worker side (one per TP rank) ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -83,10 +86,9 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
         until every page arrived): nothing to wait for inside the forward."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        """Sends happen from the sender's threads once a request's KV is complete;
-        see ``worker`` (layer pipelining) for why nothing is sent per layer here.
-        Checks that the layer's KV is still the memory registered with Mooncake."""
-        self._worker.check_layer(layer_name, kv_layer)
+        """Called by each attention layer after computing its KV: layer pipelining,
+        see ``worker``. The writes run on the sender's threads."""
+        self._worker.save_kv_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         """The sender reads the blocks of finished requests, which vLLM keeps

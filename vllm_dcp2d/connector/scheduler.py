@@ -6,6 +6,8 @@ back what the workers report through ``KVConnectorOutput``.
 
 Producer (prefill, ``kv_role="kv_producer"``), per request that came with
 ``kv_transfer_params={"do_remote_decode": true, ...}``:
+  * decode ranks fetch it by its transfer key: the request's ``transfer_id``
+    (if given and not in use by a live request) or its vLLM request id;
   * the step in which its prompt completes lists it in ``computing`` so a
     worker can send each layer right after computing it, for decode ranks
     that already asked (layer pipelining);
@@ -38,16 +40,23 @@ from vllm_dcp2d.vllm_compat import connector as compat
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.02  # engine steps with no tokens to compute: poll transfers at <= 50 Hz
+KEY_MAX_LEN = 256   # a client's transfer_id longer than this is not used as the transfer key
 
 __all__ = ["LoadSpec", "SendSpec", "DCP2DMetadata", "SchedulerSide", "transfer_params"]
 
 
 @dataclass
 class SendSpec:
-    """A producer request's KV: ``block_ids`` int ``[cdiv(num_tokens, page_size)]``."""
+    """A producer request's KV: ``block_ids`` int ``[cdiv(num_tokens, page_size)]``.
+
+    key: the id decode ranks fetch it by (``remote_request_id``): the client's
+    ``transfer_id`` when it gave one, so a router can send the decode request
+    before the prefill finished (layer pipelining), else vLLM's request id.
+    """
 
     block_ids: list[int]
     num_tokens: int
+    key: str
 
 
 @dataclass
@@ -103,6 +112,8 @@ class SchedulerSide:
         self._ready: dict[str, SendSpec] = {}
         self._aborted: set[str] = set()
         self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
+        self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
+        self._key_owner: dict[str, str] = {}  # transfer key -> request id
 
     # -- consumer ----------------------------------------------------------------------------
 
@@ -123,6 +134,7 @@ class SchedulerSide:
         params = transfer_params(request.kv_transfer_params)
         if self.is_producer and params.get("do_remote_decode"):
             self._remote_decode[request.request_id] = request.num_prompt_tokens
+            self._bind_key(request.request_id, params.get("transfer_id"))
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
         # One transfer per request: a preempted request recomputes locally.
@@ -150,6 +162,30 @@ class SchedulerSide:
             first_page=(num_tokens - num_external_tokens) // self.page_size,
             num_pages=cdiv(num_tokens, self.page_size), timeout_s=float(timeout))
 
+    # -- producer ----------------------------------------------------------------------------
+
+    def _bind_key(self, req_id: str, transfer_id) -> None:
+        key = req_id
+        if isinstance(transfer_id, str) and 0 < len(transfer_id) <= KEY_MAX_LEN:
+            if self._key_owner.get(transfer_id, req_id) == req_id:
+                key = transfer_id
+            else:
+                log.warning("request %s: transfer_id %r is in use by request %s; decode must fetch it as %r",
+                            req_id, transfer_id, self._key_owner[transfer_id], req_id)
+        self._keys[req_id] = key
+        self._key_owner[key] = req_id
+
+    def _unbind_key(self, req_id: str) -> None:
+        key = self._keys.pop(req_id, None)
+        if key is not None and self._key_owner.get(key) == req_id:
+            del self._key_owner[key]
+
+    def update_connector_output(self, connector_output) -> None:
+        """Called by the scheduler with the workers' merged output every step:
+        requests whose blocks are now freed release their transfer key."""
+        for req_id in connector_output.finished_sending or ():
+            self._unbind_key(req_id)
+
     # -- both --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
@@ -167,7 +203,8 @@ class SchedulerSide:
                 prompt_len = self._remote_decode.get(req_id)
                 if prompt_len is not None and num_tokens >= prompt_len:
                     del self._remote_decode[req_id]
-                    meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len)
+                    meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
+                                                      self._keys.get(req_id, req_id))
         return meta
 
     def _block_ids(self, req_id: str, num_tokens: int) -> list[int]:
@@ -185,13 +222,16 @@ class SchedulerSide:
             return False, None
         if not compat.finished_normally(request) or not block_ids:
             self._aborted.add(request.request_id)
+            self._unbind_key(request.request_id)
             return False, None
         num_tokens = request.num_prompt_tokens
-        self._ready[request.request_id] = SendSpec(list(block_ids[:cdiv(num_tokens, self.page_size)]), num_tokens)
+        key = self._keys.get(request.request_id, request.request_id)
+        self._ready[request.request_id] = SendSpec(list(block_ids[:cdiv(num_tokens, self.page_size)]), num_tokens,
+                                                   key)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_request_id": request.request_id,
+            "remote_request_id": key,
             "remote_bootstrap_addr": self.bootstrap_addr,
             "remote_engine_id": self.engine_id,
             "remote_num_tokens": num_tokens,

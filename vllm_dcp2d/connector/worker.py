@@ -17,13 +17,17 @@ Hook order per engine step (vLLM ``KVConnectorModelRunnerMixin``):
 each attention layer) -> ``wait_for_save`` -> ``get_finished`` ->
 ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats``.
 
-Layer pipelining (``save_kv_layer``): the producer can only write a layer
-to a destination it knows. With the proxy's sequential flow (the decode
-instance is asked only after the prefill answered) no destination is known
-while the prefill computes, so every request is served whole, from
-``request_finished`` on: its blocks are handed to the ``Sender`` in the next
-step, which serves decode ranks that asked (or that ask later). Transfers then
-run on the sender's threads, overlapping the next requests' compute.
+Layer pipelining (``save_kv_layer``): decode ranks may ask for a request
+before its prefill finished (a router that sends the decode request at once,
+with the client's ``transfer_id`` as ``remote_request_id``; see
+``vllm-dcp2d proxy --pipelined``). The sender holds such fetches, and in the
+step that completes the prompt each layer goes to them right after it is
+computed (``Sender.layer_ready``), overlapping the transfer with the rest of
+the forward. ``request_finished`` then hands the whole request over; the
+sender writes what is left and answers. With the sequential flow (decode asked
+only after the prefill answered) nobody waits yet, so the whole request is
+sent from ``request_finished`` on, on the sender's threads, overlapping the
+next requests' compute.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class WorkerSide:
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
         self._loading: dict[str, tuple[str, list[int], int]] = {}  # remote id -> (req id, blocks, first page)
+        self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
+        self._computing: list = []  # producer: SendSpecs whose prompt completes in this step
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
         self._kv_ptrs: dict[str, int] = {}
@@ -131,11 +137,13 @@ class WorkerSide:
     def start_load_kv(self, meta) -> None:
         """Called by the model runner every step with this step's metadata bound.
         Producer: hands finished prefills to the sender. Consumer: starts fetches."""
+        self._computing = list(meta.computing.values()) if self.sender is not None else []
         for req_id, spec in meta.ready.items():
             if self.sender is None:  # TP rank beyond cp_size: owns no layers to send
                 self._finished_sending.add(req_id)
             else:
-                self.sender.add_request(req_id, spec.block_ids, cdiv(spec.num_tokens, self.page_size))
+                self._sending[spec.key] = req_id
+                self.sender.add_request(spec.key, spec.block_ids, cdiv(spec.num_tokens, self.page_size))
         for req_id, spec in meta.loads.items():
             if self.receiver is None:
                 raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
@@ -151,7 +159,8 @@ class WorkerSide:
         sending, recving = self._finished_sending, set()
         self._finished_sending = set()
         if self.sender is not None:
-            for req_id, why in self.sender.pop_finished().items():
+            for key, why in self.sender.pop_finished().items():
+                req_id = self._sending.pop(key, key)
                 sending.add(req_id)
                 if why == "expired":
                     self.stats.record_expired()
@@ -175,7 +184,7 @@ class WorkerSide:
             self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s)
             self.stats_file.write(request_id=f.request_id, cp_rank=cp_rank, cp_size=o.cp_size,
                                   tp_rank=self.tp_rank, dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
-                                  pages=o.num_pages, bytes=o.nbytes, naive_bytes=o.naive_bytes,
+                                  pages=o.num_pages, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
                                   descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
 
     def _fail(self, req_id: str, f, block_ids: list[int], first_page: int) -> None:
@@ -189,12 +198,21 @@ class WorkerSide:
         log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); reporting %d blocks as load errors",
                     req_id, self.dcp_rank, f.error, len(block_ids) - first_page // self.dcp_size)
 
-    def check_layer(self, layer_name: str, kv_layer) -> None:
-        """The KV of ``layer_name`` must still be the memory registered with Mooncake."""
+    def save_kv_layer(self, layer_name: str, kv_layer) -> None:
+        """Called by the attention layer right after it computed (and cached) the KV
+        of ``layer_name`` in this step's forward. Producer: fetches already held for
+        a request whose prompt completes in this step get this layer now."""
         ptr = self._kv_ptrs.get(layer_name)
         if ptr is not None and kv_layer.data_ptr() != ptr:
             raise RuntimeError(f"KV cache of {layer_name} moved from {ptr:#x} (registered with Mooncake) to "
                                f"{kv_layer.data_ptr():#x}; transfers would write freed memory")
+        if not self._computing:
+            return
+        layer = compat.layer_index(layer_name)
+        # On GPU the KV write is queued on the compute stream: the sender waits for it.
+        event = compat.record_event(kv_layer)
+        for spec in self._computing:
+            self.sender.layer_ready(spec.key, layer, spec.block_ids, cdiv(spec.num_tokens, self.page_size), event)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called by the model runner after ``get_finished``; returns and clears."""

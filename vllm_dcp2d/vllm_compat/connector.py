@@ -22,7 +22,7 @@ from vllm_dcp2d.connector.plan import KVRegions
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "base_init", "page_size",
            "block_ids", "request_block_ids", "scheduled_tokens", "finished_normally", "tp_rank_size",
            "dcp_rank_size", "kv_replicated", "layer_index", "kv_regions", "check_interleave",
-           "sleep_between_shm_polls"]
+           "record_event", "sleep_between_shm_polls"]
 
 VLLM_TARGETS = ("0.32", "0.33")
 
@@ -114,6 +114,16 @@ def check_interleave(vllm_config) -> None:
 def layer_index(layer_name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
     return extract_layer_index(layer_name)
+
+
+def record_event(kv_layer: torch.Tensor):
+    """A CUDA event recorded now on the current stream if ``kv_layer`` is on a GPU
+    (the sender waits on it before reading the layer), else None."""
+    if not kv_layer.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[KVRegions, list[tuple[int, int]]]:
