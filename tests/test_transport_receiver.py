@@ -74,7 +74,7 @@ def test_malformed_outcome_fails_fetch_naming_rank(receiver, server):
         receiver.start("q", server.address, [3, 4])
         f = receiver.wait("q", 10)
         assert not f.ok and f.error.cp_rank == 0 and "malformed reply" in f.error.reason
-        assert f.seconds < 0.9 and not f.error.timed_out
+        assert not f.error.timed_out  # failed on the reply, not at the (1 s) deadline
         req = rank.seen[0]  # what the rank was asked: this rank's topology and block table
         assert (req.dcp_size, req.dcp_rank, req.block_ids.tolist()) == (2, 1, [3, 4])
         assert req.session == receiver.transport.session_id
