@@ -11,6 +11,7 @@ is the non-disaggregated reference. All on loopback, started once per module
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -37,11 +38,17 @@ def ids(n: int, seed: int) -> list[int]:
     return [(seed * 7 + i * 13) % 500 + 6 for i in range(n)]
 
 
-PROMPTS = {
-    "short": ids(20, 1),                              # shorter than a page
-    "pages": ids(3 * PAGE + 5, 2),                    # spans 4 pages, last one partial
-    "prefix": ids(3 * PAGE + 5, 2)[:2 * PAGE] + ids(40, 3),  # shares 2 pages with "pages"
-}
+def prompts(salt: int = 0) -> dict[str, list[int]]:
+    """``salt`` gives another set, for a decode instance that has cached the first."""
+    s = 10 * salt
+    return {
+        "short": ids(20, 1 + s),                                 # shorter than a page
+        "pages": ids(3 * PAGE + 5, 2 + s),                       # spans 4 pages, last one partial
+        "prefix": ids(3 * PAGE + 5, 2 + s)[:2 * PAGE] + ids(40, 3 + s),  # shares 2 pages with "pages"
+    }
+
+
+PROMPTS = prompts()
 FIRST_PAGE = {"short": 0, "pages": 0, "prefix": 2}   # pages the decode instance has cached
 
 
@@ -63,13 +70,14 @@ def cluster(tmp_path_factory):
                           extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy")
     proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1")
-    procs = [prefill, decode, decode1, proxy, proxy1]
+    proxyp = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxyp", pipelined=True)
+    procs = [prefill, decode, decode1, proxy, proxy1, proxyp]
     try:
         for p in procs:
             p.start()
         wait_all(procs, 900)
         yield {"model": model, "stats": stats, "prefill": prefill, "decode": decode, "decode1": decode1,
-               "proxy": proxy, "proxy1": proxy1}
+               "proxy": proxy, "proxy1": proxy1, "proxyp": proxyp}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -77,7 +85,8 @@ def cluster(tmp_path_factory):
 
 def complete(url: str, model: str, prompt: list[int], **extra) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, **extra}
+            "ignore_eos": True, "return_token_ids": True}
+    body.update(extra)
     status, out = post_json(url + "/v1/completions", body, timeout_s=300)
     assert status == 200, out
     return out
@@ -111,12 +120,13 @@ def check_paths(recs: list[dict], n_tokens: int, dcp: int, tp: int, first_page: 
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("which,tp,dcp", [("proxy", 2, DCP), ("proxy1", 2, 1)])
-def test_proxy(cluster, which, tp, dcp):
+@pytest.mark.parametrize("which,tp,dcp,salt", [("proxy", 2, DCP, 0), ("proxy1", 2, 1, 0), ("proxyp", 2, DCP, 1)])
+def test_proxy(cluster, which, tp, dcp, salt):
     """Every prompt through the proxy: the bytes of every (cp_rank, dcp_rank) path equal
-    the plan's, and the greedy tokens equal the non-disaggregated instance's."""
+    the plan's, and the greedy tokens equal the non-disaggregated instance's. ``proxyp``
+    is ``--pipelined``: after the first request it sends prefill and decode at once."""
     c = cluster
-    for name, prompt in PROMPTS.items():
+    for name, prompt in prompts(salt).items():
         ref = complete(c["prefill"].url, c["model"], prompt)
         before = len(read_stats(c["stats"]))
         out = complete(c[which].url, c["model"], prompt)
@@ -152,12 +162,10 @@ def test_decode_expiry_recomputes(cluster):
     c = cluster
     prompt = ids(2 * PAGE + 3, 9)
     ref = complete(c["prefill"].url, c["model"], prompt)
-    boot = [a for a in c["prefill"].cmd if "bootstrap_port" in a][0]
-    port = __import__("json").loads(boot)["kv_connector_extra_config"]["bootstrap_port"]
     # the producer holds an unknown request for prefill_wait_s (120 s): only the
     # request's own transfer_timeout_s can end this fetch
     params = {"do_remote_prefill": True, "remote_request_id": "never-prefilled",
-              "remote_bootstrap_addr": f"tcp://127.0.0.1:{port}", "remote_engine_id": "none",
+              "remote_bootstrap_addr": bootstrap_addr(c), "remote_engine_id": "none",
               "transfer_timeout_s": EXPIRY_S}
     t0 = time.monotonic()
     out = complete(c["decode1"].url, c["model"], prompt, kv_transfer_params=params)
@@ -169,3 +177,51 @@ def test_decode_expiry_recomputes(cluster):
     # the instance keeps serving, blocks were freed: a normal request still works
     out = complete(c["proxy1"].url, c["model"], PROMPTS["short"])
     assert tokens(out) == tokens(complete(c["prefill"].url, c["model"], PROMPTS["short"]))
+
+
+def bootstrap_addr(c) -> str:
+    boot = [a for a in c["prefill"].cmd if "bootstrap_port" in a][0]
+    port = json.loads(boot)["kv_connector_extra_config"]["bootstrap_port"]
+    return f"tcp://127.0.0.1:{port}"
+
+
+def waiting_requests(url: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_waiting"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.timeout(600)
+def test_layers_sent_while_prefill_runs(cluster):
+    """Layer pipelining: the decode instance asks first (by transfer_id); each prefill
+    CP rank then writes every one of its layers from save_kv_layer, while the prefill's
+    forward runs, and the answer after it adds nothing. Same tokens, same bytes."""
+    import threading
+
+    c = cluster
+    prompt = ids(2 * PAGE + 9, 11)
+    ref = complete(c["prefill"].url, c["model"], prompt)
+    tid = "pipelined-e2e"
+    params = {"do_remote_prefill": True, "remote_request_id": tid, "transfer_id": tid,
+              "remote_bootstrap_addr": bootstrap_addr(c), "remote_engine_id": "prefill"}
+    got = {}
+    t = threading.Thread(target=lambda: got.update(out=complete(c["decode"].url, c["model"], prompt,
+                                                                kv_transfer_params=params)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while waiting_requests(c["decode"].url) < 1:  # admitted, its fetch on the way
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.2)
+    time.sleep(2.0)  # the fetch reaches the prefill ranks (milliseconds on loopback)
+    pre = complete(c["prefill"].url, c["model"], prompt, max_tokens=1,
+                   kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
+    assert pre["kv_transfer_params"]["remote_request_id"] == tid
+    t.join(300)
+    assert tokens(got["out"]) == tokens(ref)
+    recs = [r for r in read_stats(c["stats"]) if r.get("request_id") == tid and r["side"] == "consumer"]
+    check_paths(recs, len(prompt), DCP, 2, 0)
+    assert [r["early_layers"] for r in recs] == [2] * 4, recs  # every layer of every path, early

@@ -146,8 +146,9 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
     return Process(name, cmd + list(args), port, log_dir / f"{name}.log", env)
 
 
-def proxy_server(port: int, prefill: list[str], decode: list[str], log_dir: Path, name: str = "proxy") -> Process:
-    cmd = [sys.executable, "-m", "vllm_dcp2d.cli", "proxy", "--port", str(port)]
+def proxy_server(port: int, prefill: list[str], decode: list[str], log_dir: Path, name: str = "proxy",
+                 pipelined: bool = False) -> Process:
+    cmd = [sys.executable, "-m", "vllm_dcp2d.cli", "proxy", "--port", str(port)] + (["--pipelined"] if pipelined else [])
     for u in prefill:
         cmd += ["--prefill", u]
     for u in decode:
@@ -193,6 +194,8 @@ def _parse(argv: list[str]):
     p.add_argument("--decode-dcp", type=int, default=2, help="decode DCP size (divides --decode-tp)")
     p.add_argument("--block-size", type=int, default=None, help="KV page size (default: 32 on CPU)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--pipelined", action="store_true",
+                   help="proxy sends prefill and decode at once (layer-pipelined transfer) after the first request")
     p.add_argument("--dtype", default=None, help="model dtype (default: float32 for the tiny model, else the model's)")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: three built-in)")
     p.add_argument("--workdir", default=None, help="logs, stats and the tiny model (default: a temp dir)")
@@ -211,6 +214,7 @@ def _print_paths(records: list[dict], tokens: int) -> None:
         print(f"  path (cp {r['cp_rank']}, dcp {r['dcp_rank']}) -> decode TP rank {r['tp_rank']}: layers {lr:<8} "
               f"{r['bytes']:>8} B "
               f"{r['descriptors']:>5} descriptors  write {1e3 * r['seconds']:7.2f} ms  "
+              f"early layers {r.get('early_layers', 0)}  "
               f"(fetch {1e3 * r['fetch_seconds']:.1f} ms)")
     total = sum(r["bytes"] for r in ok)
     naive = sum(r["naive_bytes"] for r in ok)
@@ -248,7 +252,7 @@ def main(argv: list[str]) -> int:
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=args.decode_tp,
                          dcp=args.decode_dcp, block_size=block, cpu=cpu, dtype=dtype,
                          extra_config={"stats_file": str(stats)})
-    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work)
+    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, pipelined=args.pipelined)
     procs = [prefill, decode, proxy]
     # SIGTERM (timeout, CI cancel) unwinds like Ctrl-C, so the servers are stopped below.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

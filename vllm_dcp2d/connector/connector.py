@@ -88,7 +88,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         """Called by each attention layer after computing its KV: layer pipelining,
         see ``worker``. The writes run on the sender's threads."""
-        self._worker.save_kv_layer(layer_name, kv_layer)
+        self._worker.save_kv_layer(layer_name, kv_layer, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
         """The sender reads the blocks of finished requests, which vLLM keeps

@@ -12,9 +12,10 @@ its ``Receiver`` asks every producer CP rank for this rank's pages, written
 by Mooncake straight into vLLM's DCP layout (page ``i`` -> local block
 ``block_ids[i // dcp_size]``). No copy or reshuffle happens on decode.
 
-Hook order per engine step (vLLM ``KVConnectorModelRunnerMixin``):
-``start_load_kv`` -> forward (``wait_for_layer_load`` / ``save_kv_layer`` around
-each attention layer) -> ``wait_for_save`` -> ``get_finished`` ->
+Hook order per engine step (vLLM 0.32 ``KVConnectorModelRunnerMixin``): the
+step's metadata is bound -> forward (``wait_for_layer_load`` / ``save_kv_layer``
+around each attention layer) -> ``start_load_kv`` (after the forward: our loads
+are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
 ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats``.
 
 Layer pipelining (``save_kv_layer``): decode ranks may ask for a request
@@ -85,7 +86,6 @@ class WorkerSide:
         self.receiver: Receiver | None = None
         self._loading: dict[str, tuple[str, list[int], int]] = {}  # remote id -> (req id, blocks, first page)
         self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
-        self._computing: list = []  # producer: SendSpecs whose prompt completes in this step
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
         self._kv_ptrs: dict[str, int] = {}
@@ -137,7 +137,6 @@ class WorkerSide:
     def start_load_kv(self, meta) -> None:
         """Called by the model runner every step with this step's metadata bound.
         Producer: hands finished prefills to the sender. Consumer: starts fetches."""
-        self._computing = list(meta.computing.values()) if self.sender is not None else []
         for req_id, spec in meta.ready.items():
             if self.sender is None:  # TP rank beyond cp_size: owns no layers to send
                 self._finished_sending.add(req_id)
@@ -198,20 +197,21 @@ class WorkerSide:
         log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); reporting %d blocks as load errors",
                     req_id, self.dcp_rank, f.error, len(block_ids) - first_page // self.dcp_size)
 
-    def save_kv_layer(self, layer_name: str, kv_layer) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer, meta) -> None:
         """Called by the attention layer right after it computed (and cached) the KV
-        of ``layer_name`` in this step's forward. Producer: fetches already held for
-        a request whose prompt completes in this step get this layer now."""
+        of ``layer_name`` in this step's forward (``meta``: this step's metadata).
+        Producer: fetches already held for a request whose prompt completes in this
+        step (``meta.computing``) get this layer now."""
         ptr = self._kv_ptrs.get(layer_name)
         if ptr is not None and kv_layer.data_ptr() != ptr:
             raise RuntimeError(f"KV cache of {layer_name} moved from {ptr:#x} (registered with Mooncake) to "
                                f"{kv_layer.data_ptr():#x}; transfers would write freed memory")
-        if not self._computing:
+        if self.sender is None or not meta.computing:
             return
         layer = compat.layer_index(layer_name)
         # On GPU the KV write is queued on the compute stream: the sender waits for it.
         event = compat.record_event(kv_layer)
-        for spec in self._computing:
+        for spec in meta.computing.values():
             self.sender.layer_ready(spec.key, layer, spec.block_ids, cdiv(spec.num_tokens, self.page_size), event)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
