@@ -285,11 +285,15 @@ class Sender:
                     self._pending[rid] = keep
                 else:
                     del self._pending[rid]
-        for h in late:
-            with h.lock:  # after any layer write in flight; none starts after this
-                h.closed = True
-            self._send(h.identity, self._failed(h.req, f"request {h.req.request_id!r} not ready on cp rank "
-                                                       f"{self.cp_rank} after waiting {h.req.wait_s:.1f}s"))
+        for h in late:  # on a worker: it may wait for a layer write in flight
+            self._work.put(partial(self._give_up, h))
+
+    def _give_up(self, h: _Held) -> None:
+        with h.lock:  # after any layer write in flight; none starts after this
+            h.closed = True
+        self._out.put((h.identity, self._failed(h.req, f"request {h.req.request_id!r} not ready on cp rank "
+                                                       f"{self.cp_rank} after waiting {h.req.wait_s:.1f}s")))
+        self._waker.wake()
 
     # ---- workers: plan + write ----
 
