@@ -51,7 +51,7 @@ def post(url: str, body: dict, timeout_s: float) -> int:
 
 
 def prompt(i: int) -> list[int]:
-    n = 70 + 37 * i  # 70..., a different length and content per request: no prefix-cache hits
+    n = 70 + 37 * (i % 20)  # 70..773 tokens, a different content per request: no prefix-cache hits
     return [(i * 131 + k * 13) % 500 + 6 for k in range(n)]
 
 
@@ -79,7 +79,7 @@ def run_case(work: Path, model: str, sleep_us: int, requests: int, timeout_s: fl
             lat, ok = [], 0
             for r in range(requests):
                 t = time.monotonic()
-                status = post(proxy.url + "/v1/completions", body(model, prompt(10 * i + r)), timeout_s)
+                status = post(proxy.url + "/v1/completions", body(model, prompt(1000 * i + r)), timeout_s)
                 lat.append(time.monotonic() - t)
                 ok += status == 200
             wall = time.monotonic() - t0
@@ -117,8 +117,9 @@ def main() -> None:
     rows = []
     for us in a.sleep_us:
         rows += run_case(work / f"sleep{us}", model, us, a.requests, a.timeout)
+    longest = max(len(prompt(i)) for i in range(a.requests))
     print(f"\nprefill TP=2 (2 layer-split CP ranks) -> decode TP=2 DCP=2, tiny llama-mqa fp32, {a.requests} requests "
-          f"of 70-{70 + 37 * (a.requests - 1)} prompt tokens + 8 output tokens per case; logs in {work}\n")
+          f"of 70-{longest} prompt tokens + 8 output tokens per case; logs in {work}\n")
     print(f"{'cpu_poll_sleep_us':>17} {'proxy':>10} {'ok':>5} {'e2e ms':>8} {'fetch ms':>9} {'write ms':>9} "
           f"{'early layers':>12} {'cores busy':>10}")
     print("-" * 87)

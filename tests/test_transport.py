@@ -125,3 +125,24 @@ def test_bad_arguments():
         MooncakeTransport(protocol="ib")
     with pytest.raises(ValueError, match="max_batch"):
         MooncakeTransport(max_batch=0)
+
+
+def test_renew_on_failure_retries_on_a_fresh_engine(pair):
+    """A write-only transport with renew_on_failure replaces its engine after a failed
+    batch and retries it once there: the ranges stay registered and writes work."""
+    _, b, src, dst = pair
+    a = MooncakeTransport(renew_on_failure=True)
+    try:
+        a.register(src.ctypes.data, src.nbytes)
+        first = a.session_id
+        bad = Descriptors(np.array([src.ctypes.data]), np.array([dst.ctypes.data + dst.nbytes]), np.array([4096]))
+        with pytest.raises(TransferError, match="code -1"):  # the retry fails too: still an error
+            a.write(b.session_id, bad)
+        assert a.session_id != first and a.registered() == {src.ctypes.data: src.nbytes}
+        good = Descriptors(np.array([src.ctypes.data + 8192]), np.array([dst.ctypes.data]), np.array([4096]))
+        assert a.write(b.session_id, good) == 4096
+        assert np.array_equal(dst[:4096], src[8192:8192 + 4096])
+        a.renew()
+        assert a.write(b.session_id, good) == 4096
+    finally:
+        a.close()

@@ -17,7 +17,10 @@ Public API
     batches that completed before it). The destination of the whole write is
     undefined.
 ``MooncakeTransport(hostname="127.0.0.1", *, protocol="tcp", max_batch=1024,
-                    transfer_timeout_s=None)``
+                    transfer_timeout_s=None, renew_on_failure=False)``
+    ``renew_on_failure``: a write-only transport retries a failed batch once on a
+    fresh engine (``.renew()``), giving up a TCP write after ``STALL_S`` seconds
+    without progress: 0.3.13.post1's TCP sessions can stall for minutes.
     ``.session_id -> str``                  "host:rpc_port", what peers write to.
     ``.register(addr: int, nbytes: int)``   idempotent for the same range.
     ``.unregister(addr: int)``              no-op if not registered.
@@ -30,12 +33,16 @@ and writes to one peer are serialized (they share the engine's per-peer queue).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 from vllm_dcp2d.connector.plan import Descriptors
 
 __all__ = ["TransportError", "TransferError", "MooncakeTransport"]
+
+log = logging.getLogger(__name__)
+STALL_S = 10
 
 
 class TransportError(RuntimeError):
@@ -64,7 +71,7 @@ class MooncakeTransport:
     """
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", max_batch: int = 1024,
-                 transfer_timeout_s: float | None = None):
+                 transfer_timeout_s: float | None = None, renew_on_failure: bool = False):
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if not 1 <= max_batch <= 65535:
@@ -73,18 +80,50 @@ class MooncakeTransport:
             os.environ["MC_FORCE_TCP"] = "1"
         if transfer_timeout_s is not None:
             os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(transfer_timeout_s))))
-        from mooncake.engine import TransferEngine  # heavy native module: import on use
-
+        if renew_on_failure:
+            # A stalled TCP write is given up after this many seconds without
+            # progress (engine default 30) and retried on a fresh engine.
+            for var in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
+                os.environ.setdefault(var, str(STALL_S))
         self.max_batch = max_batch
-        self._engine = TransferEngine()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, "")
-        if rc != 0:
-            raise TransportError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+        self.hostname, self.protocol, self.renew_on_failure = hostname, protocol, renew_on_failure
+        self._engine = self._new_engine()
+        self._retired: list = []  # replaced engines: the wheel cannot shut one down, a write may still use it
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._regs: dict[int, int] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
         self._closed = False
+
+    def _new_engine(self):
+        from mooncake.engine import TransferEngine  # heavy native module: import on use
+
+        engine = TransferEngine()
+        rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
+        if rc != 0:
+            raise TransportError(f"Mooncake initialize({self.hostname!r}, P2PHANDSHAKE, {self.protocol!r}) "
+                                 f"returned {rc}")
+        return engine
+
+    def renew(self) -> None:
+        """Replace the engine by a fresh one, with every range registered again.
+
+        For a write-only (initiator) transport: peers' sessions to it change
+        (``session_id``). Used after a failed write, when the engine's sessions
+        to that peer may be wedged (seen with 0.3.13.post1 TCP: a peer's writes
+        stall for minutes, "no transfer progress within 30s", while a fresh
+        engine reaches it at once).
+        """
+        engine = self._new_engine()
+        with self._lock:
+            self._check_open()
+            for addr, nbytes in self._regs.items():
+                rc = engine.register_memory(addr, nbytes)
+                if rc != 0:
+                    raise TransportError(f"register_memory({addr:#x}, {nbytes}) returned {rc} on a renewed engine")
+            self._retired.append(self._engine)
+            self._engine = engine
+            self.session_id = f"{self.hostname}:{engine.get_rpc_port()}"
 
     def __enter__(self):
         return self
@@ -142,8 +181,13 @@ class MooncakeTransport:
         done = 0
         with plock:
             for b in desc.batches(self.max_batch):
-                rc = self._engine.batch_transfer_sync_write(peer, b.src.tolist(), b.dst.tolist(),
-                                                            b.length.tolist())
+                args = (peer, b.src.tolist(), b.dst.tolist(), b.length.tolist())
+                rc = self._engine.batch_transfer_sync_write(*args)
+                if rc != 0 and self.renew_on_failure:
+                    # Rewriting the same bytes to the same place is idempotent.
+                    log.warning("Mooncake write to %s failed with %d; retrying once on a fresh engine", peer, rc)
+                    self.renew()
+                    rc = self._engine.batch_transfer_sync_write(*args)
                 if rc != 0:
                     raise TransferError(peer, len(b), rc, done)
                 done += b.nbytes

@@ -111,7 +111,9 @@ class WorkerSide:
             self._start(regions, memory, fingerprint, int(layers.size))
 
     def _start(self, regions, memory, fingerprint, num_layers: int) -> None:
-        self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol)
+        # A producer's engine only writes: it may be replaced after a failed write.
+        self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol,
+                                           renew_on_failure=self.is_producer and not self.is_consumer)
         for addr, nbytes in memory:
             self.transport.register(addr, nbytes)
         boot = f"tcp://{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}"
