@@ -139,6 +139,10 @@ def test_renew_on_failure_retries_on_a_fresh_engine(pair):
         with pytest.raises(TransferError, match="code -1"):  # the retry fails too: still an error
             a.write(b.session_id, bad)
         assert a.session_id != first and a.registered() == {src.ctypes.data: src.nbytes}
+        renewed = a.session_id
+        with pytest.raises(TransferError):  # within STALL_S of the last renewal: no new engine
+            a.write(b.session_id, bad)
+        assert a.session_id == renewed
         good = Descriptors(np.array([src.ctypes.data + 8192]), np.array([dst.ctypes.data]), np.array([4096]))
         assert a.write(b.session_id, good) == 4096
         assert np.array_equal(dst[:4096], src[8192:8192 + 4096])

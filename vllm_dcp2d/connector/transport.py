@@ -36,13 +36,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from vllm_dcp2d.connector.plan import Descriptors
 
 __all__ = ["TransportError", "TransferError", "MooncakeTransport"]
 
 log = logging.getLogger(__name__)
-STALL_S = 10
+STALL_S = 10       # renew_on_failure: seconds without progress before a TCP write is given up
+RETIRED_KEPT = 4   # replaced engines kept alive (>= 40 s at one renewal per STALL_S)
 
 
 class TransportError(RuntimeError):
@@ -88,7 +90,8 @@ class MooncakeTransport:
         self.max_batch = max_batch
         self.hostname, self.protocol, self.renew_on_failure = hostname, protocol, renew_on_failure
         self._engine = self._new_engine()
-        self._retired: list = []  # replaced engines: the wheel cannot shut one down, a write may still use it
+        self._retired: list = []  # replaced engines, newest last: a write may still run on one
+        self._renewed_at = -float("inf")
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._regs: dict[int, int] = {}
@@ -121,8 +124,15 @@ class MooncakeTransport:
                 rc = engine.register_memory(addr, nbytes)
                 if rc != 0:
                     raise TransportError(f"register_memory({addr:#x}, {nbytes}) returned {rc} on a renewed engine")
+            # Keeps its registrations: a write to another peer may still run on it;
+            # nobody writes into it (a producer's session is not published).
             self._retired.append(self._engine)
+            for old in self._retired[:-RETIRED_KEPT]:
+                for addr in self._regs:
+                    old.unregister_memory(addr)
+            self._retired = self._retired[-RETIRED_KEPT:]
             self._engine = engine
+            self._renewed_at = time.monotonic()
             self.session_id = f"{self.hostname}:{engine.get_rpc_port()}"
 
     def __enter__(self):
@@ -161,6 +171,8 @@ class MooncakeTransport:
             if self._regs.pop(int(addr), None) is None or self._closed:
                 return
             rc = self._engine.unregister_memory(int(addr))
+            for engine in self._retired:
+                engine.unregister_memory(int(addr))
             if rc != 0:
                 raise TransportError(f"unregister_memory({int(addr):#x}) returned {rc}")
 
@@ -183,8 +195,9 @@ class MooncakeTransport:
             for b in desc.batches(self.max_batch):
                 args = (peer, b.src.tolist(), b.dst.tolist(), b.length.tolist())
                 rc = self._engine.batch_transfer_sync_write(*args)
-                if rc != 0 and self.renew_on_failure:
-                    # Rewriting the same bytes to the same place is idempotent.
+                if rc != 0 and self.renew_on_failure and time.monotonic() - self._renewed_at > STALL_S:
+                    # At most one new engine per STALL_S (a dead peer fails every write
+                    # at once). Rewriting the same bytes to the same place is idempotent.
                     log.warning("Mooncake write to %s failed with %d; retrying once on a fresh engine", peer, rc)
                     self.renew()
                     rc = self._engine.batch_transfer_sync_write(*args)
@@ -202,6 +215,9 @@ class MooncakeTransport:
             regs, self._regs = self._regs, {}
             self._closed = True
             bad = [(a, rc) for a in regs if (rc := self._engine.unregister_memory(a)) != 0]
+            for old in self._retired:
+                for a in regs:
+                    old.unregister_memory(a)
         if bad:
             raise TransportError(f"unregister_memory failed for {[(hex(a), rc) for a, rc in bad]}")
 
