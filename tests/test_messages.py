@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_dcp2d.connector import messages as m
-from vllm_dcp2d.connector.messages import (Fingerprint, FingerprintMismatch, MessageError, QueryRanks, RankTable,
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, QueryRanks, RankTable,
                                            RegisterRank, Reply, TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions
 
@@ -40,6 +40,8 @@ SAMPLES = [
     _outcome(),
     _outcome(ok=True, reason="", nbytes=1 << 40, descriptors=3, batches=1, naive_bytes=1 << 41),
     RegisterRank("prefill-0", 1, 2, "tcp://127.0.0.1:5555", FP),
+    _outcome(ok=True, reason="", nbytes=5, descriptors=1, batches=1, naive_bytes=10, early_layers=4),
+    CancelTransfer("req-1", 7),
     QueryRanks("decode-0"),
     RankTable("prefill-0", 2, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), FP),
     Reply(True, ""),
@@ -180,8 +182,8 @@ def test_fuzz_byte_flips(msg, data):
         out = decode(bytes(buf))
     except MessageError:
         return
-    assert type(out).__name__ in ("TransferRequest", "TransferOutcome", "RegisterRank", "QueryRanks",
-                                  "RankTable", "Reply")
+    assert type(out).__name__ in ("TransferRequest", "TransferOutcome", "CancelTransfer", "RegisterRank",
+                                  "QueryRanks", "RankTable", "Reply")
 
 
 _values = st.recursive(

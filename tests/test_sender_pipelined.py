@@ -121,3 +121,49 @@ def test_held_fetch_expires_after_early_layers(pair):
     f = recv.wait("next", 20)
     assert f.ok and f.outcomes[0].early_layers == 0
     assert all(np.array_equal(dst[x], expected_layer(src, x)) for x in range(L))
+
+
+def test_deadline_cancels_held_fetch(pair):
+    """A fetch past its deadline is cancelled on the prefill rank: it stops holding it,
+    and a later layer_ready / add_request writes nothing into the freed blocks."""
+    src, dst, sender, recv, boot = pair
+    recv.start("c", boot, DST_IDS, timeout_s=0.5)  # the rank would hold it for wait_s = 20 s
+    wait_until(lambda: sender.held("c") == 1)
+    f = recv.wait("c", 10)
+    assert f.error.timed_out and f.seconds < 5
+    assert sender.held("c") == 0
+    sender.layer_ready("c", 0, SRC_IDS, NUM_PAGES)
+    sender.add_request("c", SRC_IDS, NUM_PAGES)
+    time.sleep(0.3)
+    assert not dst.any()
+
+
+class SlowWrites:
+    """A transport whose writes start ``delay_s`` late (a stalled peer)."""
+
+    def __init__(self, transport, delay_s: float):
+        self.transport, self.delay_s = transport, delay_s
+
+    def write(self, peer, desc):
+        time.sleep(self.delay_s)
+        return self.transport.write(peer, desc)
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
+def test_fetch_fails_only_after_the_write_in_flight(pair):
+    """The decode gives up at its deadline, but reports the fetch (and so lets vLLM free
+    its blocks) only once the rank confirmed the cancel, i.e. after its write finished."""
+    src, dst, sender, recv, boot = pair
+    sender.transport = SlowWrites(sender.transport, 1.5)
+    sender.add_request("w", SRC_IDS, NUM_PAGES)
+    recv.start("w", boot, DST_IDS, timeout_s=0.3)
+    f = recv.wait("w", 20)
+    assert f.error.timed_out and f.seconds > 1.4, f.seconds
+    # the write had landed before the fetch ended; nothing lands after it
+    done = dst.copy()
+    assert all(np.array_equal(done[x], expected_layer(src, x)) for x in range(L))
+    dst[:] = 0
+    time.sleep(0.5)
+    assert not dst.any()

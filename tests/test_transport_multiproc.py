@@ -193,7 +193,7 @@ def test_malformed_and_version_mismatch(cluster):
     good = encode(Reply(True, ""))
     v2 = good.replace(b"\xa1v\x01", b"\xa1v\x02")
     for junk, match in [(b"\x00\xffjunk", "not a valid msgpack"), (v2, "unsupported protocol version 2"),
-                        (good, "expected TransferRequest, got Reply")]:
+                        (good, "expected TransferRequest/CancelTransfer, got Reply")]:
         sock = bs.socket(zmq.DEALER)
         sock.connect(address)
         sock.send(junk)

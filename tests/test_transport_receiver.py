@@ -8,7 +8,7 @@ import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
-from vllm_dcp2d.connector.messages import Fingerprint, RegisterRank, TransferRequest, decode
+from vllm_dcp2d.connector.messages import CancelTransfer, Fingerprint, RegisterRank, TransferRequest, decode
 from vllm_dcp2d.connector.plan import KVRegions
 from vllm_dcp2d.connector.receiver import Receiver
 from vllm_dcp2d.connector.transport import MooncakeTransport
@@ -32,7 +32,7 @@ class FakeRank:
         while not self.stop.is_set():
             if self.sock.poll(50):
                 ident, payload = self.sock.recv_multipart()
-                self.seen.append(decode(payload, TransferRequest))
+                self.seen.append(decode(payload, (TransferRequest, CancelTransfer)))
                 out = self.reply(payload)
                 if out is not None:
                     self.sock.send_multipart([ident, out])
@@ -49,7 +49,7 @@ def receiver():
     kv = np.zeros((2, 8, 256), np.uint8)
     regions = KVRegions.uniform([0, 1], kv.ctypes.data + np.arange(2) * 8 * 256, 256)
     r = Receiver(t, regions, FP, engine_id="D", dcp_size=2, dcp_rank=1,
-                 buffers=[(kv.ctypes.data, kv.nbytes)], timeout_s=1.0)
+                 buffers=[(kv.ctypes.data, kv.nbytes)], timeout_s=1.0, cancel_grace_s=1.0)
     yield r
     r.close()
     assert t.registered() == {}
@@ -88,7 +88,9 @@ def test_silent_rank_times_out(receiver, server):
         receiver.start("q", server.address, [0], timeout_s=3.0)
         f = receiver.wait("q", 20)
         assert f.error.timed_out and f.error.cp_rank == 0 and "no outcome from cp ranks [0]" in f.error.reason
-        assert 2.9 < f.seconds < 10
+        # a silent rank never confirms the cancel: the fetch ends cancel_grace_s (1 s) later
+        assert 3.9 < f.seconds < 12
+        assert isinstance(rank.seen[-1], CancelTransfer) and rank.seen[-1].transfer_id == rank.seen[0].transfer_id
     finally:
         rank.close()
 

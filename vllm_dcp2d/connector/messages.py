@@ -35,7 +35,7 @@ from vllm_dcp2d.connector.plan import KVRegions
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
-    "TransferRequest", "TransferOutcome", "RegisterRank", "QueryRanks", "RankTable", "Reply",
+    "TransferRequest", "TransferOutcome", "CancelTransfer", "RegisterRank", "QueryRanks", "RankTable", "Reply",
     "encode", "decode",
 ]
 
@@ -357,6 +357,18 @@ class RegisterRank(_Message):
 
 
 @dataclass(frozen=True)
+class CancelTransfer(_Message):
+    """Decode rank -> prefill CP rank: the fetch ``transfer_id`` of ``request_id``
+    passed its deadline; write nothing more for it. The rank answers with a
+    ``TransferOutcome`` (ok=False, "cancelled") once no write of it is in flight."""
+
+    request_id: str
+    transfer_id: int
+
+    SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR)}
+
+
+@dataclass(frozen=True)
 class QueryRanks(_Message):
     """Decode rank -> bootstrap server: "where are your CP ranks?"."""
 
@@ -392,7 +404,8 @@ class Reply(_Message):
     SCHEMA = {"ok": _Bool(), "reason": _Str(4096, min_len=0)}
 
 
-_TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, RegisterRank, QueryRanks, RankTable, Reply)}
+_TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, CancelTransfer, RegisterRank, QueryRanks,
+                                   RankTable, Reply)}
 
 
 def encode(msg) -> bytes:

@@ -44,8 +44,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import (Fingerprint, MessageError, QueryRanks, RankTable, Reply,
-                                           TransferOutcome, TransferRequest, decode, encode)
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, QueryRanks, RankTable,
+                                           Reply, TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions
 from vllm_dcp2d.connector.transport import MooncakeTransport
 
@@ -81,6 +81,9 @@ class Fetch:
     outcomes: dict = field(default_factory=dict)   # cp_rank -> TransferOutcome
     error: FetchError | None = None
     seconds: float = 0.0
+    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to cancel
+    peer_fault: bool = False
+    settle_by: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -136,14 +139,15 @@ class Receiver:
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
-                 dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0):
+                 dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
+                 cancel_grace_s: float = 40.0):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
                              f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.consumer_rank, self.consumer_size = engine_id, consumer_rank, consumer_size
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
-        self.timeout_s, self.wait_s = timeout_s, wait_s
+        self.timeout_s, self.wait_s, self.cancel_grace_s = timeout_s, wait_s, cancel_grace_s
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
             transport.register(a, n)
@@ -282,8 +286,12 @@ class Receiver:
         if f is None or f.request_id != msg.request_id:
             return  # a late answer to a fetch that already failed
         f.inflight.pop(msg.cp_rank, None)
+        if f.failing is not None:  # any answer means that rank writes nothing more
+            if not f.inflight:
+                self._finish(f, f.failing, peer_fault=f.peer_fault)
+            return
         if not msg.ok:
-            return self._finish(f, FetchError(f.request_id, msg.cp_rank, msg.reason))
+            return self._fail(f, FetchError(f.request_id, msg.cp_rank, msg.reason))
         f.outcomes[msg.cp_rank] = msg
         if not f.inflight:
             self._finish(f, None)
@@ -323,15 +331,19 @@ class Receiver:
             if not boot.asked and now >= boot.retry_at:
                 boot.sock.send(encode(QueryRanks(self.engine_id)))
                 boot.asked = now
-        for f in [f for f in self._active.values() if f.deadline <= now]:
+        for f in [f for f in self._active.values() if f.failing is not None and f.settle_by <= now]:
+            log.warning("fetch of %r: cp ranks %s did not confirm the cancel within %.0fs; a late write may "
+                        "still land in its blocks", f.request_id, sorted(f.inflight), self.cancel_grace_s)
+            self._finish(f, f.failing, peer_fault=f.peer_fault)
+        for f in [f for f in self._active.values() if f.failing is None and f.deadline <= now]:
             if f.table is None:
                 boot = self._boots.get(f.bootstrap)
                 rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({boot and boot.last_reason})"
             else:
                 pending = sorted(f.inflight)
                 rank, why = pending[0], f"no outcome from cp ranks {pending}"
-            self._finish(f, FetchError(f.request_id, rank, f"timed out after {now - f.started:.1f}s: {why}"),
-                         peer_fault=True)
+            self._fail(f, FetchError(f.request_id, rank, f"timed out after {now - f.started:.1f}s: {why}"),
+                       peer_fault=True)
 
     def _disconnected(self, p: _Peer) -> bool:
         hit = False
@@ -349,13 +361,31 @@ class Receiver:
         for boot in self._boots.values():
             if boot.table is not None and p.address in boot.table.addresses:
                 boot.table = None  # the rank may come back elsewhere: ask the bootstrap again
-        for tid, f in list(p.tids.items()):
+        lost, p.tids = p.tids, {}
+        for tid, f in lost.items():
             rank = next((r for r, (a, t) in f.inflight.items() if t == tid), None)
-            self._finish(f, FetchError(f.request_id, rank, f"{why} ({p.address})"), peer_fault=True)
-        p.tids.clear()
+            f.inflight.pop(rank, None)  # that rank's connection is gone: it cannot be told to cancel
+            if f.failing is not None:
+                if not f.inflight:
+                    self._finish(f, f.failing, peer_fault=f.peer_fault)
+            else:
+                self._fail(f, FetchError(f.request_id, rank, f"{why} ({p.address})"), peer_fault=True)
         if drop and self._peers.get(p.address) is p:
             p.close(self._poller)
             del self._peers[p.address]
+
+    def _fail(self, f: Fetch, error: FetchError, peer_fault: bool = False):
+        """Fail ``f`` once no CP rank can still write into its blocks (vLLM frees or
+        reuses them when the fetch fails): the ranks still in flight get a
+        ``CancelTransfer``; ``f`` ends when each answered or lost its connection,
+        at the latest ``cancel_grace_s`` later."""
+        live = {r: (a, t) for r, (a, t) in f.inflight.items() if a in self._peers}
+        if not live:
+            return self._finish(f, error, peer_fault=peer_fault)
+        f.inflight, f.failing, f.peer_fault = live, error, peer_fault
+        f.settle_by = time.monotonic() + self.cancel_grace_s
+        for addr, tid in live.values():
+            self._peers[addr].sock.send(encode(CancelTransfer(f.request_id, tid)))
 
     def _finish(self, f: Fetch, error: FetchError | None, track: bool = True, peer_fault: bool = False):
         if track:

@@ -50,8 +50,8 @@ import numpy as np
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import (Fingerprint, MessageError, RegisterRank, Reply, TransferOutcome,
-                                           TransferRequest, decode, encode)
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank, Reply,
+                                           TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions, plan_path
 from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
 from vllm_dcp2d.layout import cp_layer_range
@@ -98,6 +98,7 @@ class _Held:
     write_s: float = 0.0
     error: str = ""
     closed: bool = False  # answered (or failed): write nothing more
+    cancelled: bool = False  # the consumer gave up (CancelTransfer)
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Sender:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._pending: dict[str, list[_Held]] = {}  # request id -> fetches held until add_request
+        self._fetches: dict[tuple, _Held] = {}  # (consumer identity, transfer id) -> fetch not answered yet
         self._finished: dict[str, str] = {}
         self._stats = SenderStats()
         self._work: queue.Queue = queue.Queue()
@@ -171,7 +173,7 @@ class Sender:
             self._requests[request_id] = _Request(ids, n, time.monotonic() + self.expiry_s)
             waiting = self._pending.pop(request_id, [])
         for held in waiting:
-            self._work.put(partial(self._answer, held.identity, held.req, held))
+            self._work.put(partial(self._answer, held))
 
     def layer_ready(self, request_id: str, layer: int, block_ids, num_pages: int, event=None) -> None:
         """Layer ``layer`` of ``request_id`` is computed in ``block_ids`` (int ``[P]``)
@@ -246,7 +248,7 @@ class Sender:
             return
         identity, payload = frames
         try:
-            req = decode(payload, TransferRequest)
+            req = decode(payload, (TransferRequest, CancelTransfer))
         except MessageError as e:
             with self._lock:
                 self._stats.malformed += 1
@@ -254,19 +256,24 @@ class Sender:
             log.warning("cp rank %d: rejected message: %s", self.cp_rank, e)
             self._send(identity, Reply(False, f"cp rank {self.cp_rank} rejected message: {e}"))
             return
+        if isinstance(req, CancelTransfer):  # on a worker: it may wait for a write in flight
+            self._work.put(partial(self._cancel, identity, req))
+            return
         try:
             self.fingerprint.check(req.fingerprint)
         except MessageError as e:
             self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
             return
+        h = _Held(identity, req, time.monotonic() + req.wait_s)
         with self._lock:
             known = req.request_id in self._requests
+            if known or req.wait_s > 0:
+                self._fetches[(identity, req.transfer_id)] = h
             if not known and req.wait_s > 0:
-                self._pending.setdefault(req.request_id, []).append(
-                    _Held(identity, req, time.monotonic() + req.wait_s))
+                self._pending.setdefault(req.request_id, []).append(h)
                 return
         if known:
-            self._work.put(partial(self._answer, identity, req, None))
+            self._work.put(partial(self._answer, h))
         else:
             self._send(identity, self._failed(req, f"unknown request id {req.request_id!r} on cp rank "
                                                    f"{self.cp_rank} (not added, or already finished/expired)"))
@@ -291,6 +298,8 @@ class Sender:
     def _give_up(self, h: _Held) -> None:
         with h.lock:  # after any layer write in flight; none starts after this
             h.closed = True
+        with self._lock:
+            self._fetches.pop((h.identity, h.req.transfer_id), None)
         self._out.put((h.identity, self._failed(h.req, f"request {h.req.request_id!r} not ready on cp rank "
                                                        f"{self.cp_rank} after waiting {h.req.wait_s:.1f}s")))
         self._waker.wake()
@@ -305,8 +314,26 @@ class Sender:
                 continue
             job()
 
-    def _answer(self, identity: bytes, req: TransferRequest, held: _Held | None) -> None:
-        self._out.put((identity, self._serve(req, held)))
+    def _answer(self, h: _Held) -> None:
+        outcome = self._serve(h.req, h)
+        with self._lock:
+            self._fetches.pop((h.identity, h.req.transfer_id), None)
+        self._out.put((h.identity, outcome))
+        self._waker.wake()
+
+    def _cancel(self, identity: bytes, msg: CancelTransfer) -> None:
+        """The consumer gave up on a fetch: write nothing more for it, and confirm
+        only once no write of it is in flight (it may free the blocks then)."""
+        with self._lock:
+            h = self._fetches.pop((identity, msg.transfer_id), None)
+            if h is not None and h in self._pending.get(h.req.request_id, ()):
+                self._pending[h.req.request_id].remove(h)
+        if h is not None:
+            with h.lock:  # waits for a write in flight
+                h.cancelled = h.closed = True
+        self._out.put((identity, TransferOutcome(
+            msg.request_id, msg.transfer_id, self.cp_rank, self.cp_size, False, "cancelled by the consumer",
+            self.layers.start, self.layers.stop, 0, 0, 0, 0, 0, 0.0, 0.0)))
         self._waker.wake()
 
     def _plan_write(self, req: TransferRequest, block_ids, layers, num_pages: int):
@@ -342,6 +369,8 @@ class Sender:
         fetch did not get layer by layer) and build its answer."""
         h = held or _Held(b"", req, 0.0)
         with h.lock:  # waits for a layer write in flight; later ones see `closed`
+            if h.cancelled:
+                return self._failed(req, f"cancelled by the consumer on cp rank {self.cp_rank}")
             h.closed = True
             with self._lock:
                 state = self._requests.get(req.request_id)
