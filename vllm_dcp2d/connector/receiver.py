@@ -6,7 +6,10 @@
 and KV regions to every prefill CP rank, and collects their
 ``TransferOutcome``s. The pages are in place when every CP rank answered ok;
 any failure, lost connection or deadline fails the whole fetch, naming the CP
-rank and the reason (the destination blocks are then undefined). Nothing
+rank and the reason (the destination blocks are then undefined). A failing
+fetch ends only after the CP ranks still in flight confirmed a ``CancelTransfer``
+(sent after any write of theirs finished), lost their connection, or
+``cancel_grace_s`` passed: vLLM may reuse the blocks as soon as it ends. Nothing
 blocks the caller: a background thread owns the sockets, ``poll()`` returns
 finished fetches.
 
@@ -23,7 +26,7 @@ Public API
 ``Fetch``: ``.request_id``, ``.ok``, ``.error: FetchError | None``, ``.outcomes: dict[int, TransferOutcome]``,
     ``.seconds``; ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
 ``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
-           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0)``
+           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=40.0)``
     ``.start(request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None)``
     ``.poll() -> list[Fetch]``        finished fetches since the last call (any thread).
     ``.wait(request_id, timeout_s) -> Fetch``  blocking helper (tests, benches).
