@@ -127,26 +127,42 @@ def test_bad_arguments():
         MooncakeTransport(max_batch=0)
 
 
-def test_renew_on_failure_retries_on_a_fresh_engine(pair):
-    """A write-only transport with renew_on_failure replaces its engine after a failed
-    batch and retries it once there: the ranges stay registered and writes work."""
+class StallOnce:
+    """Wraps an engine: its first write makes no progress for ``seconds``, then fails."""
+
+    def __init__(self, engine, seconds):
+        self.engine, self.seconds, self.calls = engine, seconds, 0
+
+    def batch_transfer_sync_write(self, *args):
+        self.calls += 1
+        time.sleep(self.seconds)
+        return -1
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkeypatch):
+    """A write-only transport with renew_on_failure retries a stalled batch on a fresh
+    engine (ranges registered again, same bytes land); a write that fails at once
+    (here: an unregistered destination, like a dead peer) is not retried."""
+    from vllm_dcp2d.connector import transport as tr
+
+    monkeypatch.setattr(tr, "STALL_S", 0.2)
     _, b, src, dst = pair
     a = MooncakeTransport(renew_on_failure=True)
     try:
         a.register(src.ctypes.data, src.nbytes)
         first = a.session_id
         bad = Descriptors(np.array([src.ctypes.data]), np.array([dst.ctypes.data + dst.nbytes]), np.array([4096]))
-        with pytest.raises(TransferError, match="code -1"):  # the retry fails too: still an error
+        with pytest.raises(TransferError, match="code -1"):
             a.write(b.session_id, bad)
-        assert a.session_id != first and a.registered() == {src.ctypes.data: src.nbytes}
-        renewed = a.session_id
-        with pytest.raises(TransferError):  # within STALL_S of the last renewal: no new engine
-            a.write(b.session_id, bad)
-        assert a.session_id == renewed
+        assert a.session_id == first  # failed at once: no new engine
+        stalled = a._engine = StallOnce(a._engine, 0.15)
         good = Descriptors(np.array([src.ctypes.data + 8192]), np.array([dst.ctypes.data]), np.array([4096]))
         assert a.write(b.session_id, good) == 4096
+        assert stalled.calls == 1 and a.session_id != first
+        assert a.registered() == {src.ctypes.data: src.nbytes}
         assert np.array_equal(dst[:4096], src[8192:8192 + 4096])
-        a.renew()
-        assert a.write(b.session_id, good) == 4096
     finally:
         a.close()

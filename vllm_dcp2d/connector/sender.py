@@ -84,8 +84,8 @@ class SenderStats:
 
 @dataclass
 class _Held:
-    """A decode rank's TransferRequest that arrived before the request's KV was
-    complete, and what has been written to it layer by layer so far."""
+    """One decode rank's fetch (a TransferRequest) until it is answered: held while
+    the request's KV is not complete, and what was written to it layer by layer."""
 
     identity: bytes
     req: TransferRequest
@@ -315,7 +315,7 @@ class Sender:
             job()
 
     def _answer(self, h: _Held) -> None:
-        outcome = self._serve(h.req, h)
+        outcome = self._serve(h)
         with self._lock:
             self._fetches.pop((h.identity, h.req.transfer_id), None)
         self._out.put((h.identity, outcome))
@@ -331,9 +331,7 @@ class Sender:
         if h is not None:
             with h.lock:  # waits for a write in flight
                 h.cancelled = h.closed = True
-        self._out.put((identity, TransferOutcome(
-            msg.request_id, msg.transfer_id, self.cp_rank, self.cp_size, False, "cancelled by the consumer",
-            self.layers.start, self.layers.stop, 0, 0, 0, 0, 0, 0.0, 0.0)))
+        self._out.put((identity, self._failed(msg, f"cancelled by the consumer on cp rank {self.cp_rank}")))
         self._waker.wake()
 
     def _plan_write(self, req: TransferRequest, block_ids, layers, num_pages: int):
@@ -364,10 +362,10 @@ class Sender:
             h.plan_s += plan_s
             h.write_s += write_s
 
-    def _serve(self, req: TransferRequest, held: _Held | None = None) -> TransferOutcome:
-        """Write what ``req`` still lacks (all of this rank's layers, or those a held
-        fetch did not get layer by layer) and build its answer."""
-        h = held or _Held(b"", req, 0.0)
+    def _serve(self, h: _Held) -> TransferOutcome:
+        """Write what fetch ``h`` still lacks (all of this rank's layers, or those
+        ``layer_ready`` did not write yet) and build its answer."""
+        req = h.req
         with h.lock:  # waits for a layer write in flight; later ones see `closed`
             if h.cancelled:
                 return self._failed(req, f"cancelled by the consumer on cp rank {self.cp_rank}")
@@ -408,7 +406,7 @@ class Sender:
                                self.layers.start, self.layers.stop, state.num_pages, nbytes, n,
                                -(-n // self.transport.max_batch), naive, plan_s, write_s, len(h.sent))
 
-    def _failed(self, req: TransferRequest, reason: str, num_pages: int = 0) -> TransferOutcome:
+    def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0) -> TransferOutcome:
         with self._lock:
             self._stats.errors.append(reason)
         log.warning("%s", reason)

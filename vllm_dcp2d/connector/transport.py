@@ -18,9 +18,10 @@ Public API
     undefined.
 ``MooncakeTransport(hostname="127.0.0.1", *, protocol="tcp", max_batch=1024,
                     transfer_timeout_s=None, renew_on_failure=False)``
-    ``renew_on_failure``: a write-only transport retries a failed batch once on a
-    fresh engine (``.renew()``), giving up a TCP write after ``STALL_S`` seconds
-    without progress: 0.3.13.post1's TCP sessions can stall for minutes.
+    ``renew_on_failure``: a write-only transport gives a TCP write up after
+    ``STALL_S`` seconds without progress and retries it on a fresh engine
+    (``.renew()``), up to ``STALL_RETRIES`` times: 0.3.13.post1's TCP sessions
+    can stall for minutes. Writes that fail at once (dead peer) are not retried.
     ``.session_id -> str``                  "host:rpc_port", what peers write to.
     ``.register(addr: int, nbytes: int)``   idempotent for the same range.
     ``.unregister(addr: int)``              no-op if not registered.
@@ -44,7 +45,8 @@ __all__ = ["TransportError", "TransferError", "MooncakeTransport"]
 
 log = logging.getLogger(__name__)
 STALL_S = 10       # renew_on_failure: seconds without progress before a TCP write is given up
-RETIRED_KEPT = 4   # replaced engines kept alive (>= 40 s at one renewal per STALL_S)
+STALL_RETRIES = 2  # renew_on_failure: fresh engines tried after stalls, per batch
+RETIRED_KEPT = 4   # replaced engines kept alive (>= 40 s: each renewal follows a STALL_S stall)
 
 
 class TransportError(RuntimeError):
@@ -91,7 +93,6 @@ class MooncakeTransport:
         self.hostname, self.protocol, self.renew_on_failure = hostname, protocol, renew_on_failure
         self._engine = self._new_engine()
         self._retired: list = []  # replaced engines, newest last: a write may still run on one
-        self._renewed_at = -float("inf")
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._regs: dict[int, int] = {}
@@ -132,7 +133,6 @@ class MooncakeTransport:
                     old.unregister_memory(addr)
             self._retired = self._retired[-RETIRED_KEPT:]
             self._engine = engine
-            self._renewed_at = time.monotonic()
             self.session_id = f"{self.hostname}:{engine.get_rpc_port()}"
 
     def __enter__(self):
@@ -194,13 +194,16 @@ class MooncakeTransport:
         with plock:
             for b in desc.batches(self.max_batch):
                 args = (peer, b.src.tolist(), b.dst.tolist(), b.length.tolist())
-                rc = self._engine.batch_transfer_sync_write(*args)
-                if rc != 0 and self.renew_on_failure and time.monotonic() - self._renewed_at > STALL_S:
-                    # At most one new engine per STALL_S (a dead peer fails every write
-                    # at once). Rewriting the same bytes to the same place is idempotent.
-                    log.warning("Mooncake write to %s failed with %d; retrying once on a fresh engine", peer, rc)
-                    self.renew()
+                for attempt in range(STALL_RETRIES + 1):
+                    t0 = time.monotonic()
                     rc = self._engine.batch_transfer_sync_write(*args)
+                    # Only a stall (no progress for STALL_S) earns a fresh engine; a dead
+                    # or refusing peer fails at once. Rewriting the same bytes is idempotent.
+                    stalled = time.monotonic() - t0 >= STALL_S / 2
+                    if rc == 0 or not (self.renew_on_failure and stalled) or attempt == STALL_RETRIES:
+                        break
+                    log.warning("Mooncake write to %s stalled (%d); retrying on a fresh engine", peer, rc)
+                    self.renew()
                 if rc != 0:
                     raise TransferError(peer, len(b), rc, done)
                 done += b.nbytes

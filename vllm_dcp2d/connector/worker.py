@@ -208,12 +208,15 @@ class WorkerSide:
         if ptr is not None and kv_layer.data_ptr() != ptr:
             raise RuntimeError(f"KV cache of {layer_name} moved from {ptr:#x} (registered with Mooncake) to "
                                f"{kv_layer.data_ptr():#x}; transfers would write freed memory")
-        if self.sender is None or not meta.computing:
+        if self.sender is None:
+            return
+        waiting = [spec for spec in meta.computing.values() if self.sender.held(spec.key)]
+        if not waiting:  # the usual case: nobody asked before the prefill finished
             return
         layer = compat.layer_index(layer_name)
         # On GPU the KV write is queued on the compute stream: the sender waits for it.
         event = compat.record_event(kv_layer)
-        for spec in meta.computing.values():
+        for spec in waiting:
             self.sender.layer_ready(spec.key, layer, spec.block_ids, cdiv(spec.num_tokens, self.page_size), event)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
