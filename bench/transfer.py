@@ -40,7 +40,7 @@ def kv_regions(buf: np.ndarray, layer_ids):
 
 def fingerprint(a):
     from vllm_dcp2d.connector.messages import Fingerprint
-    return Fingerprint("bench", a.layers, a.page, "uint8", a.page * a.bytes_per_token, "bench:[L,blocks,page]")
+    return Fingerprint("bench", a.layers, a.page, "uint8", a.page * a.bytes_per_token, "bench:[L,blocks,page]", "bench")
 
 
 class Prefill:
@@ -49,6 +49,8 @@ class Prefill:
         from vllm_dcp2d.connector.sender import Sender
         from vllm_dcp2d.connector.transport import MooncakeTransport
         from vllm_dcp2d.layout import cp_layer_range
+
+        self.a = a
 
         r = cp_layer_range(a.layers, a.cp, cp_rank)
         full = prefill_kv(a.layers, a.prefill_blocks, a.page * a.bytes_per_token)
@@ -64,7 +66,7 @@ class Prefill:
         return self.bootstrap
 
     def add(self, rid, src):
-        self.sender.add_request(rid, src)
+        self.sender.add_request(rid, src, self.a.tokens)
 
     def close(self):
         self.sender.close()
@@ -78,6 +80,8 @@ class Decode:
         from vllm_dcp2d.connector.receiver import Receiver
         from vllm_dcp2d.connector.transport import MooncakeTransport
 
+        self.a = a
+
         self.kv = np.zeros((a.layers, -(-a.pages // a.dcp), a.page * a.bytes_per_token), np.uint8)
         self.t = MooncakeTransport()
         self.r = Receiver(self.t, kv_regions(self.kv, range(a.layers)), fingerprint(a), engine_id="bench-decode",
@@ -87,7 +91,7 @@ class Decode:
 
     def start(self, rid, bootstrap, dst):
         self.kv[:] = 0
-        self.r.start(rid, bootstrap, dst)
+        self.r.start(rid, bootstrap, dst, num_tokens=self.a.tokens)
 
     def wait(self, rid):
         f = self.r.wait(rid, 600)

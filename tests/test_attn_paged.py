@@ -58,8 +58,11 @@ def _shard_pages(k_seq, v_seq, page, dcp, rank, num_slots, gen):
     Page p of a sequence belongs to rank p % dcp at local slot p // dcp (seed §5.1),
     the layout vLLM's CP slot mapping gives with cp_kv_cache_interleave_size = page.
     Returns the cache [num_blocks, Hkv, page*D] (flat, plain layout), block_table and
-    the local token counts."""
+    the local token counts. ``num_slots`` must cover this rank's pages of all sequences
+    (size it from the drawn lengths); the remaining slots hold garbage."""
     hkv, d = k_seq[0].shape[1:]
+    need = sum(int((dcp_page_owner(np.arange(math.ceil(len(k) / page)), dcp) == rank).sum()) for k in k_seq)
+    assert need <= num_slots, f"pool of {num_slots} slots is too small: rank {rank} holds {need} pages"
     kc = torch.randn(num_slots, hkv, page, d, generator=gen)  # garbage where unused
     vc = torch.randn(num_slots, hkv, page, d, generator=gen)
     free = torch.randperm(num_slots, generator=gen).tolist()
@@ -108,9 +111,12 @@ def test_sharded_context_plus_new_tokens_equals_full_attention(dcp, page, ctx, n
     layout = plain_layout(page, d)
     ctx_k = [k[:c] for k, c in zip(k_seq, ctx)]
     ctx_v = [v[:c] for v, c in zip(v_seq, ctx)]
+    # Pool sized from the draw: the pages of all requests bound any one rank's share
+    # (dcp=1 holds them all), plus 8 unused garbage slots so the shuffled placement matters.
+    num_slots = sum(math.ceil(c / page) for c in ctx) + 8
     parts = []
     for rank in range(dcp):
-        kc, vc, table, local = _shard_pages(ctx_k, ctx_v, page, dcp, rank, 40, gen)
+        kc, vc, table, local = _shard_pages(ctx_k, ctx_v, page, dcp, rank, num_slots, gen)
         o, lse = paged_attention_lse(q, kc, vc, layout, layout, table, local, qsl, scale)
         parts.append({"o": o, "lse": lse})
     new_k = torch.cat([k[c:] for k, c in zip(k_seq, ctx)])

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
-from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner  # noqa: E402
+from vllm_dcp2d.layout import cdiv, dcp_local_slot, dcp_page_owner  # noqa: E402
 from vllm_dcp2d.vllm_compat import attention as compat  # noqa: E402
 from vllm_dcp2d.vllm_compat import check_vllm_version  # noqa: E402
 
@@ -70,8 +70,11 @@ def test_cp_slot_mapping_matches_the_triton_kernel_math(cp, bs, inter_div, lens,
     qlens = [n for _, n in lens]
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
     positions = torch.tensor(np.concatenate([np.arange(s, s + n) for s, n in lens]), dtype=torch.int64)
-    stride = 32  # >= 110 tokens / block size 4
-    table = torch.tensor(rng.permutation(1000)[: 6 * stride].reshape(6, stride), dtype=torch.int32)
+    # Table sized from the draw, like vLLM's [max_num_reqs, max_blocks] table: more rows
+    # than requests and more columns than the longest request needs (cp=1 is the worst case).
+    rows, stride = len(lens) + 2, max(cdiv(s + n, bs) for s, n in lens) + 2
+    table = torch.tensor(rng.permutation(max(1000, rows * stride))[: rows * stride].reshape(rows, stride),
+                         dtype=torch.int32)
     for rank in range(cp):
         slots = torch.full((positions.numel() + 5,), 7, dtype=torch.int64)
         compat.cp_slot_mapping(positions.numel(), slots.numel(), qsl, positions, table, stride, slots,

@@ -11,7 +11,7 @@ from vllm_dcp2d.connector.bootstrap import BootstrapError, BootstrapServer, quer
 from vllm_dcp2d.connector.messages import Fingerprint, RankTable, RegisterRank, Reply, decode
 
 pytestmark = pytest.mark.timeout(30)
-FP = Fingerprint("m", 5, 16, "bfloat16", 1024, "test")
+FP = Fingerprint("m", 5, 16, "bfloat16", 1024, "test", "cfg")
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ def llm(tmp_path_factory):
     kv = KVTransferConfig(kv_connector="DCP2DConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"bootstrap_port": free_port(), "stats_file": str(stats),
                                                      "transfer_timeout_s": 5.0, "prefill_wait_s": 0.5,
-                                                     "send_timeout_s": SEND_TIMEOUT_S})
+                                                     "send_timeout_s": SEND_TIMEOUT_S, "cancel_grace_s": 0.5})
     engine = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
                  kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=4,
                  enable_prefix_caching=False, kv_transfer_config=kv)
@@ -136,3 +136,89 @@ def test_expiry_recomputes(llm):
     assert free_blocks(engine) == free
     fails = [r for r in records(stats) if r.get("request_id") == "never-prefilled"]
     assert fails and not fails[-1]["ok"]  # "not ready" from the producer after prefill_wait_s
+
+
+def bootstrap_addr(engine) -> str:
+    port = engine.llm_engine.vllm_config.kv_transfer_config.kv_connector_extra_config["bootstrap_port"]
+    return f"tcp://127.0.0.1:{port}"
+
+
+@pytest.mark.timeout(120)
+def test_duplicate_transfer_key_second_fails_first_loads(llm):
+    """Two decode requests name the same remote_request_id: the second gets a clear
+    load error (and recomputes), the first is loaded. Both answer correctly."""
+    engine, stats = llm
+    ids = prompts()["pages"]
+    (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
+    free = free_blocks(engine)
+    (pre,) = engine.generate({"prompt_token_ids": ids}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    key = pre.kv_transfer_params["remote_request_id"]
+    before = len(records(stats))
+    outs = engine.generate([{"prompt_token_ids": ids}] * 2,
+                           [greedy(4, dict(pre.kv_transfer_params)) for _ in range(2)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [local.outputs[0].token_ids] * 2
+    new = [r for r in records(stats)[before:] if r.get("request_id") == key and r["side"] == "consumer"]
+    assert [r["ok"] for r in new] == [False, True], new
+    assert f"transfer key {key!r} is already being fetched by request" in new[0]["reason"]
+    assert new[1]["bytes"] > 0  # the first request's pages were transferred
+    assert free_blocks(engine) == free  # the producer's blocks too: its one consumer was served
+
+
+@pytest.mark.timeout(120)
+def test_remote_token_count_mismatch_recomputes(llm):
+    """The decode's prompt is longer than what the prefill computed (remote_num_tokens):
+    a load error, recomputed locally, never KV with unwritten positions."""
+    engine, stats = llm
+    ids = prompts()["pages"]
+    longer = ids + [11, 12, 13, 14, 15]
+    (local,) = engine.generate({"prompt_token_ids": longer}, greedy(4), use_tqdm=False)
+    (pre,) = engine.generate({"prompt_token_ids": ids}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    assert pre.kv_transfer_params["remote_num_tokens"] == len(ids)
+    (dec,) = engine.generate({"prompt_token_ids": longer}, greedy(4, pre.kv_transfer_params), use_tqdm=False)
+    assert dec.outputs[0].token_ids == local.outputs[0].token_ids
+    fails = [r for r in records(stats) if r.get("request_id") == pre.kv_transfer_params["remote_request_id"]]
+    assert (f"remote_num_tokens={len(ids)} prompt tokens, this decode has {len(longer)}"
+            in fails[-1]["reason"]), fails
+
+
+@pytest.mark.timeout(120)
+def test_quarantined_blocks_stay_out_of_use_until_the_rank_settles(llm, tmp_path):
+    """A prefill rank that never confirms the cancel (frozen): vLLM recomputes the
+    request in fresh blocks at once, its old blocks leave the free pool until the
+    rank answers, then come back."""
+    import time
+
+    from _fake_rank import FakeRank
+
+    from vllm_dcp2d.connector import bootstrap as bs
+    from vllm_dcp2d.connector.bootstrap import BootstrapServer
+    from vllm_dcp2d.connector.messages import QueryRanks, RankTable
+
+    engine, stats = llm
+    table = bs.request(bootstrap_addr(engine), QueryRanks("test"), RankTable, 10.0)
+    ids = prompts()["pages"]  # 101 tokens: 4 blocks
+    (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
+    with BootstrapServer() as boot:
+        rank = FakeRank(boot.address, table.fingerprint)  # the engine's own KV format; silent
+        try:
+            params = {"do_remote_prefill": True, "remote_request_id": "frozen", "remote_bootstrap_addr":
+                      boot.address, "remote_engine_id": "P", "transfer_timeout_s": 0.5}
+            free = free_blocks(engine)
+            t0 = time.monotonic()
+            (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, params), use_tqdm=False)
+            assert dec.outputs[0].token_ids == local.outputs[0].token_ids
+            assert time.monotonic() - t0 < 10  # deadline + cancel grace, not an unbounded wait
+            assert free_blocks(engine) == free - 4  # recomputed elsewhere; the 4 blocks are held
+            rec = [r for r in records(stats) if r.get("request_id") == "frozen"][-1]
+            assert not rec["ok"] and rec["quarantined"] == 1
+            for _ in range(3):  # still silent: still held
+                engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)
+            assert free_blocks(engine) == free - 4
+            rank.answer_cancels = True
+            deadline = time.monotonic() + 20
+            while free_blocks(engine) != free:
+                assert time.monotonic() < deadline, "quarantined blocks never released"
+                engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)
+                time.sleep(0.2)
+        finally:
+            rank.close()

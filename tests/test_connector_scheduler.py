@@ -56,7 +56,8 @@ def test_consumer_load_spec_and_one_shot():
     meta = s.build_connector_meta(sched_out())
     spec = meta.loads["r"]
     assert (spec.remote_request_id, spec.bootstrap_addr, spec.remote_engine_id) == ("p-1", "tcp://h:1", "pe")
-    assert spec.block_ids == [7, 3, 9, 1] and spec.first_page == 2 and spec.num_pages == 4
+    assert spec.block_ids == [7, 3, 9, 1] and spec.first_page == 2 and spec.num_tokens == 100
+    assert spec.remote_num_tokens is None
     assert spec.timeout_s == 60.0
     assert params["do_remote_prefill"] is False          # a preempted request recomputes locally
     assert s.build_connector_meta(sched_out()).loads == {}  # handed over once
@@ -111,17 +112,66 @@ def test_producer_transfer_keys_unique_while_in_flight():
     assert s.request_finished(a, [1])[1]["remote_request_id"] == "t"
     assert s.request_finished(b, [2])[1]["remote_request_id"] == "b"
     assert s.request_finished(long, [3])[1]["remote_request_id"] == "d"
-    s.update_connector_output(NS(finished_sending={"a"}))
+    s.update_connector_output(NS(finished_sending={"a"}, kv_connector_worker_meta=None))
     s.update_state_after_alloc(c, None, 0)
     assert s.request_finished(c, [4])[1]["remote_request_id"] == "t"
 
 
-def test_producer_aborted_frees_at_once():
+def test_producer_aborted_before_its_prompt_completed_frees_at_once():
     s = side(producer=True)
     req = request(params={"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
+    s.update_state_after_alloc(req, None, 0)
+    s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 64}))  # first chunk only
     assert s.request_finished(req, [1, 2]) == (False, None)
     meta = s.build_connector_meta(sched_out())
-    assert meta.aborted == {"r"} and meta.ready == {}
+    assert meta.aborted == {} and meta.ready == {}
+
+
+def test_producer_aborted_after_its_prompt_completed_keeps_blocks():
+    """Layer writes of held fetches may still read the blocks: vLLM keeps them until
+    the workers report the abort in finished_sending."""
+    s = side(producer=True)
+    req = request(params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_ABORTED)
+    s.update_state_after_alloc(req, None, 0)
+    assert "r" in s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 100})).computing
+    assert s.request_finished(req, [10, 11, 12, 13]) == (True, None)
+    assert s.build_connector_meta(sched_out()).aborted == {"r": "t"}
+
+
+@pytest.mark.parametrize("remote,want", [(100, 100), (99, 99), ("100", -1), (None, None)])
+def test_consumer_load_spec_carries_the_producers_token_count(remote, want):
+    """The workers fail a load whose remote_num_tokens differs from the prompt here."""
+    s = side(consumer=True)
+    params = dict(REMOTE) if remote is None else dict(REMOTE, remote_num_tokens=remote)
+    s.update_state_after_alloc(request(params=params), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
+    spec = s.build_connector_meta(sched_out()).loads["r"]
+    assert (spec.num_tokens, spec.remote_num_tokens) == (100, want)
+
+
+def test_consumer_quarantine_holds_blocks_out_of_the_free_queue():
+    """Held blocks survive the request's free (vLLM's own BlockPool) and return to the
+    free queue only when every rank that held them released them."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_dcp2d.connector.scheduler import DCP2DWorkerMeta
+
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=PAGE)
+    s = side(consumer=True)
+    s.kv_cache_manager = NS(block_pool=pool)
+    blocks = pool.get_new_blocks(4)  # the request's blocks
+    ids = [b.block_id for b in blocks]
+    free0 = pool.get_num_free_blocks()
+    out = lambda **m: NS(finished_sending=None, kv_connector_worker_meta=DCP2DWorkerMeta(**m))  # noqa: E731
+    s.update_connector_output(out(hold={("r", 0): ids[1:], ("r", 1): ids[1:]}))
+    pool.free_blocks(blocks)  # vLLM frees the failed request
+    assert pool.get_num_free_blocks() == free0 + 1 and s.quarantined_blocks() == 6
+    fresh = {b.block_id for b in pool.get_new_blocks(free0 + 1)}  # nothing hands out a held block
+    assert not fresh & set(ids[1:])
+    pool.free_blocks([pool.blocks[i] for i in fresh])
+    s.update_connector_output(out(release={("r", 0)}))
+    assert pool.get_num_free_blocks() == free0 + 1  # rank 1 still holds them
+    s.update_connector_output(out(release={("r", 1), ("r", 1)}))
+    assert pool.get_num_free_blocks() == free0 + 4 and s.quarantined_blocks() == 0
 
 
 def test_plain_requests_untouched():

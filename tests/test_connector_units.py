@@ -22,8 +22,8 @@ def test_stats_aggregate_reduce_pickle():
     a.record_path(0, 1, 100, 2, 0.5)
     b.record_path(0, 1, 50, 1, 0.25)
     b.record_path(1, 0, 7, 1, 0.0)
-    b.record_failed()
-    b.record_expired(2)
+    b.count("failed")
+    b.count("expired", 2)
     a.aggregate(pickle.loads(pickle.dumps(b)))
     assert a.data["paths"]["0,1"] == {"transfers": 2, "bytes": 150, "descriptors": 3, "seconds": 0.75}
     r = a.reduce()
@@ -115,3 +115,55 @@ def test_shm_polls_sleep_instead_of_spinning():
     for r in (spin, nap):
         assert r["first"] == "first" and r["second"] == {"second": [2]}
     assert nap["cpu_s"] < 0.5 * spin["cpu_s"], (nap, spin)
+
+
+def test_page_layout_leaves_out_the_block_count():
+    """Two instances with different memory (num_blocks) agree on the page layout."""
+    for shape, blocks in (((100, 1, 32, 128), 100), ((2, 100, 32, 1, 64), 100)):
+        t = torch.empty(shape)
+        other = torch.empty(tuple(7 if s == blocks else s for s in shape))
+        assert compat.page_layout(t, blocks) == compat.page_layout(other, 7)
+    assert compat.page_layout(torch.empty(100, 1, 32, 128), 100) == "cpu:[1, 32, 128]"
+    assert compat.page_layout(torch.empty(2, 100, 32, 1, 64), 100) == "cpu:[2, 32, 1, 64]"
+
+
+def _order(monkeypatch, isa: str, dtype=torch.bfloat16) -> str:
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: isa)
+    vc = NS(compilation_config=NS(static_forward_context={}), cache_config=NS(cache_dtype="auto"))
+    return compat.kv_element_order(vc, "model.layers.0.self_attn.attn", torch.empty(4, 1, 32, 128, dtype=dtype))
+
+
+def test_element_order_names_the_cpu_packing(monkeypatch):
+    """CPU pages are packed per ISA: the fingerprint's layout carries the ISA and a digest
+    of the element permutation vLLM's own writer produces, so an AMX prefill and a
+    non-AMX decode (same dtype and shape) fail the check naming both layouts."""
+    from vllm_dcp2d.connector.messages import Fingerprint, FingerprintMismatch
+    from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout
+
+    vec = _order(monkeypatch, "vec")
+    k, v = cpu_kv_layout("vec", torch.bfloat16, 32, 64)
+    assert vec.startswith("unknown:isa=vec:order=") and not torch.equal(k, v)  # K is transposed, V is not
+    assert _order(monkeypatch, "vec") == vec  # deterministic
+    vec16 = _order(monkeypatch, "vec16")
+    assert vec16 != vec
+    a = Fingerprint("m", 2, 32, "bfloat16", 8192, f"cpu:[1, 32, 128]:{vec}", "sha256:0@main")
+    b = Fingerprint("m", 2, 32, "bfloat16", 8192, f"cpu:[1, 32, 128]:{vec16}", "sha256:0@main")
+    with pytest.raises(FingerprintMismatch) as e:
+        a.check(b)
+    assert repr(a.layout) in str(e.value) and repr(b.layout) in str(e.value)
+
+
+def test_model_config_id_ignores_the_path_not_the_config():
+    from transformers import LlamaConfig
+
+    def vc(path, revision=None, **kw):
+        cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, **kw)
+        cfg._name_or_path = path
+        return NS(model_config=NS(hf_config=cfg, revision=revision))
+
+    here = compat.model_config_id(vc("/models/a"))
+    assert here == compat.model_config_id(vc("/mnt/other/a"))  # same model, another host's path
+    assert here.endswith("@unknown") and here.startswith("sha256:")
+    assert compat.model_config_id(vc("/models/a", num_key_value_heads=1)) != here
+    assert compat.model_config_id(vc("/models/a", revision="v2")).endswith("@v2")

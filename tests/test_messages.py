@@ -14,7 +14,8 @@ from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, Fingerpr
 from vllm_dcp2d.connector.plan import KVRegions
 
 pytestmark = pytest.mark.timeout(120)
-FP = Fingerprint("glm-5.2@abc", 8, 64, "float8_e4m3fn", 36864, "cpu:[blocks,heads,block,2*head]")
+FP = Fingerprint("glm-5.2@abc", 8, 64, "float8_e4m3fn", 36864, "cpu:[blocks,heads,block,2*head]",
+                 "sha256:0123@main")
 
 
 def _request(**kw):
@@ -22,15 +23,15 @@ def _request(**kw):
                         np.array([1024, 2048]), np.array([512, 2048]))
     args = dict(request_id="req-1", transfer_id=7, engine_id="decode-0", consumer_rank=1, consumer_size=2,
                 session="127.0.0.1:15001", dcp_size=2, dcp_rank=1, block_ids=np.array([5, 3, 9]),
-                first_page=1, fingerprint=FP, wait_s=0.5)
+                num_tokens=300, first_page=1, fingerprint=FP, wait_s=0.5)
     args.update(kw)
     return TransferRequest.build(regions=regions, **args)
 
 
 def _outcome(**kw):
     args = dict(request_id="req-1", transfer_id=7, cp_rank=1, cp_size=2, ok=False, reason="boom", layer_start=4,
-                layer_end=8, num_pages=3, nbytes=0, descriptors=0, batches=0, naive_bytes=0, plan_s=0.001,
-                write_s=0.0)
+                layer_end=8, num_tokens=0, num_pages=3, nbytes=0, descriptors=0, batches=0, naive_bytes=0,
+                plan_s=0.001, write_s=0.0, early_layers=0, settled=True)
     args.update(kw)
     return TransferOutcome(**args)
 
@@ -38,7 +39,8 @@ def _outcome(**kw):
 SAMPLES = [
     _request(),
     _outcome(),
-    _outcome(ok=True, reason="", nbytes=1 << 40, descriptors=3, batches=1, naive_bytes=1 << 41),
+    _outcome(ok=True, reason="", num_tokens=130, nbytes=1 << 40, descriptors=3, batches=1, naive_bytes=1 << 41),
+    _outcome(settled=False),
     RegisterRank("prefill-0", 1, 2, "tcp://127.0.0.1:5555", FP),
     _outcome(ok=True, reason="", nbytes=5, descriptors=1, batches=1, naive_bytes=10, early_layers=4),
     CancelTransfer("req-1", 7),
@@ -95,7 +97,8 @@ def _pack(d) -> bytes:
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda d: d.update(v=2), "unsupported protocol version 2"),
+    (lambda d: d.update(v=1), "unsupported protocol version 1"),
+    (lambda d: d.update(v=3), "unsupported protocol version 3"),
     (lambda d: d.update(v=True), "unsupported protocol version True"),
     (lambda d: d.pop("v"), "unsupported protocol version None"),
     (lambda d: d.update(type="Nope"), "unknown message type 'Nope'"),
@@ -212,7 +215,7 @@ def test_fuzz_field_values(msg, data):
 @_FUZZ
 @given(st.dictionaries(st.text(max_size=12), _values, max_size=8))
 def test_fuzz_random_maps(d):
-    d.setdefault("v", 1)
+    d.setdefault("v", m.PROTOCOL_VERSION)
     d.setdefault("type", "TransferRequest")
     with pytest.raises(MessageError):
         decode(_pack(d))

@@ -20,10 +20,11 @@ from vllm_dcp2d.connector.transport import MooncakeTransport
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
 L, PAGE_BYTES, SRC_BLOCKS, DST_BLOCKS = 4, 256, 7, 8
-FP = Fingerprint("m", L, 16, "uint8", PAGE_BYTES, "test")
+FP = Fingerprint("m", L, 16, "uint8", PAGE_BYTES, "test", "cfg")
 SRC_IDS = np.array([5, 0, 6, 2, 3])          # producer block of each of the 5 pages
 DST_IDS = np.array([7, 1, 4])                # decode DCP rank 1 of 2: pages 1, 3 -> blocks 7, 1
 NUM_PAGES = 5
+NUM_TOKENS = 16 * NUM_PAGES - 7           # the last page is partly filled
 
 
 def regions(kv: np.ndarray) -> KVRegions:
@@ -67,15 +68,15 @@ def wait_until(cond, timeout_s: float = 10.0) -> None:
 
 def test_layers_written_as_they_are_computed(pair):
     src, dst, sender, recv, boot = pair
-    recv.start("r", boot, DST_IDS)
+    recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS)
     wait_until(lambda: sender.held("r") == 1)
     for layer in range(L):
-        sender.layer_ready("r", layer, SRC_IDS, NUM_PAGES)
+        sender.layer_ready("r", layer, SRC_IDS, NUM_TOKENS)
         # this layer has landed before the request is complete; later layers have not
         wait_until(lambda: np.array_equal(dst[layer], expected_layer(src, layer)))
         assert not dst[layer + 1:].any()
         assert not recv.poll()  # no answer before add_request
-    sender.add_request("r", SRC_IDS, NUM_PAGES)
+    sender.add_request("r", SRC_IDS, NUM_TOKENS)
     f = recv.wait("r", 20)
     assert f.ok, f.error
     o = f.outcomes[0]
@@ -89,14 +90,14 @@ def test_layers_written_as_they_are_computed(pair):
 def test_remaining_layers_at_add_request(pair):
     """A fetch held mid-forward got the later layers early and the earlier ones at the end."""
     src, dst, sender, recv, boot = pair
-    sender.layer_ready("r", 0, SRC_IDS, NUM_PAGES)  # before anyone asked: nothing to do
-    recv.start("r", boot, DST_IDS)
+    sender.layer_ready("r", 0, SRC_IDS, NUM_TOKENS)  # before anyone asked: nothing to do
+    recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS)
     wait_until(lambda: sender.held("r") == 1)
-    sender.layer_ready("r", 2, SRC_IDS, NUM_PAGES)
-    sender.layer_ready("r", 3, SRC_IDS, NUM_PAGES)
-    sender.layer_ready("r", L, SRC_IDS, NUM_PAGES)  # not this rank's layer: ignored
+    sender.layer_ready("r", 2, SRC_IDS, NUM_TOKENS)
+    sender.layer_ready("r", 3, SRC_IDS, NUM_TOKENS)
+    sender.layer_ready("r", L, SRC_IDS, NUM_TOKENS)  # not this rank's layer: ignored
     wait_until(lambda: np.array_equal(dst[3], expected_layer(src, 3)))
-    sender.add_request("r", SRC_IDS, NUM_PAGES)
+    sender.add_request("r", SRC_IDS, NUM_TOKENS)
     f = recv.wait("r", 20)
     assert f.ok and f.outcomes[0].early_layers == 2
     assert all(np.array_equal(dst[x], expected_layer(src, x)) for x in range(L))
@@ -106,18 +107,18 @@ def test_held_fetch_expires_after_early_layers(pair):
     """Past wait_s the held fetch fails "not ready" even with layers written; a late
     layer_ready writes nothing more, and the sender serves the next request."""
     src, dst, sender, recv, boot = pair
-    recv.start("late", boot, DST_IDS, wait_s=0.5)
+    recv.start("late", boot, DST_IDS, num_tokens=NUM_TOKENS, wait_s=0.5)
     wait_until(lambda: sender.held("late") == 1)
-    sender.layer_ready("late", 0, SRC_IDS, NUM_PAGES)
+    sender.layer_ready("late", 0, SRC_IDS, NUM_TOKENS)
     f = recv.wait("late", 20)
     assert not f.ok and "not ready" in f.error.reason
     assert sender.held("late") == 0
     dst[:] = 0
-    sender.layer_ready("late", 1, SRC_IDS, NUM_PAGES)
+    sender.layer_ready("late", 1, SRC_IDS, NUM_TOKENS)
     time.sleep(0.2)
     assert not dst.any()
-    sender.add_request("next", SRC_IDS, NUM_PAGES)
-    recv.start("next", boot, DST_IDS)
+    sender.add_request("next", SRC_IDS, NUM_TOKENS)
+    recv.start("next", boot, DST_IDS, num_tokens=NUM_TOKENS)
     f = recv.wait("next", 20)
     assert f.ok and f.outcomes[0].early_layers == 0
     assert all(np.array_equal(dst[x], expected_layer(src, x)) for x in range(L))
@@ -127,13 +128,13 @@ def test_deadline_cancels_held_fetch(pair):
     """A fetch past its deadline is cancelled on the prefill rank: it stops holding it,
     and a later layer_ready / add_request writes nothing into the freed blocks."""
     src, dst, sender, recv, boot = pair
-    recv.start("c", boot, DST_IDS, timeout_s=0.5)  # the rank would hold it for wait_s = 20 s
+    recv.start("c", boot, DST_IDS, num_tokens=NUM_TOKENS, timeout_s=0.5)  # the rank would hold it for wait_s = 20 s
     wait_until(lambda: sender.held("c") == 1)
     f = recv.wait("c", 10)
     assert f.error.timed_out and f.seconds < 5
     assert sender.held("c") == 0
-    sender.layer_ready("c", 0, SRC_IDS, NUM_PAGES)
-    sender.add_request("c", SRC_IDS, NUM_PAGES)
+    sender.layer_ready("c", 0, SRC_IDS, NUM_TOKENS)
+    sender.add_request("c", SRC_IDS, NUM_TOKENS)
     time.sleep(0.3)
     assert not dst.any()
 
@@ -144,9 +145,9 @@ class SlowWrites:
     def __init__(self, transport, delay_s: float):
         self.transport, self.delay_s = transport, delay_s
 
-    def write(self, peer, desc):
+    def write(self, peer, desc, stalls=None):
         time.sleep(self.delay_s)
-        return self.transport.write(peer, desc)
+        return self.transport.write(peer, desc, stalls)
 
     def __getattr__(self, name):
         return getattr(self.transport, name)
@@ -157,8 +158,8 @@ def test_fetch_fails_only_after_the_write_in_flight(pair):
     its blocks) only once the rank confirmed the cancel, i.e. after its write finished."""
     src, dst, sender, recv, boot = pair
     sender.transport = SlowWrites(sender.transport, 1.5)
-    sender.add_request("w", SRC_IDS, NUM_PAGES)
-    recv.start("w", boot, DST_IDS, timeout_s=0.3)
+    sender.add_request("w", SRC_IDS, NUM_TOKENS)
+    recv.start("w", boot, DST_IDS, num_tokens=NUM_TOKENS, timeout_s=0.3)
     f = recv.wait("w", 20)
     assert f.error.timed_out and f.seconds > 1.4, f.seconds
     # the write had landed before the fetch ended; nothing lands after it

@@ -26,7 +26,7 @@ SENTINEL = 0xEE
 def fingerprint(**kw):
     from vllm_dcp2d.connector.messages import Fingerprint
     args = dict(model="test-model", num_layers=5, page_size=PAGE_SIZE, kv_dtype="uint8", page_bytes=PAGE_BYTES,
-                layout="test:[layers,blocks,K256|gap|V512|gap]")
+                layout="test:[layers,blocks,K256|gap|V512|gap]", model_config="sha256:test")
     args.update(kw)
     return Fingerprint(**args)
 
@@ -83,16 +83,14 @@ class PrefillRank:
     def add(self, request_id, block_ids, num_pages=None, expiry_s=None):
         if expiry_s is not None:
             self.sender.expiry_s = expiry_s
-        self.sender.add_request(request_id, block_ids, num_pages)
+        self.sender.add_request(request_id, block_ids, PAGE_SIZE * (len(block_ids) if num_pages is None else num_pages))
         self.sender.expiry_s = 60.0
 
     def finished(self):
         return self.sender.pop_finished()
 
     def stats(self):
-        s = self.sender.stats()
-        return {"paths": {k: vars(v) for k, v in s.paths.items()}, "errors": list(s.errors),
-                "malformed": s.malformed}
+        return {"errors": list(self.sender.errors), "malformed": self.sender.malformed}
 
     def registered(self):
         return self.transport.registered()
@@ -118,22 +116,28 @@ class DecodeRank:
         self.receiver = Receiver(self.transport, self.regions, fingerprint(**fp),
                                  buffers=[(self.kv.ctypes.data, self.kv.nbytes)], timeout_s=20.0, **self.args)
 
-    def start(self, request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None):
-        self.receiver.start(request_id, bootstrap, block_ids, first_page, timeout_s, wait_s)
+    def start(self, request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, num_pages=None):
+        """num_pages: of the request (default: every page the block table holds at this DCP size)."""
+        n = len(block_ids) * self.args["dcp_size"] if num_pages is None else num_pages
+        self.receiver.start(request_id, bootstrap, block_ids, first_page, timeout_s, wait_s,
+                            num_tokens=PAGE_SIZE * n)
 
     def wait(self, request_id, timeout_s=30.0):
         return _fetch_dict(self.receiver.wait(request_id, timeout_s))
 
-    def fetch(self, request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None):
-        self.start(request_id, bootstrap, block_ids, first_page, timeout_s, wait_s)
+    def fetch(self, request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, num_pages=None):
+        self.start(request_id, bootstrap, block_ids, first_page, timeout_s, wait_s, num_pages)
         return self.wait(request_id)
 
     def fetch_with_fingerprint(self, fp: dict, request_id, bootstrap, block_ids):
         """Fetch through a second receiver that claims another KV format."""
         from vllm_dcp2d.connector.receiver import Receiver
         with Receiver(self.transport, self.regions, fingerprint(**fp), timeout_s=10.0, **self.args) as r:
-            r.start(request_id, bootstrap, block_ids)
+            r.start(request_id, bootstrap, block_ids, num_tokens=PAGE_SIZE * len(block_ids) * self.args["dcp_size"])
             return _fetch_dict(r.wait(request_id, 15.0))
+
+    def released(self):
+        return [f.request_id for f in self.receiver.poll_released()]
 
     def dump(self):
         return self.kv.copy()
@@ -148,7 +152,7 @@ class DecodeRank:
 
 
 def _fetch_dict(f):
-    return {"ok": f.ok, "error": None if f.error is None else str(f.error),
+    return {"ok": f.ok, "error": None if f.error is None else str(f.error), "quarantined": sorted(f.quarantined),
             "cp_rank": None if f.error is None else f.error.cp_rank, "seconds": f.seconds,
             "nbytes": f.nbytes, "naive_bytes": f.naive_bytes,
             "per_rank": {r: (o.nbytes, o.descriptors, o.write_s) for r, o in f.outcomes.items()}}

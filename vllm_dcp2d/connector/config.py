@@ -25,6 +25,7 @@ class DCP2DConfig:
     transfer_timeout_s: float = 60.0
     send_timeout_s: float = 120.0
     prefill_wait_s: float = 30.0
+    cancel_grace_s: float = 2.0
     protocol: str = "tcp"
     local_hostname: str = "127.0.0.1"
     stats_file: str = ""
@@ -49,6 +50,11 @@ KEYS: dict[str, tuple[str, str]] = {
                        "held for decode ranks that have not fetched their pages; then they are freed."),
     "prefill_wait_s": ("consumer", "How long a prefill rank may hold a decode rank's transfer request "
                        "for a request it does not know yet (its prefill is still running)."),
+    "cancel_grace_s": ("consumer", "After a fetch fails, seconds to wait for the prefill ranks still "
+                       "writing to confirm its cancel. A rank that has not confirmed by then may still write "
+                       "into the request's blocks: the request is recomputed in fresh blocks and the old ones "
+                       "stay quarantined (out of use) until that rank confirms or is seen restarted "
+                       "(docs/connector.md, \"Block lifetime\")."),
     "protocol": ("both", "Mooncake transport: `\"tcp\"` (default, any machine) or `\"rdma\"` "
                  "(the engine then discovers the NICs itself)."),
     "local_hostname": ("both", "Host name or IP this instance's Mooncake engine listens on and "
@@ -100,7 +106,7 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "cp_size" in extra:
         v = extra["cp_size"]
         _expect("cp_size", v, _is_int(v) and v >= 0, "an int >= 0 (0 = tensor-parallel size)")
-    for key in ("transfer_timeout_s", "send_timeout_s", "prefill_wait_s"):
+    for key in ("transfer_timeout_s", "send_timeout_s", "prefill_wait_s", "cancel_grace_s"):
         if key in extra:
             v = extra[key]
             _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")

@@ -94,8 +94,18 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
         """The sender reads the blocks of finished requests, which vLLM keeps
         until ``get_finished`` reports them: nothing to wait for per step."""
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> compat.KVConnectorTransferResults:
+        sending, recving, failed = self._worker.get_finished()
+        return compat.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                                 failed_recving=failed)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished()
+        """vLLM 0.32 calls ``get_transfer_results`` instead; kept for the abstract API."""
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

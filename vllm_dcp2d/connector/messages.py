@@ -13,7 +13,7 @@ Public API
 ``PROTOCOL_VERSION: int``, ``MAX_MESSAGE_BYTES: int``
 ``class MessageError(ValueError)``: malformed input or unsupported version.
 ``class FingerprintMismatch(MessageError)``: both sides' values named.
-``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout)``
+``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout, model_config)``
     ``.check(other: Fingerprint) -> None``: raises ``FingerprintMismatch``.
 ``TransferRequest(...)``: decode rank -> prefill rank, one per request and rank;
     ``.regions() -> plan.KVRegions`` (the consumer's KV).
@@ -39,7 +39,9 @@ __all__ = [
     "encode", "decode",
 ]
 
-PROTOCOL_VERSION = 1
+# History: 1 = first release. 2 = TransferRequest/TransferOutcome carry num_tokens
+# (a length mismatch fails the fetch), TransferOutcome.settled, Fingerprint.model_config.
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_ADDR = (1 << 63) - 1
@@ -189,12 +191,15 @@ class _Message:
 class Fingerprint(_Message):
     """What both sides must agree on before KV bytes can move.
 
-    model:      model identity (name or path + revision).
-    num_layers: KV layers of the model.
-    page_size:  tokens per transfer page (vLLM block_size).
-    kv_dtype:   KV cache dtype name, e.g. "bfloat16".
-    page_bytes: bytes of one page of one layer (all regions together).
-    layout:     KV memory layout, e.g. "cpu:[blocks,heads,block,2*head]".
+    model:        model name or path.
+    num_layers:   KV layers of the model.
+    page_size:    tokens per transfer page (vLLM block_size).
+    kv_dtype:     KV cache dtype name, e.g. "bfloat16".
+    page_bytes:   bytes of one page of one layer (all regions together).
+    layout:       physical layout of a page: shape without the block axis and the
+                  element order of vLLM's cache writer (CPU: per-ISA packing), e.g.
+                  "cpu:[1, 32, 128]:vec".
+    model_config: hash of the model's config plus its revision, e.g. "sha256:1f2e...@main".
     """
 
     model: str
@@ -203,9 +208,11 @@ class Fingerprint(_Message):
     kv_dtype: str
     page_bytes: int
     layout: str
+    model_config: str
 
     SCHEMA = {"model": _NAME, "num_layers": _Int(1, 1 << 16), "page_size": _Int(1, 1 << 24),
-              "kv_dtype": _Str(64), "page_bytes": _Int(1, 1 << 40), "layout": _Str(256)}
+              "kv_dtype": _Str(64), "page_bytes": _Int(1, 1 << 40), "layout": _Str(256),
+              "model_config": _Str(256)}
 
     def check(self, other: Fingerprint) -> None:
         """Raise ``FingerprintMismatch`` naming every differing field with both values."""
@@ -229,6 +236,8 @@ class TransferRequest(_Message):
     dcp_size, dcp_rank: the consumer's DCP topology, per request (seed §6.7).
     block_ids:     int64 ``[n]`` the consumer's block table; page ``i`` lands in
                    ``block_ids[i // dcp_size]`` on rank ``i % dcp_size``.
+    num_tokens:    prompt tokens the consumer expects; the producer fails the
+                   fetch if its request holds another count.
     first_page:    first sequence page to send (earlier ones are cached on decode).
     layer_ids:     int64 ``[L]``; base: int64 ``[L*R]`` row-major ``[L, R]``;
     page_stride, page_bytes: int64 ``[R]``: the consumer's ``KVRegions``.
@@ -246,6 +255,7 @@ class TransferRequest(_Message):
     dcp_size: int
     dcp_rank: int
     block_ids: np.ndarray
+    num_tokens: int
     first_page: int
     layer_ids: np.ndarray
     base: np.ndarray
@@ -257,7 +267,7 @@ class TransferRequest(_Message):
     SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR), "engine_id": _NAME,
               "consumer_rank": _Int(0, 1 << 16), "consumer_size": _Int(1, 1 << 16), "session": _Str(256),
               "dcp_size": _Int(1, 1 << 12), "dcp_rank": _Int(0, 1 << 12), "block_ids": _Ids(MAX_IDS, hi=MAX_COUNT),
-              "first_page": _Int(0, MAX_COUNT), "layer_ids": _Ids(1 << 16, hi=1 << 16, min_n=1),
+              "num_tokens": _Int(0, MAX_COUNT), "first_page": _Int(0, MAX_COUNT), "layer_ids": _Ids(1 << 16, hi=1 << 16, min_n=1),
               "base": _Ids(1 << 20, min_n=1), "page_stride": _Ids(64, lo=1, min_n=1),
               "page_bytes": _Ids(64, lo=1, min_n=1), "fingerprint": _Nested(Fingerprint),
               "wait_s": _Float(3600.0)}
@@ -296,11 +306,15 @@ class TransferOutcome(_Message):
 
     ok / reason:       done, or failed with a human-readable reason.
     cp_rank, cp_size:  the producer; layer_start/layer_end: the layers it sent.
-    num_pages:         pages of the request on the producer.
+    num_tokens, num_pages: the request's prompt tokens and pages on the producer
+                       (num_tokens is 0 when failed).
     nbytes, descriptors, batches: what was written (0 when failed before writing).
     naive_bytes:       what a full-sequence send to this rank would have moved.
     plan_s, write_s:   seconds spent planning and in Mooncake writes.
     early_layers:      layers written while the prefill was still running (layer pipelining).
+    settled:           no write of this fetch can still land. False when a write
+                       timed out: Mooncake may deliver its queued bytes later, so
+                       the consumer must keep those blocks out of use (quarantine).
     """
 
     request_id: str
@@ -311,6 +325,7 @@ class TransferOutcome(_Message):
     reason: str
     layer_start: int
     layer_end: int
+    num_tokens: int
     num_pages: int
     nbytes: int
     descriptors: int
@@ -318,15 +333,16 @@ class TransferOutcome(_Message):
     naive_bytes: int
     plan_s: float
     write_s: float
-    early_layers: int = 0
+    early_layers: int
+    settled: bool
 
     SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR), "cp_rank": _Int(0, 1 << 12),
               "cp_size": _Int(1, 1 << 12), "ok": _Bool(), "reason": _Str(4096, min_len=0),
               "layer_start": _Int(0, 1 << 16), "layer_end": _Int(0, 1 << 16),
-              "num_pages": _Int(0, MAX_COUNT), "nbytes": _Int(0, MAX_COUNT),
+              "num_tokens": _Int(0, MAX_COUNT), "num_pages": _Int(0, MAX_COUNT), "nbytes": _Int(0, MAX_COUNT),
               "descriptors": _Int(0, MAX_COUNT), "batches": _Int(0, MAX_COUNT),
               "naive_bytes": _Int(0, MAX_COUNT), "plan_s": _SECONDS, "write_s": _SECONDS,
-              "early_layers": _Int(0, 1 << 16)}
+              "early_layers": _Int(0, 1 << 16), "settled": _Bool()}
 
     def validate(self) -> None:
         if self.early_layers > self.layer_end - self.layer_start:
@@ -359,8 +375,9 @@ class RegisterRank(_Message):
 @dataclass(frozen=True)
 class CancelTransfer(_Message):
     """Decode rank -> prefill CP rank: the fetch ``transfer_id`` of ``request_id``
-    passed its deadline; write nothing more for it. The rank answers with a
-    ``TransferOutcome`` (ok=False, "cancelled") once no write of it is in flight."""
+    failed; write nothing more for it. The rank answers with a ``TransferOutcome``
+    (ok=False, "cancelled") once no write of it is in flight, at once if it has
+    none (also for a fetch it does not know). May be sent again: each one is answered."""
 
     request_id: str
     transfer_id: int

@@ -1,35 +1,39 @@
 """Decode side of the 2D reshard: one ``Receiver`` per decode DCP rank (seed §6.7).
 
-``start(request_id, bootstrap, block_ids)`` asks the prefill instance behind
-``bootstrap`` for its rank table (cached per instance), sends one
-``TransferRequest`` carrying this rank's ``(dcp_size, dcp_rank)``, block table
-and KV regions to every prefill CP rank, and collects their
-``TransferOutcome``s. The pages are in place when every CP rank answered ok;
-any failure, lost connection or deadline fails the whole fetch, naming the CP
-rank and the reason (the destination blocks are then undefined). A failing
-fetch ends only after the CP ranks still in flight confirmed a ``CancelTransfer``
-(sent after any write of theirs finished), lost their connection, or
-``cancel_grace_s`` passed: vLLM may reuse the blocks as soon as it ends. Nothing
-blocks the caller: a background thread owns the sockets, ``poll()`` returns
-finished fetches.
+``start(key, bootstrap, block_ids, num_tokens=...)`` asks the prefill instance
+behind ``bootstrap`` for its rank table (cached per instance), sends one
+``TransferRequest`` carrying this rank's ``(dcp_size, dcp_rank)``, block table,
+claimed token count and KV regions to every prefill CP rank, and collects their
+``TransferOutcome``s. The pages are in place when every CP rank answered ok
+for the claimed token count; any failure, length mismatch or deadline fails
+the whole fetch, naming the CP rank and the reason (the destination blocks are
+then undefined). Nothing blocks the caller: a background thread owns the
+sockets, ``poll()`` returns finished fetches.
 
-A prefill rank that dies is noticed through ZMQ's disconnect event (within
-milliseconds on loopback), otherwise by the fetch deadline. After a failure
-caused by a peer (disconnect, timeout, malformed reply) the cached rank table of
-that instance is dropped, so the next fetch re-queries the bootstrap server
-(e.g. finds a restarted rank).
+Block lifetime (docs/connector.md): a CP rank's answer means none of its writes
+can still land. A failing fetch sends ``CancelTransfer`` to the ranks still in
+flight and waits up to ``cancel_grace_s`` for their answers. Ranks that have not
+answered by then, or answered ``settled=False`` (a write timed out), are listed
+in ``Fetch.quarantined``: the fetch ends, but its blocks must stay out of use
+until ``poll_released()`` returns it. That happens when each such rank answers
+a (re-sent) cancel, or when the prefill instance's new rank table no longer has
+the rank's address while its link is down (the rank restarted, so its old
+process is gone). A dropped ZMQ link alone proves nothing (Mooncake writes do
+not use it); the link reconnects with the same routing id and answers arrive.
 
 Public API
 ----------
 ``class FetchError(RuntimeError)``: ``.request_id``, ``.cp_rank`` (None if not rank-specific), ``.reason``,
     ``.timed_out`` (the deadline passed).
 ``Fetch``: ``.request_id``, ``.ok``, ``.error: FetchError | None``, ``.outcomes: dict[int, TransferOutcome]``,
-    ``.seconds``; ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
+    ``.quarantined: dict[int, str]`` (cp rank -> why its writes may still land), ``.seconds``;
+    ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
 ``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
-           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=40.0)``
-    ``.start(request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None)``
+           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0)``
+    ``.start(key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens)``
     ``.poll() -> list[Fetch]``        finished fetches since the last call (any thread).
-    ``.wait(request_id, timeout_s) -> Fetch``  blocking helper (tests, benches).
+    ``.poll_released() -> list[Fetch]``  quarantined fetches whose ranks all settled since.
+    ``.wait(key, timeout_s) -> Fetch``  blocking helper (tests, benches).
     ``.close()``                      fails what is in flight, unregisters ``buffers``.
 """
 
@@ -40,6 +44,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,10 +61,11 @@ __all__ = ["Receiver", "Fetch", "FetchError"]
 
 log = logging.getLogger(__name__)
 QUERY_RETRY_S = 0.05   # bootstrap said "not all ranks registered yet"
+CANCEL_RESEND_MAX_S = 30.0  # a quarantining rank is asked again after 1, 2, 4, ... 30 s
 
 
 class FetchError(RuntimeError):
-    def __init__(self, request_id: str, cp_rank: int | None, reason: str):
+    def __init__(self, request_id: str, cp_rank: int | None, reason: str):  # request_id: the transfer key
         self.request_id, self.cp_rank, self.reason = request_id, cp_rank, reason
         where = "" if cp_rank is None else f" from prefill cp rank {cp_rank}"
         super().__init__(f"fetch of {request_id!r}{where} failed: {reason}")
@@ -75,6 +81,7 @@ class Fetch:
     request_id: str
     bootstrap: str
     block_ids: np.ndarray
+    num_tokens: int
     first_page: int
     deadline: float
     wait_s: float
@@ -87,6 +94,8 @@ class Fetch:
     failing: FetchError | None = None  # failed, waiting for the ranks still in flight to cancel
     peer_fault: bool = False
     settle_by: float = 0.0
+    quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
+    limbo: dict = field(default_factory=dict)  # quarantined cp_rank -> (peer address, transfer_id)
 
     @property
     def ok(self) -> bool:
@@ -104,20 +113,26 @@ class Fetch:
 class _Peer:
     """A DEALER to one ROUTER (bootstrap server or prefill rank) plus its monitor."""
 
-    def __init__(self, address: str, poller: zmq.Poller, is_boot: bool):
+    def __init__(self, address: str, poller: zmq.Poller, is_boot: bool, identity: bytes):
         self.address, self.is_boot = address, is_boot
         self.sock = bs.socket(zmq.DEALER)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # Same routing id after a reconnect: the rank's answers still reach us.
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self.sock.connect(address)
+        self.down = False                        # the link is disconnected now
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        self.tids: dict[int, Fetch] = {}         # prefill rank: transfer id -> fetch
+        self.tids: dict[int, Fetch] = {}         # prefill rank: transfer id -> fetch in flight
+        self.limbo: dict[int, Fetch] = {}        # prefill rank: transfer id -> ended fetch it may write into
         self.waiting: list[Fetch] = []           # bootstrap: fetches waiting for the table
         self.table: RankTable | None = None
         self.asked = 0.0                         # bootstrap: when the last query went out (0 = none)
         self.resend_s = bs.RESEND_S              # bootstrap: ask again after this long without an answer
         self.retry_at = 0.0
         self.last_reason = "no answer"
+        self.cancel_at = 0.0                     # rank: when quarantined fetches' cancels go out again
+        self.cancel_s = bs.RESEND_S
 
     def close(self, poller: zmq.Poller):
         for s in (self.sock, self.monitor):
@@ -143,7 +158,7 @@ class Receiver:
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
                  dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
-                 cancel_grace_s: float = 40.0):
+                 cancel_grace_s: float = 2.0):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
                              f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
@@ -155,8 +170,10 @@ class Receiver:
         for a, n in self._buffers:
             transport.register(a, n)
         self._tids = itertools.count(1)
+        self._identity = b"dcp2d-" + uuid.uuid4().bytes
         self._new: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
+        self._released: queue.Queue = queue.Queue()
         self._active: dict[str, Fetch] = {}
         self._stop = threading.Event()
         self._waker = bs.Waker()
@@ -170,27 +187,28 @@ class Receiver:
         self.close()
 
     def start(self, request_id: str, bootstrap: str, block_ids, first_page: int = 0,
-              timeout_s: float | None = None, wait_s: float | None = None) -> None:
-        """Begin fetching ``request_id`` from the prefill instance at ``bootstrap``.
+              timeout_s: float | None = None, wait_s: float | None = None, *, num_tokens: int) -> None:
+        """Begin fetching ``request_id`` (the transfer key) from the prefill instance at ``bootstrap``.
 
-        block_ids: int ``[n]`` this rank's block table of the request; sequence
-        page ``i`` (with ``i % dcp_size == dcp_rank``) lands in ``block_ids[i // dcp_size]``.
+        block_ids:  int ``[n]`` this rank's block table of the request; sequence
+                    page ``i`` (with ``i % dcp_size == dcp_rank``) lands in ``block_ids[i // dcp_size]``.
+        num_tokens: the prompt tokens this side expects; every CP rank must hold exactly as many.
         """
         if self._stop.is_set():
             raise RuntimeError("receiver is closed")
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
         t = self.timeout_s if timeout_s is None else timeout_s
         w = self.wait_s if wait_s is None else wait_s
-        self._new.put(Fetch(request_id, bootstrap, ids, int(first_page), time.monotonic() + t, w))
+        self._new.put(Fetch(request_id, bootstrap, ids, int(num_tokens), int(first_page), time.monotonic() + t, w))
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return _drain(self._done)
+
+    def poll_released(self) -> list[Fetch]:
+        """Fetches that ended with ``quarantined`` ranks, all of which settled since
+        the last call: their blocks may be used again."""
+        return _drain(self._released)
 
     def wait(self, request_id: str, timeout_s: float) -> Fetch:
         """Block until ``request_id`` finishes (other finished fetches stay queued for ``poll``)."""
@@ -233,9 +251,9 @@ class Receiver:
                 while not self._new.empty():
                     self._begin(self._new.get())
                 for p in list(self._boots.values()) + list(self._peers.values()):
-                    if p.monitor in events and self._disconnected(p):
-                        self._lost(p, "connection lost")
-                    elif p.sock in events:
+                    if p.monitor in events:
+                        self._link(p)
+                    if p.sock in events:
                         self._read(p)
                 self._tick()
         finally:
@@ -243,6 +261,12 @@ class Receiver:
                 self._finish(f, FetchError(f.request_id, None, "receiver closed"))
             for p in list(self._boots.values()) + list(self._peers.values()):
                 p.close(self._poller)
+
+    def _peer(self, addr: str) -> _Peer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            peer = self._peers[addr] = _Peer(addr, self._poller, False, self._identity)
+        return peer
 
     def _begin(self, f: Fetch):
         if f.request_id in self._active:
@@ -252,7 +276,7 @@ class Receiver:
         self._active[f.request_id] = f
         boot = self._boots.get(f.bootstrap)
         if boot is None:
-            boot = self._boots[f.bootstrap] = _Peer(f.bootstrap, self._poller, True)
+            boot = self._boots[f.bootstrap] = _Peer(f.bootstrap, self._poller, True, self._identity)
         if boot.table is not None:
             self._dispatch(f, boot.table)
         else:
@@ -260,20 +284,28 @@ class Receiver:
 
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
-        regions = self.regions
         for r, addr in enumerate(table.addresses):
-            peer = self._peers.get(addr)
-            if peer is None:
-                peer = self._peers[addr] = _Peer(addr, self._poller, False)
+            peer = self._peer(addr)
             tid = next(self._tids)
             req = TransferRequest.build(
-                regions=regions, request_id=f.request_id, transfer_id=tid, engine_id=self.engine_id,
+                regions=self.regions, request_id=f.request_id, transfer_id=tid, engine_id=self.engine_id,
                 consumer_rank=self.consumer_rank, consumer_size=self.consumer_size,
                 session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
-                block_ids=f.block_ids, first_page=f.first_page, fingerprint=self.fingerprint, wait_s=f.wait_s)
+                block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
+                fingerprint=self.fingerprint, wait_s=f.wait_s)
             peer.tids[tid] = f
             f.inflight[r] = (addr, tid)
             peer.sock.send(encode(req))
+
+    def _link(self, p: _Peer):
+        """Monitor events of ``p``'s link."""
+        lost = False
+        while p.monitor.poll(0):
+            event = recv_monitor_message(p.monitor)["event"]
+            p.down = event == zmq.EVENT_DISCONNECTED
+            lost |= p.down
+        if lost:
+            self._lost(p, "connection lost")
 
     def _read(self, p: _Peer):
         payload = p.sock.recv()
@@ -283,18 +315,30 @@ class Receiver:
             msg = decode(payload, (TransferOutcome, Reply))
         except MessageError as e:
             return self._lost(p, f"malformed reply: {e}")
-        if isinstance(msg, Reply):  # the rank rejected our message: nothing to match it to
-            return self._lost(p, f"rejected: {msg.reason}", drop=False)
+        if isinstance(msg, Reply):  # the rank rejected one of our messages: we cannot tell which
+            return self._lost(p, f"rejected: {msg.reason}")
         f = p.tids.pop(msg.transfer_id, None)
         if f is None or f.request_id != msg.request_id:
-            return  # a late answer to a fetch that already failed
+            f = p.limbo.get(msg.transfer_id)
+            if f is not None and f.request_id == msg.request_id and msg.settled:
+                del p.limbo[msg.transfer_id]
+                self._settle(f, msg.cp_rank, "answered")
+            return  # else a late answer to a fetch that already ended
         f.inflight.pop(msg.cp_rank, None)
+        if not msg.settled:
+            self._quarantine(f, msg.cp_rank, (p.address, msg.transfer_id), f"a write timed out: {msg.reason}"
+                             if not msg.ok else "a write stalled and was retried")
         if f.failing is not None:  # any answer means that rank writes nothing more
             if not f.inflight:
                 self._finish(f, f.failing, peer_fault=f.peer_fault)
             return
         if not msg.ok:
             return self._fail(f, FetchError(f.request_id, msg.cp_rank, msg.reason))
+        pages = -(-f.num_tokens // self.fingerprint.page_size)
+        if (msg.num_tokens, msg.num_pages) != (f.num_tokens, pages):
+            return self._fail(f, FetchError(f.request_id, msg.cp_rank, (
+                f"length mismatch: this decode expects {f.num_tokens} tokens ({pages} pages), the prefill "
+                f"wrote {msg.num_tokens} tokens ({msg.num_pages} pages)")))
         f.outcomes[msg.cp_rank] = msg
         if not f.inflight:
             self._finish(f, None)
@@ -315,10 +359,27 @@ class Receiver:
             boot.last_reason = msg.reason
             return
         boot.table = msg
+        self._forget_restarted(boot.address, msg)
         waiting, boot.waiting = boot.waiting, []
         for f in waiting:
             if f.request_id in self._active:
                 self._dispatch(f, msg)
+
+    def _forget_restarted(self, bootstrap: str, table: RankTable):
+        """Quarantined ranks of ``bootstrap`` whose link is down and whose address the
+        instance's new rank table no longer lists were restarted: their old process,
+        the only one that could write into those blocks, is gone."""
+        for addr, p in list(self._peers.items()):
+            if not p.down or addr in table.addresses:
+                continue
+            for tid, f in list(p.limbo.items()):
+                if f.bootstrap == bootstrap:
+                    del p.limbo[tid]
+                    rank = next(r for r, (a, t) in f.limbo.items() if (a, t) == (addr, tid))
+                    self._settle(f, rank, "restarted")
+            if not p.tids and not p.limbo:
+                p.close(self._poller)
+                del self._peers[addr]
 
     def _tick(self):
         now = time.monotonic()
@@ -334,9 +395,14 @@ class Receiver:
             if not boot.asked and now >= boot.retry_at:
                 boot.sock.send(encode(QueryRanks(self.engine_id)))
                 boot.asked = now
+        for p in self._peers.values():  # ask quarantining ranks again, less and less often
+            if p.limbo and now >= p.cancel_at:
+                for tid, f in p.limbo.items():
+                    p.sock.send(encode(CancelTransfer(f.request_id, tid)))
+                p.cancel_at, p.cancel_s = now + p.cancel_s, min(2 * p.cancel_s, CANCEL_RESEND_MAX_S)
         for f in [f for f in self._active.values() if f.failing is not None and f.settle_by <= now]:
-            log.warning("fetch of %r: cp ranks %s did not confirm the cancel within %.0fs; a late write may "
-                        "still land in its blocks", f.request_id, sorted(f.inflight), self.cancel_grace_s)
+            for rank, where in list(f.inflight.items()):
+                self._quarantine(f, rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
             self._finish(f, f.failing, peer_fault=f.peer_fault)
         for f in [f for f in self._active.values() if f.failing is None and f.deadline <= now]:
             if f.table is None:
@@ -348,14 +414,11 @@ class Receiver:
             self._fail(f, FetchError(f.request_id, rank, f"timed out after {now - f.started:.1f}s: {why}"),
                        peer_fault=True)
 
-    def _disconnected(self, p: _Peer) -> bool:
-        hit = False
-        while p.monitor.poll(0):
-            hit |= recv_monitor_message(p.monitor)["event"] == zmq.EVENT_DISCONNECTED
-        return hit
-
-    def _lost(self, p: _Peer, why: str, drop: bool = True):
-        """Peer ``p`` failed: fail everything in flight to it and forget cached tables."""
+    def _lost(self, p: _Peer, why: str):
+        """Peer ``p``'s link failed or it sent something we cannot read. A bootstrap
+        server: fail the fetches waiting for its table. A CP rank: fail the fetches
+        in flight to it, which stay in flight (it may still be writing) until it
+        answers their cancel, queued until the link is back."""
         if p.is_boot:
             for f in p.waiting:
                 self._finish(f, FetchError(f.request_id, None, f"bootstrap {p.address}: {why}"))
@@ -364,31 +427,40 @@ class Receiver:
         for boot in self._boots.values():
             if boot.table is not None and p.address in boot.table.addresses:
                 boot.table = None  # the rank may come back elsewhere: ask the bootstrap again
-        lost, p.tids = p.tids, {}
-        for tid, f in lost.items():
-            rank = next((r for r, (a, t) in f.inflight.items() if t == tid), None)
-            f.inflight.pop(rank, None)  # that rank's connection is gone: it cannot be told to cancel
-            if f.failing is not None:
-                if not f.inflight:
-                    self._finish(f, f.failing, peer_fault=f.peer_fault)
-            else:
+        for tid, f in list(p.tids.items()):
+            if f.failing is None:
+                rank = next((r for r, (a, t) in f.inflight.items() if t == tid), None)
                 self._fail(f, FetchError(f.request_id, rank, f"{why} ({p.address})"), peer_fault=True)
-        if drop and self._peers.get(p.address) is p:
-            p.close(self._poller)
-            del self._peers[p.address]
 
     def _fail(self, f: Fetch, error: FetchError, peer_fault: bool = False):
-        """Fail ``f`` once no CP rank can still write into its blocks (vLLM frees or
-        reuses them when the fetch fails): the ranks still in flight get a
-        ``CancelTransfer``; ``f`` ends when each answered or lost its connection,
-        at the latest ``cancel_grace_s`` later."""
-        live = {r: (a, t) for r, (a, t) in f.inflight.items() if a in self._peers}
-        if not live:
+        """Fail ``f`` once no CP rank can still write into its blocks: the ranks still
+        in flight get a ``CancelTransfer``; ``f`` ends when each answered, at the
+        latest ``cancel_grace_s`` later with the silent ones quarantined."""
+        if not f.inflight:
             return self._finish(f, error, peer_fault=peer_fault)
-        f.inflight, f.failing, f.peer_fault = live, error, peer_fault
+        f.failing, f.peer_fault = error, peer_fault
         f.settle_by = time.monotonic() + self.cancel_grace_s
-        for addr, tid in live.values():
+        for addr, tid in f.inflight.values():
             self._peers[addr].sock.send(encode(CancelTransfer(f.request_id, tid)))
+
+    def _quarantine(self, f: Fetch, rank: int, where: tuple[str, int], why: str):
+        """CP rank ``rank`` of ``f`` may still write into its blocks."""
+        addr, tid = where
+        peer = self._peers[addr]
+        peer.tids.pop(tid, None)
+        peer.limbo[tid] = f
+        f.inflight.pop(rank, None)
+        f.limbo[rank] = where
+        f.quarantined[rank] = why
+        peer.cancel_at, peer.cancel_s = time.monotonic() + bs.RESEND_S, bs.RESEND_S
+
+    def _settle(self, f: Fetch, rank: int, how: str):
+        """Quarantined CP rank ``rank`` of ``f`` can no longer write."""
+        if f.limbo.pop(rank, None) is None:
+            return
+        log.info("fetch of %r: quarantined cp rank %d settled (%s)", f.request_id, rank, how)
+        if not f.limbo and f.request_id not in self._active:
+            self._released.put(f)
 
     def _finish(self, f: Fetch, error: FetchError | None, track: bool = True, peer_fault: bool = False):
         if track:
@@ -401,7 +473,21 @@ class Receiver:
         f.inflight = {}
         if peer_fault and f.bootstrap in self._boots:
             self._boots[f.bootstrap].table = None  # re-query: a rank may have moved
+        if f.quarantined and error is None:
+            error = FetchError(f.request_id, min(f.quarantined), "a write may still land: "
+                               + "; ".join(f"cp rank {r}: {w}" for r, w in sorted(f.quarantined.items())))
         f.error, f.seconds = error, time.monotonic() - f.started
         if error is not None:
-            log.warning("%s", error)
+            log.warning("%s%s", error, f" (blocks quarantined: {f.quarantined})" if f.quarantined else "")
         self._done.put(f)
+        if f.quarantined and not f.limbo:  # every quarantined rank settled before the fetch ended
+            self._released.put(f)
+
+
+def _drain(q: queue.Queue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

@@ -23,7 +23,17 @@ Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
     locally, loaded asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
   * ``update_state_after_alloc`` records the block table, the next step lists
     it in ``loads``; each worker (DCP rank) fetches its pages from every prefill
-    CP rank and reports ``finished_recving``, or the blocks as load errors.
+    CP rank and reports ``finished_recving``, or the blocks as load errors;
+  * a fetch that ended while a prefill rank may still write into its blocks is
+    reported in ``failed_recving`` (vLLM frees the blocks and recomputes the
+    request in fresh ones) and its blocks in ``DCP2DWorkerMeta.hold``: this side
+    holds them out of the free queue until the worker reports them in
+    ``release`` (docs/connector.md, "Block lifetime").
+
+Producer abort: a request aborted after its prompt completed may have layer
+writes in flight (layer pipelining), so its blocks are kept (``request_finished``
+returns True) and the workers abort it; they report it in ``finished_sending``
+once no write reads them.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # engine steps with no tokens to compute: poll transfers at <= 50 Hz
 KEY_MAX_LEN = 256   # a client's transfer_id longer than this is not used as the transfer key
 
-__all__ = ["LoadSpec", "SendSpec", "DCP2DMetadata", "SchedulerSide", "transfer_params"]
+__all__ = ["LoadSpec", "SendSpec", "DCP2DMetadata", "DCP2DWorkerMeta", "SchedulerSide", "transfer_params"]
 
 
 @dataclass
@@ -69,7 +79,8 @@ class LoadSpec:
     block_ids:         int ``[n]`` the request's block table on this instance
                        (with DCP, one block per ``dcp_size`` pages).
     first_page:        first page to fetch (earlier ones are cached locally).
-    num_pages:         pages of the prompt, ``cdiv(num_prompt_tokens, page_size)``.
+    num_tokens:        prompt tokens of the request here; each prefill rank must hold as many.
+    remote_num_tokens: what the producer said it computed (``kv_transfer_params``), None if absent.
     timeout_s:         deadline of the fetch: ``transfer_timeout_s`` from the request's
                        ``kv_transfer_params`` if given (a router's per-request budget), else the config's.
     """
@@ -79,18 +90,35 @@ class LoadSpec:
     remote_engine_id: str
     block_ids: list[int]
     first_page: int
-    num_pages: int
+    num_tokens: int
+    remote_num_tokens: int | None
     timeout_s: float
 
 
 @dataclass
 class DCP2DMetadata(compat.KVConnectorMetadata):
-    """Scheduler -> workers, once per step."""
+    """Scheduler -> workers, once per step. aborted: request id -> transfer key of
+    producer requests aborted after their prompt completed."""
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
     computing: dict[str, SendSpec] = field(default_factory=dict)
     ready: dict[str, SendSpec] = field(default_factory=dict)
-    aborted: set[str] = field(default_factory=set)
+    aborted: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DCP2DWorkerMeta(compat.KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step (vLLM aggregates it over TP ranks).
+
+    hold:    ``(request id, tp rank) -> block ids`` to keep out of the free queue.
+    release: ``(request id, tp rank)`` holds to drop.
+    """
+
+    hold: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    release: set[tuple[str, int]] = field(default_factory=set)
+
+    def aggregate(self, other: DCP2DWorkerMeta) -> DCP2DWorkerMeta:
+        return DCP2DWorkerMeta({**self.hold, **other.hold}, self.release | other.release)
 
 
 def transfer_params(params: dict | None) -> dict:
@@ -110,7 +138,9 @@ class SchedulerSide:
         self.kv_cache_manager = None
         self._loads: dict[str, LoadSpec] = {}
         self._ready: dict[str, SendSpec] = {}
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, str] = {}
+        self._computed: set[str] = set()  # producer: prompt completed (layer writes possible), not finished
+        self._held: dict[tuple[str, int], list] = {}  # consumer: quarantined blocks per (request, tp rank)
         self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
         self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
         self._key_owner: dict[str, str] = {}  # transfer key -> request id
@@ -154,13 +184,15 @@ class SchedulerSide:
                         "using %s", request.request_id, timeout, self.cfg.transfer_timeout_s)
             timeout = self.cfg.transfer_timeout_s
         num_tokens = request.num_prompt_tokens
+        remote = params.get("remote_num_tokens")
         self._loads[request.request_id] = LoadSpec(
             remote_request_id=str(params["remote_request_id"]),
             bootstrap_addr=str(params["remote_bootstrap_addr"]),
             remote_engine_id=str(params["remote_engine_id"]),
             block_ids=list(compat.block_ids(blocks)),
             first_page=(num_tokens - num_external_tokens) // self.page_size,
-            num_pages=cdiv(num_tokens, self.page_size), timeout_s=float(timeout))
+            num_tokens=num_tokens, timeout_s=float(timeout),
+            remote_num_tokens=None if remote is None else remote if type(remote) is int else -1)
 
     # -- producer ----------------------------------------------------------------------------
 
@@ -181,28 +213,47 @@ class SchedulerSide:
             del self._key_owner[key]
 
     def update_connector_output(self, connector_output) -> None:
-        """Called by the scheduler with the workers' merged output every step:
-        requests whose blocks are now freed release their transfer key."""
+        """Called by the scheduler with the workers' merged output every step,
+        before it frees any block of this step's finished transfers.
+        Producer: requests whose blocks are now freed release their transfer key.
+        Consumer: quarantined blocks are held or released (``DCP2DWorkerMeta``)."""
         for req_id in connector_output.finished_sending or ():
             self._unbind_key(req_id)
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, DCP2DWorkerMeta):
+            return
+        for key, ids in meta.hold.items():
+            self._held[key] = compat.hold_blocks(self.kv_cache_manager, ids)
+            log.warning("request %s: %d blocks quarantined (tp rank %d): a prefill rank may still write into "
+                        "them; %d holds active", key[0], len(ids), key[1], len(self._held))
+        for key in meta.release:
+            blocks = self._held.pop(key, None)
+            if blocks is not None:
+                compat.release_blocks(self.kv_cache_manager, blocks)
+                log.info("request %s: %d quarantined blocks released (tp rank %d)", key[0], len(blocks), key[1])
+
+    def quarantined_blocks(self) -> int:
+        """Blocks held out of use now (a block held by two ranks counts twice)."""
+        return sum(len(b) for b in self._held.values())
 
     # -- both --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
         """Called by the scheduler at the end of ``schedule()``; resets the pending sets."""
-        if scheduler_output.total_num_scheduled_tokens == 0 and not (self._loads or self._ready):
+        if scheduler_output.total_num_scheduled_tokens == 0 and not (self._loads or self._ready or self._aborted):
             # Nothing to compute: vLLM keeps stepping only to poll transfers (held
             # blocks, remote KV). Unthrottled, that loop and the TP workers it drives
             # starve the API server on small machines (measured: new requests wait
             # ~10 s with TP=2 on 2 cores). A short sleep bounds the polling rate.
             time.sleep(IDLE_POLL_S)
         meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted)
-        self._loads, self._ready, self._aborted = {}, {}, set()
+        self._loads, self._ready, self._aborted = {}, {}, {}
         if self.is_producer and self._remote_decode:
             for req_id, num_tokens in compat.scheduled_tokens(scheduler_output):
                 prompt_len = self._remote_decode.get(req_id)
                 if prompt_len is not None and num_tokens >= prompt_len:
                     del self._remote_decode[req_id]
+                    self._computed.add(req_id)
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
                                                       self._keys.get(req_id, req_id))
         return meta
@@ -217,11 +268,15 @@ class SchedulerSide:
         Producer: returns ``(True, params for decode)`` to keep the blocks until the
         workers report ``finished_sending``. Consumer: nothing to keep."""
         self._remote_decode.pop(request.request_id, None)
+        computed = request.request_id in self._computed
+        self._computed.discard(request.request_id)
         params = transfer_params(request.kv_transfer_params)
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         if not compat.finished_normally(request) or not block_ids:
-            self._aborted.add(request.request_id)
+            if computed and block_ids:  # layer writes may read the blocks: free them once none can
+                self._aborted[request.request_id] = self._keys.get(request.request_id, request.request_id)
+                return True, None
             self._unbind_key(request.request_id)
             return False, None
         num_tokens = request.num_prompt_tokens

@@ -3,20 +3,32 @@
 The rank holds the KV of its own layers (``cp_layer_range``) for every page.
 Its owner (the prefill worker) calls ``add_request`` once a request's KV is
 complete; decode DCP ranks then send ``TransferRequest`` messages to this
-rank's ROUTER socket. For each one the sender checks the fingerprint, plans
-``plan_path(layers = this rank's layers, dcp_size/dcp_rank from the request)``
-(the topology is per request, seed §6.7), writes the descriptors with Mooncake
-and answers a ``TransferOutcome``.
+rank's ROUTER socket. For each one the sender checks the fingerprint and the
+decode's token count, plans ``plan_path(layers = this rank's layers,
+dcp_size/dcp_rank from the request)`` (the topology is per request, seed
+§6.7), writes the descriptors with Mooncake and answers a ``TransferOutcome``.
 
 A request whose id is not known yet (prefill still running) is held for the
 request's ``wait_s`` seconds. While it is held, ``layer_ready`` (called by the
 prefill worker from ``save_kv_layer``, right after a layer's KV is computed)
 writes that layer to it at once: the layer-pipelined transfer. ``add_request``
 then writes the layers not written yet and answers; past ``wait_s`` the held
-request fails with "not ready". A request is finished, and reported by
-``pop_finished``, when ``consumer_size`` distinct consumer ranks of one
-consumer engine got their pages; one nobody completes is dropped after
-``expiry_s``. Finished ids are forgotten: a later fetch fails "unknown request".
+request fails with "not ready". A request is finished when ``consumer_size``
+distinct consumer ranks of one consumer engine got their pages, or after
+``expiry_s``; ``abort`` ends a request that will never be added.
+
+Safety (docs/connector.md, "Block lifetime"): every write is counted while it
+runs, per request and per fetch.
+  * ``pop_finished`` reports a request (its owner then frees the blocks) only
+    once no write reading them is in flight and none can start.
+  * A fetch gets exactly one answer, sent only once none of its writes is in
+    flight and none can start. A ``CancelTransfer`` is handled on the I/O
+    thread, so it overtakes queued work; if a write is in flight, the thread
+    that ends it sends the answer.
+  * ``TransferOutcome.settled`` is False when a write failed after a timeout:
+    Mooncake may still send its queued bytes until it drops that connection
+    (``STALL_S`` without progress), so the decode keeps those blocks out of use
+    and asks again; cancels are answered ``settled=True`` after that.
 
 Threads: an I/O thread owns the socket; ``num_workers`` threads plan and write.
 One slow or frozen decode peer therefore holds one worker for up to
@@ -28,11 +40,13 @@ Public API
          port=0, bootstrap=None, expiry_s=300.0, num_workers=2, register_timeout_s=10.0)``
     ``.address -> str``               this rank's side channel ("tcp://host:port").
     ``.layers -> range``              the layers this rank sends.
-    ``.layer_ready(request_id, layer, block_ids, num_pages, event=None)``  one layer of it is computed.
-    ``.add_request(request_id, block_ids, num_pages=None)``  KV of the request is ready.
-    ``.held(request_id) -> int``      fetches of it waiting for its KV.
-    ``.pop_finished() -> dict[str, str]``  request id -> "done" | "expired"; the owner frees blocks.
-    ``.stats() -> SenderStats``       per-path bytes/descriptors/seconds and failures.
+    ``.layer_ready(key, layer, block_ids, num_tokens, event=None)``  one layer of it is computed.
+    ``.add_request(key, block_ids, num_tokens)``  KV of the request is ready.
+    ``.abort(key)``                   the request will not be added; fail its held fetches.
+    ``.held(key) -> int``             fetches of it waiting for its KV.
+    ``.pop_finished() -> dict[str, str]``  key -> "done" | "expired" | "aborted"; the owner frees blocks.
+    ``.writes_in_flight() -> int``    writes running now (all requests).
+    ``.errors -> deque[str]``         the last 100 failure reasons; ``.malformed``: messages rejected.
     ``.close()``                      stops threads; leaves the transport to its owner.
 """
 
@@ -53,60 +67,46 @@ from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank, Reply,
                                            TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions, plan_path
-from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
-from vllm_dcp2d.layout import cp_layer_range
+from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
+from vllm_dcp2d.layout import cdiv, cp_layer_range
 
-__all__ = ["Sender", "SenderStats", "PathStats"]
+__all__ = ["Sender"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PathStats:
-    """Totals of one path (this CP rank -> one consumer DCP rank)."""
-
-    transfers: int = 0
-    failures: int = 0
-    nbytes: int = 0
-    naive_bytes: int = 0
-    descriptors: int = 0
-    write_s: float = 0.0
-
-
-@dataclass
-class SenderStats:
-    """paths: (engine_id, dcp_size, dcp_rank) -> PathStats; errors: last reasons (bounded)."""
-
-    paths: dict = field(default_factory=dict)
-    errors: deque = field(default_factory=lambda: deque(maxlen=100))
-    malformed: int = 0
-
-
-@dataclass
+@dataclass(eq=False)
 class _Held:
-    """One decode rank's fetch (a TransferRequest) until it is answered: held while
-    the request's KV is not complete, and what was written to it layer by layer."""
+    """One decode rank's fetch (a TransferRequest) from arrival to its one answer.
+
+    Fields below ``lock`` are guarded by ``Sender._lock``.
+    """
 
     identity: bytes
     req: TransferRequest
     deadline: float
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time; ordered close
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one write of this fetch at a time
     sent: set = field(default_factory=set)  # layers written
     nbytes: int = 0
     descriptors: int = 0
     plan_s: float = 0.0
     write_s: float = 0.0
-    error: str = ""
-    closed: bool = False  # answered (or failed): write nothing more
-    cancelled: bool = False  # the consumer gave up (CancelTransfer)
+    error: str = ""      # a layer written early failed: the destination is undefined
+    writes: int = 0      # writes of this fetch in flight
+    closed: str = ""     # why no write may start any more ("" = open)
+    answered: bool = False
+    settled: bool = True  # False once a write timed out (bytes may still land)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     block_ids: np.ndarray
+    num_tokens: int
     num_pages: int
     expires: float
     done: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks served
+    writes: int = 0     # writes reading block_ids in flight
+    closing: str = ""   # "done" | "expired": reported by pop_finished once writes == 0
 
 
 class Sender:
@@ -130,15 +130,21 @@ class Sender:
         self.expiry_s = expiry_s
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
-        self._pending: dict[str, list[_Held]] = {}  # request id -> fetches held until add_request
+        self._pending: dict[str, list[_Held]] = {}  # key -> fetches held until add_request
         self._fetches: dict[tuple, _Held] = {}  # (consumer identity, transfer id) -> fetch not answered yet
         self._finished: dict[str, str] = {}
-        self._stats = SenderStats()
+        self._aborting: dict[str, list[_Held]] = {}  # key -> its fetches with a layer write in flight
+        self._unsettled: dict[tuple, float] = {}  # (identity, transfer id) -> when its stalled write is dropped
+        self._writes = 0
+        self.errors: deque[str] = deque(maxlen=100)
+        self.malformed = 0
         self._work: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._sock = bs.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not blocks
+        # A consumer that reconnects keeps its routing id: answers reach it again.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.address = bs.bind(self._sock, host, port)
         self._waker = bs.Waker()
         self._threads = [threading.Thread(target=self._io_loop, name=f"dcp2d-send-io-{cp_rank}", daemon=True)]
@@ -162,60 +168,137 @@ class Sender:
 
     # ---- owner API (any thread) ----
 
-    def add_request(self, request_id: str, block_ids, num_pages: int | None = None) -> None:
-        """The KV of ``request_id`` is complete in ``block_ids`` (int ``[P]``, this
-        rank's block of each sequence page); serves fetches already waiting."""
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
-        n = ids.size if num_pages is None else int(num_pages)
-        if not 0 <= n <= ids.size or (ids.size and ids.min() < 0):
-            raise ValueError(f"need block ids >= 0 and 0 <= num_pages <= {ids.size}, got num_pages={n}")
+    def add_request(self, key: str, block_ids, num_tokens: int) -> None:
+        """The KV of ``key``'s ``num_tokens`` prompt tokens is complete in
+        ``block_ids`` (int ``[P]``, this rank's block of each sequence page,
+        ``P >= cdiv(num_tokens, page_size)``); serves fetches already waiting."""
+        ids, pages = self._blocks(block_ids, num_tokens)
         with self._lock:
-            self._requests[request_id] = _Request(ids, n, time.monotonic() + self.expiry_s)
-            waiting = self._pending.pop(request_id, [])
+            self._requests[key] = _Request(ids, int(num_tokens), pages, time.monotonic() + self.expiry_s)
+            waiting = self._pending.pop(key, [])
         for held in waiting:
             self._work.put(partial(self._answer, held))
 
-    def layer_ready(self, request_id: str, layer: int, block_ids, num_pages: int, event=None) -> None:
-        """Layer ``layer`` of ``request_id`` is computed in ``block_ids`` (int ``[P]``)
-        for its ``num_pages`` pages: write it now to every fetch held for the request.
+    def layer_ready(self, key: str, layer: int, block_ids, num_tokens: int, event=None) -> None:
+        """Layer ``layer`` of ``key`` is computed in ``block_ids`` (int ``[P]``)
+        for its ``num_tokens`` prompt tokens: write it now to every fetch held for it.
 
         Called by the owner from its forward pass (``save_kv_layer``), so it only
         queues work. ``event``: a ``torch.cuda.Event`` recorded after the layer's
         KV write on the compute stream (None on CPU), waited for before reading.
         A no-op for layers of other CP ranks or requests nobody asked for yet.
+        The owner must call ``abort`` (and wait for ``pop_finished``) before it
+        frees the blocks of a request that is not added.
         """
         if layer not in self.layers:
             return
         with self._lock:
-            held = list(self._pending.get(request_id, ()))
+            held = list(self._pending.get(key, ()))
         if not held:
             return
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
+        ids, _ = self._blocks(block_ids, num_tokens)
         for h in held:
-            self._work.put(partial(self._write_layer, h, layer, ids, int(num_pages), event))
+            self._work.put(partial(self._write_layer, h, layer, ids, int(num_tokens), event))
 
-    def held(self, request_id: str) -> int:
-        """How many fetches of ``request_id`` are held, waiting for its KV."""
+    def abort(self, key: str) -> None:
+        """``key`` will never be added (its prefill was aborted): its held fetches
+        fail, and ``pop_finished`` reports it "aborted" once no layer write reading
+        its blocks is in flight."""
         with self._lock:
-            return len(self._pending.get(request_id, ()))
+            held = self._pending.pop(key, [])
+            for h in held:
+                self._close(h, f"request {key!r} was aborted on the prefill (cp rank {self.cp_rank})")
+            if any(h.writes for h in held):
+                self._aborting[key] = held
+            else:
+                self._finished[key] = "aborted"
+        self._flush()
+
+    def held(self, key: str) -> int:
+        """How many fetches of ``key`` are held, waiting for its KV."""
+        with self._lock:
+            return len(self._pending.get(key, ()))
 
     def pop_finished(self) -> dict[str, str]:
-        """Requests the owner may free now: id -> "done" (all consumer ranks served)
-        or "expired" (nobody finished within ``expiry_s``)."""
+        """Requests the owner may free now: key -> "done" (all consumer ranks
+        served), "expired" (nobody finished within ``expiry_s``) or "aborted";
+        none has a write in flight or can start one."""
         with self._lock:
             out, self._finished = self._finished, {}
         return out
 
-    def stats(self) -> SenderStats:
+    def writes_in_flight(self) -> int:
         with self._lock:
-            return SenderStats({k: PathStats(**vars(v)) for k, v in self._stats.paths.items()},
-                               deque(self._stats.errors, maxlen=100), self._stats.malformed)
+            return self._writes
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout_s)
         self._waker.close()
+
+    def _blocks(self, block_ids, num_tokens: int) -> tuple[np.ndarray, int]:
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
+        pages = cdiv(int(num_tokens), self.fingerprint.page_size)
+        if not 0 <= pages <= ids.size or (ids.size and ids.min() < 0):
+            raise ValueError(f"need block ids >= 0 covering num_tokens={num_tokens} ({pages} pages of "
+                             f"{self.fingerprint.page_size}), got {ids.size} block ids")
+        return ids, pages
+
+    # ---- answers: exactly one per fetch, only once none of its writes can run ----
+
+    def _close(self, h: _Held, why: str) -> None:
+        """Under ``_lock``: no write of ``h`` may start any more. Answers ``h``
+        with ``why`` now if none is in flight, else the last one's ``_end`` does."""
+        if h.closed:
+            return
+        h.closed = why
+        if h.writes == 0:
+            self._reply(h, self._failed(h.req, why, settled=h.settled))
+
+    def _unsettled_until(self, h: _Held) -> None:
+        """Under ``_lock``: ``h`` failed after a write timed out. Mooncake drops a
+        connection that made no progress for its progress timeout (``STALL_S``), so
+        until then re-sent cancels are answered ``settled=False``."""
+        self._unsettled[(h.identity, h.req.transfer_id)] = time.monotonic() + STALL_S
+
+    def _reply(self, h: _Held, outcome: TransferOutcome) -> None:
+        """Under ``_lock``: queue ``h``'s one answer for the I/O thread."""
+        if not h.answered:
+            h.answered = True
+            self._fetches.pop((h.identity, h.req.transfer_id), None)  # known until answered
+            if not outcome.settled:
+                self._unsettled_until(h)
+            self._out.put((h.identity, outcome))
+
+    def _flush(self) -> None:
+        if not self._out.empty():
+            self._waker.wake()
+
+    def _begin(self, h: _Held, state: _Request | None = None) -> bool:
+        """Under ``_lock``: count a write of ``h`` (reading ``state``'s blocks) if one may start."""
+        if h.closed or (state is not None and state.closing):
+            return False
+        h.writes += 1
+        self._writes += 1
+        if state is not None:
+            state.writes += 1
+        return True
+
+    def _end(self, h: _Held, state: _Request | None, key: str) -> None:
+        """Under ``_lock``: a write counted by ``_begin`` returned."""
+        h.writes -= 1
+        self._writes -= 1
+        if h.closed and h.writes == 0 and not h.answered:
+            self._reply(h, self._failed(h.req, h.closed, settled=h.settled))
+        held = self._aborting.get(key)
+        if held is not None and not any(x.writes for x in held):
+            del self._aborting[key]
+            self._finished[key] = "aborted"
+        if state is not None:
+            state.writes -= 1
+            if state.closing and state.writes == 0:
+                self._finished[key] = state.closing
 
     # ---- I/O thread: owns the ROUTER socket ----
 
@@ -230,9 +313,9 @@ class Sender:
                     self._receive()
                 if self._waker.socket in events:
                     self._waker.drain()
+                self._expire()
                 while not self._out.empty():
                     self._send(*self._out.get())
-                self._expire()
         finally:
             self._sock.close()
 
@@ -250,15 +333,13 @@ class Sender:
         try:
             req = decode(payload, (TransferRequest, CancelTransfer))
         except MessageError as e:
-            with self._lock:
-                self._stats.malformed += 1
-                self._stats.errors.append(f"rejected message: {e}")
+            self.malformed += 1
+            self.errors.append(f"rejected message: {e}")
             log.warning("cp rank %d: rejected message: %s", self.cp_rank, e)
             self._send(identity, Reply(False, f"cp rank {self.cp_rank} rejected message: {e}"))
             return
-        if isinstance(req, CancelTransfer):  # on a worker: it may wait for a write in flight
-            self._work.put(partial(self._cancel, identity, req))
-            return
+        if isinstance(req, CancelTransfer):
+            return self._cancel(identity, req)
         try:
             self.fingerprint.check(req.fingerprint)
         except MessageError as e:
@@ -278,31 +359,40 @@ class Sender:
             self._send(identity, self._failed(req, f"unknown request id {req.request_id!r} on cp rank "
                                                    f"{self.cp_rank} (not added, or already finished/expired)"))
 
+    def _cancel(self, identity: bytes, msg: CancelTransfer) -> None:
+        """The consumer gave up on a fetch. Handled here, ahead of queued work: no
+        write of it starts any more, and it is answered once none is in flight. A
+        fetch this rank does not know has nothing in flight: answered at once."""
+        why = f"cancelled by the consumer on cp rank {self.cp_rank}"
+        with self._lock:
+            h = self._fetches.get((identity, msg.transfer_id))
+            if h is not None:
+                items = self._pending.get(h.req.request_id, [])
+                if h in items:
+                    items.remove(h)
+                self._close(h, why)
+            settled = self._unsettled.get((identity, msg.transfer_id), 0.0) <= time.monotonic()
+        if h is None:
+            self._send(identity, self._failed(msg, why, settled=settled))
+
     def _expire(self):
         now = time.monotonic()
-        late = []
         with self._lock:
-            for rid in [r for r, v in self._requests.items() if v.expires <= now]:
-                del self._requests[rid]
-                self._finished[rid] = "expired"
-            for rid, items in list(self._pending.items()):
-                keep = [h for h in items if h.deadline > now]
-                late += [h for h in items if h.deadline <= now]
-                if keep:
-                    self._pending[rid] = keep
-                else:
-                    del self._pending[rid]
-        for h in late:  # on a worker: it may wait for a layer write in flight
-            self._work.put(partial(self._give_up, h))
-
-    def _give_up(self, h: _Held) -> None:
-        with h.lock:  # after any layer write in flight; none starts after this
-            h.closed = True
-        with self._lock:
-            self._fetches.pop((h.identity, h.req.transfer_id), None)
-        self._out.put((h.identity, self._failed(h.req, f"request {h.req.request_id!r} not ready on cp rank "
-                                                       f"{self.cp_rank} after waiting {h.req.wait_s:.1f}s")))
-        self._waker.wake()
+            for k in [k for k, t in self._unsettled.items() if t <= now]:
+                del self._unsettled[k]
+            for key in [k for k, v in self._requests.items() if v.expires <= now]:
+                state = self._requests.pop(key)
+                state.closing = "expired"
+                if state.writes == 0:
+                    self._finished[key] = "expired"
+            for key, items in list(self._pending.items()):
+                late = [h for h in items if h.deadline <= now]
+                for h in late:
+                    items.remove(h)
+                    self._close(h, f"request {key!r} not ready on cp rank {self.cp_rank} after waiting "
+                                   f"{h.req.wait_s:.1f}s")
+                if not items:
+                    del self._pending[key]
 
     # ---- workers: plan + write ----
 
@@ -313,102 +403,98 @@ class Sender:
             except queue.Empty:
                 continue
             job()
+            self._flush()
 
-    def _answer(self, h: _Held) -> None:
-        outcome = self._serve(h)
-        with self._lock:
-            self._fetches.pop((h.identity, h.req.transfer_id), None)
-        self._out.put((h.identity, outcome))
-        self._waker.wake()
-
-    def _cancel(self, identity: bytes, msg: CancelTransfer) -> None:
-        """The consumer gave up on a fetch: write nothing more for it, and confirm
-        only once no write of it is in flight (it may free the blocks then)."""
-        with self._lock:
-            h = self._fetches.pop((identity, msg.transfer_id), None)
-            if h is not None and h in self._pending.get(h.req.request_id, ()):
-                self._pending[h.req.request_id].remove(h)
-        if h is not None:
-            with h.lock:  # waits for a write in flight
-                h.cancelled = h.closed = True
-        self._out.put((identity, self._failed(msg, f"cancelled by the consumer on cp rank {self.cp_rank}")))
-        self._waker.wake()
-
-    def _plan_write(self, req: TransferRequest, block_ids, layers, num_pages: int):
-        """Plan and write ``layers`` x pages(req's DCP rank); returns (bytes, descriptors,
-        plan s, write s). Raises ValueError (cannot plan) or TransportError."""
+    def _plan_write(self, h: _Held, block_ids, layers, num_pages: int) -> None:
+        """Plan and write ``layers`` x pages(the fetch's DCP rank) into ``h``'s totals.
+        Raises ValueError (cannot plan) or TransportError."""
+        req = h.req
         t0 = time.perf_counter()
         desc = plan_path(self.regions, block_ids, layers, req.regions(), req.block_ids,
                          req.dcp_size, req.dcp_rank, req.first_page, num_pages)
         t1 = time.perf_counter()
-        nbytes = self.transport.write(req.session, desc)
-        return nbytes, len(desc), t1 - t0, time.perf_counter() - t1
+        stalls: list[int] = []
+        try:
+            nbytes = self.transport.write(req.session, desc, stalls)
+        except TransportError:
+            if stalls:  # the engine gave up after a timeout: its queued bytes may still go out
+                h.settled = False
+            raise
+        h.nbytes += nbytes
+        h.descriptors += len(desc)
+        h.plan_s += t1 - t0
+        h.write_s += time.perf_counter() - t1
 
-    def _write_layer(self, h: _Held, layer: int, block_ids, num_pages: int, event) -> None:
+    def _write_layer(self, h: _Held, layer: int, block_ids, num_tokens: int, event) -> None:
         """One layer to one held fetch (a worker-thread job queued by ``layer_ready``)."""
         if event is not None:
             event.synchronize()
         with h.lock:
-            if h.closed or h.error or layer in h.sent:
-                return
+            with self._lock:
+                if layer in h.sent or h.error or h.req.num_tokens != num_tokens or not self._begin(h):
+                    return
             try:
-                nbytes, n, plan_s, write_s = self._plan_write(h.req, block_ids, [layer], num_pages)
+                self._plan_write(h, block_ids, [layer], cdiv(num_tokens, self.fingerprint.page_size))
+                h.sent.add(layer)
             except (ValueError, TransportError) as e:
                 h.error = f"layer {layer} (written early): {e}"
-                return
-            h.sent.add(layer)
-            h.nbytes += nbytes
-            h.descriptors += n
-            h.plan_s += plan_s
-            h.write_s += write_s
-
-    def _serve(self, h: _Held) -> TransferOutcome:
-        """Write what fetch ``h`` still lacks (all of this rank's layers, or those
-        ``layer_ready`` did not write yet) and build its answer."""
-        req = h.req
-        with h.lock:  # waits for a layer write in flight; later ones see `closed`
-            if h.cancelled:
-                return self._failed(req, f"cancelled by the consumer on cp rank {self.cp_rank}")
-            h.closed = True
-            with self._lock:
-                state = self._requests.get(req.request_id)
-            if state is None:
-                return self._failed(req, f"request {req.request_id!r} finished or expired on cp rank "
-                                         f"{self.cp_rank}")
-            key = (req.engine_id, req.dcp_size, req.dcp_rank)
-            try:
-                if h.error:  # a layer written early failed: the destination is undefined
-                    raise TransportError(h.error)
-                todo = [layer for layer in self.layers if layer not in h.sent]
-                nbytes, n, plan_s, write_s = self._plan_write(req, state.block_ids, todo, state.num_pages)
-            except ValueError as e:
-                return self._failed(req, f"cannot plan on cp rank {self.cp_rank}: {e}", state.num_pages)
-            except TransportError as e:
+            finally:
                 with self._lock:
-                    self._stats.paths.setdefault(key, PathStats()).failures += 1
-                return self._failed(req, f"cp rank {self.cp_rank}: {e}", state.num_pages)
-        nbytes, n = nbytes + h.nbytes, n + h.descriptors
-        plan_s, write_s = plan_s + h.plan_s, write_s + h.write_s
-        naive = len(self.layers) * max(0, state.num_pages - req.first_page) * int(self.regions.page_bytes.sum())
-        with self._lock:
-            p = self._stats.paths.setdefault(key, PathStats())
-            p.transfers += 1
-            p.nbytes += nbytes
-            p.naive_bytes += naive
-            p.descriptors += n
-            p.write_s += write_s
-            served = state.done.setdefault(req.engine_id, set())
-            served.add(req.consumer_rank)
-            if len(served) >= req.consumer_size and self._requests.get(req.request_id) is state:
-                del self._requests[req.request_id]
-                self._finished[req.request_id] = "done"
-        return TransferOutcome(req.request_id, req.transfer_id, self.cp_rank, self.cp_size, True, "",
-                               self.layers.start, self.layers.stop, state.num_pages, nbytes, n,
-                               -(-n // self.transport.max_batch), naive, plan_s, write_s, len(h.sent))
+                    self._end(h, None, h.req.request_id)
 
-    def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0) -> TransferOutcome:
-        with self._lock:
-            self._stats.errors.append(reason)
+    def _answer(self, h: _Held) -> None:
+        """Write what fetch ``h`` still lacks (all of this rank's layers, or those
+        ``layer_ready`` did not write yet) and answer it."""
+        req, key = h.req, h.req.request_id
+        with h.lock:  # after any layer write of h
+            with self._lock:
+                state = self._requests.get(key)
+                if state is None:
+                    return self._close(h, f"request {key!r} finished or expired on cp rank {self.cp_rank}")
+                if req.num_tokens != state.num_tokens:
+                    return self._close(h, f"length mismatch on cp rank {self.cp_rank}: the decode claims "
+                                          f"{req.num_tokens} prompt tokens, the prefill has {state.num_tokens}")
+                if not self._begin(h, state):
+                    return
+            error = h.error
+            try:
+                if not error:
+                    todo = [layer for layer in self.layers if layer not in h.sent]
+                    self._plan_write(h, state.block_ids, todo, state.num_pages)
+            except ValueError as e:
+                error = f"cannot plan on cp rank {self.cp_rank}: {e}"
+            except TransportError as e:
+                error = f"cp rank {self.cp_rank}: {e}"
+            with self._lock:
+                if not h.closed:
+                    h.closed = "answered"
+                    if error:
+                        self._reply(h, self._failed(req, error, state.num_pages, h.settled))
+                    else:
+                        self._reply(h, self._ok(h, state))
+                        served = state.done.setdefault(req.engine_id, set())
+                        served.add(req.consumer_rank)
+                        if len(served) >= req.consumer_size and self._requests.get(key) is state:
+                            del self._requests[key]
+                            state.closing = "done"
+                self._end(h, state, key)
+
+    def _ok(self, h: _Held, state: _Request) -> TransferOutcome:
+        n = h.descriptors
+        naive = len(self.layers) * max(0, state.num_pages - h.req.first_page) * int(self.regions.page_bytes.sum())
+        return TransferOutcome(
+            request_id=h.req.request_id, transfer_id=h.req.transfer_id, cp_rank=self.cp_rank,
+            cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
+            num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=h.nbytes, descriptors=n,
+            batches=-(-n // self.transport.max_batch), naive_bytes=naive, plan_s=h.plan_s, write_s=h.write_s,
+            early_layers=len(h.sent), settled=h.settled)
+
+    def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0,
+                settled: bool = True) -> TransferOutcome:
+        self.errors.append(reason)
         log.warning("%s", reason)
-        return TransferOutcome(req.request_id, req.transfer_id, self.cp_rank, self.cp_size, False, reason[:4096],
-                               self.layers.start, self.layers.stop, num_pages, 0, 0, 0, 0, 0.0, 0.0)
+        return TransferOutcome(
+            request_id=req.request_id, transfer_id=req.transfer_id, cp_rank=self.cp_rank, cp_size=self.cp_size,
+            ok=False, reason=reason[:4096], layer_start=self.layers.start, layer_end=self.layers.stop,
+            num_tokens=0, num_pages=num_pages, nbytes=0, descriptors=0, batches=0, naive_bytes=0, plan_s=0.0,
+            write_s=0.0, early_layers=0, settled=settled)

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["DCP2DStats", "path_key", "StatsFile"]
 
-_COUNTERS = ("failed", "expired")
+_COUNTERS = ("failed", "expired", "quarantined", "released")
 _PATH_FIELDS = ("transfers", "bytes", "descriptors", "seconds")
 
 
@@ -36,11 +36,14 @@ def path_key(cp_rank: int, dcp_rank: int) -> str:
 @dataclass
 class DCP2DStats(KVConnectorStats):
     """``data = {"paths": {"r,d": {"transfers", "bytes", "descriptors", "seconds"}},
-    "failed": int, "expired": int}``.
+    "failed": int, "expired": int, "quarantined": int, "released": int}``.
 
-    failed:  path transfers that ended with an error (either side).
-    expired: requests given up on: decode KV that never arrived in
-             ``transfer_timeout_s``, or prefill blocks freed after ``send_timeout_s``.
+    failed:      fetches that ended with an error (decode), length mismatches included.
+    expired:     requests given up on: decode KV that never arrived in
+                 ``transfer_timeout_s``, or prefill blocks freed after ``send_timeout_s``.
+    quarantined: decode blocks kept out of use because a prefill rank may still
+                 write into them (docs/connector.md, "Block lifetime").
+    released:    quarantined blocks given back once their rank settled.
     """
 
     def __post_init__(self):
@@ -58,7 +61,7 @@ class DCP2DStats(KVConnectorStats):
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        self.data = {"paths": {}, "failed": 0, "expired": 0}
+        self.data = {"paths": {}, **dict.fromkeys(_COUNTERS, 0)}
 
     def record_path(self, cp_rank: int, dcp_rank: int, nbytes: int, descriptors: int, seconds: float) -> None:
         """Called by the worker when one path of one request completed."""
@@ -69,13 +72,10 @@ class DCP2DStats(KVConnectorStats):
             p["descriptors"] += int(descriptors)
             p["seconds"] += float(seconds)
 
-    def record_failed(self, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (one of failed, expired, quarantined, released)."""
         with self._lock:
-            self.data["failed"] += n
-
-    def record_expired(self, n: int = 1) -> None:
-        with self._lock:
-            self.data["expired"] += n
+            self.data[name] += n
 
     def clone_and_reset(self) -> DCP2DStats:
         """Snapshot for one ``get_kv_connector_stats`` call (worker thread safe)."""
@@ -107,8 +107,7 @@ class DCP2DStats(KVConnectorStats):
             "transfers": sum(p["transfers"] for p in paths.values()),
             "bytes": sum(p["bytes"] for p in paths.values()),
             "descriptors": sum(p["descriptors"] for p in paths.values()),
-            "failed": self.data["failed"],
-            "expired": self.data["expired"],
+            **{k: self.data[k] for k in _COUNTERS},
         }
         for key in sorted(paths):
             p = paths[key]

@@ -180,12 +180,16 @@ class MooncakeTransport:
         with self._lock:
             return dict(self._regs)
 
-    def write(self, peer: str, desc: Descriptors) -> int:
+    def write(self, peer: str, desc: Descriptors, stalls: list[int] | None = None) -> int:
         """Write ``desc`` (local ``src`` -> ``peer``'s ``dst``) and wait for completion.
 
         peer: the target's ``session_id``. desc: int64 ``[n]`` src/dst/length
         (``dst`` inside memory the peer registered). Returns the bytes written.
         Raises TransferError on the first failed batch; later batches are not sent.
+        stalls: if given, gets the return code of every attempt that stalled
+        (gave up after ``STALL_S`` without progress, retried or not). The engine
+        may still deliver such an attempt's queued bytes later (notes: "-1 may come
+        back while work is still queued"), so its destination is not settled.
         """
         with self._lock:
             self._check_open()
@@ -199,7 +203,9 @@ class MooncakeTransport:
                     rc = self._engine.batch_transfer_sync_write(*args)
                     # Only a stall (no progress for STALL_S) earns a fresh engine; a dead
                     # or refusing peer fails at once. Rewriting the same bytes is idempotent.
-                    stalled = time.monotonic() - t0 >= STALL_S / 2
+                    stalled = rc != 0 and time.monotonic() - t0 >= STALL_S / 2
+                    if stalled and stalls is not None:
+                        stalls.append(rc)
                     if rc == 0 or not (self.renew_on_failure and stalled) or attempt == STALL_RETRIES:
                         break
                     log.warning("Mooncake write to %s stalled (%d); retrying on a fresh engine", peer, rc)

