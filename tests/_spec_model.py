@@ -78,7 +78,7 @@ class PagedPool:
     """Paged KV of ``num_layers`` layers for ``batch`` requests on one DCP rank.
 
     Request ``b``'s sequence page ``i`` is virtual page ``g = b * pages_per_req + i``,
-    held by rank ``g % dcp_size`` at local slot ``g // dcp_size`` (seed §5.1);
+    held by rank ``g % dcp_size`` at local slot ``g // dcp_size`` (design §5.1);
     ``pages_per_req`` is a multiple of ``dcp_size``, so rank ``r`` holds pages
     ``i = r, r + N, ...`` of every request. ``dcp_size == 1``: the full, unsharded pool.
 

@@ -55,7 +55,7 @@ def _reference(q, k, v, q_lens, kv_lens, scale):
 def _shard_pages(k_seq, v_seq, page, dcp, rank, num_slots, gen):
     """Place one rank's pages of each sequence in a random paged cache.
 
-    Page p of a sequence belongs to rank p % dcp at local slot p // dcp (seed §5.1),
+    Page p of a sequence belongs to rank p % dcp at local slot p // dcp (design §5.1),
     the layout vLLM's CP slot mapping gives with cp_kv_cache_interleave_size = page.
     Returns the cache [num_blocks, Hkv, page*D] (flat, plain layout), block_table and
     the local token counts. ``num_slots`` must cover this rank's pages of all sequences

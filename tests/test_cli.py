@@ -1,4 +1,4 @@
-"""`vllm-dcp2d plan` on the seed's GLM-5.2 configuration (seed §5.3, §6.1)."""
+"""`vllm-dcp2d plan` on the seed's GLM-5.2 configuration (design §5.3, §6.1)."""
 
 import json
 import os

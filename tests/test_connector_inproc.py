@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
+
+from vllm_dcp2d.testing.harness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 PAGE = 32
 SEND_TIMEOUT_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +78,7 @@ def test_transfer_equals_local(llm):
         (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(8, params), use_tqdm=False)
         assert dec.outputs[0].token_ids == local.outputs[0].token_ids, name
         new = [r for r in records(stats)[before:] if r.get("ok")]
-        assert len(new) == 1 and new[0]["request_id"] == params["remote_request_id"]
+        assert len(new) == 1 and new[0]["transfer_key"] == params["remote_request_id"]
         pages = -(-len(ids) // PAGE)
         assert new[0]["pages"] == pages and new[0]["layers"] == [0, 4]
         # 4 layers x pages x [2 KV heads, 32 tokens, 2*32] bf16
@@ -134,7 +129,7 @@ def test_expiry_recomputes(llm):
     (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids
     assert free_blocks(engine) == free
-    fails = [r for r in records(stats) if r.get("request_id") == "never-prefilled"]
+    fails = [r for r in records(stats) if r.get("transfer_key") == "never-prefilled"]
     assert fails and not fails[-1]["ok"]  # "not ready" from the producer after prefill_wait_s
 
 
@@ -157,7 +152,7 @@ def test_duplicate_transfer_key_second_fails_first_loads(llm):
     outs = engine.generate([{"prompt_token_ids": ids}] * 2,
                            [greedy(4, dict(pre.kv_transfer_params)) for _ in range(2)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [local.outputs[0].token_ids] * 2
-    new = [r for r in records(stats)[before:] if r.get("request_id") == key and r["side"] == "consumer"]
+    new = [r for r in records(stats)[before:] if r.get("transfer_key") == key and r["side"] == "consumer"]
     assert [r["ok"] for r in new] == [False, True], new
     assert f"transfer key {key!r} is already being fetched by request" in new[0]["reason"]
     assert new[1]["bytes"] > 0  # the first request's pages were transferred
@@ -176,7 +171,7 @@ def test_remote_token_count_mismatch_recomputes(llm):
     assert pre.kv_transfer_params["remote_num_tokens"] == len(ids)
     (dec,) = engine.generate({"prompt_token_ids": longer}, greedy(4, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids
-    fails = [r for r in records(stats) if r.get("request_id") == pre.kv_transfer_params["remote_request_id"]]
+    fails = [r for r in records(stats) if r.get("transfer_key") == pre.kv_transfer_params["remote_request_id"]]
     assert (f"remote_num_tokens={len(ids)} prompt tokens, this decode has {len(longer)}"
             in fails[-1]["reason"]), fails
 
@@ -209,7 +204,7 @@ def test_quarantined_blocks_stay_out_of_use_until_the_rank_settles(llm, tmp_path
             assert dec.outputs[0].token_ids == local.outputs[0].token_ids
             assert time.monotonic() - t0 < 10  # deadline + cancel grace, not an unbounded wait
             assert free_blocks(engine) == free - 4  # recomputed elsewhere; the 4 blocks are held
-            rec = [r for r in records(stats) if r.get("request_id") == "frozen"][-1]
+            rec = [r for r in records(stats) if r.get("transfer_key") == "frozen"][-1]
             assert not rec["ok"] and rec["quarantined"] == 1
             for _ in range(3):  # still silent: still held
                 engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)

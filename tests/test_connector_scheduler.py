@@ -55,7 +55,7 @@ def test_consumer_load_spec_and_one_shot():
     s.update_state_after_alloc(req, blocks, num_external_tokens=100 - 64)  # 64 tokens cached locally
     meta = s.build_connector_meta(sched_out())
     spec = meta.loads["r"]
-    assert (spec.remote_request_id, spec.bootstrap_addr, spec.remote_engine_id) == ("p-1", "tcp://h:1", "pe")
+    assert (spec.transfer_key, spec.bootstrap_addr, spec.remote_engine_id) == ("p-1", "tcp://h:1", "pe")
     assert spec.block_ids == [7, 3, 9, 1] and spec.first_page == 2 and spec.num_tokens == 100
     assert spec.remote_num_tokens is None
     assert spec.timeout_s == 60.0
@@ -87,7 +87,7 @@ def test_producer_holds_blocks_and_answers_params():
     assert m1.computing == {}
     m2 = s.build_connector_meta(sched_out(cached=[("r", 64)], tokens={"r": 36}))
     assert m2.computing["r"].block_ids == [10, 11, 12, 13] and m2.computing["r"].num_tokens == 100
-    assert m2.computing["r"].key == "t"  # decode ranks fetch it by the client's transfer_id
+    assert m2.computing["r"].transfer_key == "t"  # decode ranks fetch it by the client's transfer_id
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = s.request_finished(req, [10, 11, 12, 13])
     assert delay is True
@@ -95,7 +95,7 @@ def test_producer_holds_blocks_and_answers_params():
                       "remote_bootstrap_addr": "tcp://127.0.0.1:4242", "remote_engine_id": "eng",
                       "remote_num_tokens": 100, "transfer_id": "t"}
     meta = s.build_connector_meta(sched_out())
-    assert meta.ready["r"].block_ids == [10, 11, 12, 13] and meta.ready["r"].key == "t"
+    assert meta.ready["r"].block_ids == [10, 11, 12, 13] and meta.ready["r"].transfer_key == "t"
 
 
 def test_producer_transfer_keys_unique_while_in_flight():

@@ -5,118 +5,29 @@ two decode instances at once: ``decode`` (TP=2, DCP=2) and
 ``decode1`` (TP=2, DCP=1: the one KV head is replicated, so both TP ranks fetch
 all pages; ``kv_load_failure_policy="recompute"``), each behind
 its own proxy. The prefill instance itself, asked without ``kv_transfer_params``,
-is the non-disaggregated reference. All on loopback, started once per module
-(~1 min on 2 cores) and always killed.
+is the non-disaggregated reference (``_pd_cluster.py``). All on loopback, started
+once per module (~1 min on 2 cores) and always killed; ``test_multihost.py`` runs the
+same checks with every instance on its own host.
 """
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
-from vllm_dcp2d.connector.plan import plan_request
-from vllm_dcp2d.demo import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
-from vllm_dcp2d.layout import cdiv
-from vllm_dcp2d.report import synthetic_request
+from _pd_cluster import (DCP, EXPIRY_S, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
+                         complete, ids, pd_cluster, tokens)
+
+from vllm_dcp2d.testing.harness import read_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
-
-PAGE = 32
-LAYERS = 4                # tiny llama-mqa
-# float32: the DCP=2 attention path computes in fp32 and matches the stock kernel
-# token for token only when the model runs in fp32 (bf16 rounding differs).
-DTYPE = "float32"
-PAGE_BYTES = PAGE * 2 * 32 * 4  # 1 KV head x (K+V) x head_dim 32 x fp32, per token per layer
-MAX_TOKENS = 12
-EXPIRY_S = 4.0
-DCP = 2
-
-
-def ids(n: int, seed: int) -> list[int]:
-    return [(seed * 7 + i * 13) % 500 + 6 for i in range(n)]
-
-
-def prompts(salt: int = 0) -> dict[str, list[int]]:
-    """``salt`` gives another set, for a decode instance that has cached the first."""
-    s = 10 * salt
-    return {
-        "short": ids(20, 1 + s),                                 # shorter than a page
-        "pages": ids(3 * PAGE + 5, 2 + s),                       # spans 4 pages, last one partial
-        "prefix": ids(3 * PAGE + 5, 2 + s)[:2 * PAGE] + ids(40, 3 + s),  # shares 2 pages with "pages"
-    }
-
-
-PROMPTS = prompts()
-FIRST_PAGE = {"short": 0, "pages": 0, "prefix": 2}   # pages the decode instance has cached
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
-
-    work = tmp_path_factory.mktemp("e2e")
-    model = build_tiny_model("llama-mqa", work / "model")
-    stats = work / "stats.jsonl"
-    common = {"stats_file": str(stats)}
-    prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE, dtype=DTYPE,
-                          extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
-    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, dtype=DTYPE,
-                         block_size=PAGE, extra_config={**common, "transfer_timeout_s": 300.0,
-                                                        "prefill_wait_s": 120.0})
-    decode1 = vllm_server("decode1", model, free_port(), work, role="kv_consumer", tp=2, block_size=PAGE, dtype=DTYPE,
-                          failure_policy="recompute",
-                          extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
-    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy")
-    proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1")
-    proxyp = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxyp", pipelined=True)
-    procs = [prefill, decode, decode1, proxy, proxy1, proxyp]
-    try:
-        for p in procs:
-            p.start()
-        wait_all(procs, 900)
-        yield {"model": model, "stats": stats, "prefill": prefill, "decode": decode, "decode1": decode1,
-               "proxy": proxy, "proxy1": proxy1, "proxyp": proxyp}
-    finally:
-        for p in reversed(procs):
-            p.stop()
-
-
-def complete(url: str, model: str, prompt: list[int], **extra) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
-    body.update(extra)
-    status, out = post_json(url + "/v1/completions", body, timeout_s=300)
-    assert status == 200, out
-    return out
-
-
-def tokens(out: dict) -> list[int]:
-    choice = out["choices"][0]
-    return choice.get("token_ids") or choice["text"]
-
-
-def expected_bytes(n_tokens: int, dcp: int, first_page: int) -> dict[tuple[int, int], int]:
-    """The plan's bytes per (cp_rank, dcp_rank) path for one request."""
-    src, src_ids, dst, dst_ids = synthetic_request(LAYERS, 2, dcp, n_tokens, PAGE, PAGE_BYTES)
-    plans = plan_request(LAYERS, 2, src, src_ids, dst, dst_ids, first_page=first_page)
-    return {k: d.nbytes for k, d in plans.items()}
-
-
-def check_paths(recs: list[dict], n_tokens: int, dcp: int, tp: int, first_page: int) -> None:
-    ok = [r for r in recs if r.get("ok")]
-    # every decode TP rank got one outcome from each of the 2 CP ranks
-    assert len(ok) == 2 * tp, recs
-    want = expected_bytes(n_tokens, dcp, first_page)
-    for r in ok:
-        assert r["dcp_size"] == dcp and r["cp_size"] == 2 and r["pages"] == cdiv(n_tokens, PAGE)
-        assert r["bytes"] == want[(r["cp_rank"], r["dcp_rank"])], (r, want)
-        assert r["layers"] == [[0, 2], [2, 4]][r["cp_rank"]]  # CP rank r sends only its layers
-    got = {}
-    for r in ok:
-        got[(r["cp_rank"], r["dcp_rank"])] = r["bytes"]
-    assert got == want
+    with pd_cluster(tmp_path_factory.mktemp("e2e")) as c:
+        yield c
 
 
 @pytest.mark.timeout(1200)
@@ -125,14 +36,7 @@ def test_proxy(cluster, which, tp, dcp, salt):
     """Every prompt through the proxy: the bytes of every (cp_rank, dcp_rank) path equal
     the plan's, and the greedy tokens equal the non-disaggregated instance's. ``proxyp``
     is ``--pipelined``: after the first request it sends prefill and decode at once."""
-    c = cluster
-    for name, prompt in prompts(salt).items():
-        ref = complete(c["prefill"].url, c["model"], prompt)
-        before = len(read_stats(c["stats"]))
-        out = complete(c[which].url, c["model"], prompt)
-        recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
-        check_paths(recs, len(prompt), dcp, tp, FIRST_PAGE[name])
-        assert tokens(out) == tokens(ref), name
+    check_proxy(cluster, which, tp, dcp, salt)
 
 
 @pytest.mark.timeout(600)
@@ -172,17 +76,11 @@ def test_decode_expiry_recomputes(cluster):
     elapsed = time.monotonic() - t0
     assert tokens(out) == tokens(ref)
     assert elapsed >= EXPIRY_S
-    recs = [r for r in read_stats(c["stats"]) if r.get("request_id") == "never-prefilled"]
+    recs = [r for r in read_stats(c["stats"]) if r.get("transfer_key") == "never-prefilled"]
     assert recs and recs[-1]["ok"] is False and recs[-1]["expired"] is True
     # the instance keeps serving, blocks were freed: a normal request still works
     out = complete(c["proxy1"].url, c["model"], PROMPTS["short"])
     assert tokens(out) == tokens(complete(c["prefill"].url, c["model"], PROMPTS["short"]))
-
-
-def bootstrap_addr(c) -> str:
-    boot = [a for a in c["prefill"].cmd if "bootstrap_port" in a][0]
-    port = json.loads(boot)["kv_connector_extra_config"]["bootstrap_port"]
-    return f"tcp://127.0.0.1:{port}"
 
 
 def waiting_requests(url: str) -> float:
@@ -222,6 +120,6 @@ def test_layers_sent_while_prefill_runs(cluster):
     assert pre["kv_transfer_params"]["remote_request_id"] == tid
     t.join(300)
     assert tokens(got["out"]) == tokens(ref)
-    recs = [r for r in read_stats(c["stats"]) if r.get("request_id") == tid and r["side"] == "consumer"]
+    recs = [r for r in read_stats(c["stats"]) if r.get("transfer_key") == tid and r["side"] == "consumer"]
     check_paths(recs, len(prompt), DCP, 2, 0)
     assert [r["early_layers"] for r in recs] == [2] * 4, recs  # every layer of every path, early

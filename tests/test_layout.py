@@ -1,4 +1,4 @@
-"""Sharding math (seed §4.1, §5.1, §6.2)."""
+"""Sharding math (design §4.1, §5.1, §6.2)."""
 
 import numpy as np
 import pytest

@@ -21,7 +21,7 @@ FP = Fingerprint("glm-5.2@abc", 8, 64, "float8_e4m3fn", 36864, "cpu:[blocks,head
 def _request(**kw):
     regions = KVRegions(np.arange(8), np.arange(16).reshape(8, 2) * (1 << 20) + 4096,
                         np.array([1024, 2048]), np.array([512, 2048]))
-    args = dict(request_id="req-1", transfer_id=7, engine_id="decode-0", consumer_rank=1, consumer_size=2,
+    args = dict(transfer_key="req-1", attempt_id=7, engine_id="decode-0", consumer_rank=1, consumer_size=2,
                 session="127.0.0.1:15001", dcp_size=2, dcp_rank=1, block_ids=np.array([5, 3, 9]),
                 num_tokens=300, first_page=1, fingerprint=FP, wait_s=0.5)
     args.update(kw)
@@ -29,7 +29,7 @@ def _request(**kw):
 
 
 def _outcome(**kw):
-    args = dict(request_id="req-1", transfer_id=7, cp_rank=1, cp_size=2, ok=False, reason="boom", layer_start=4,
+    args = dict(transfer_key="req-1", attempt_id=7, cp_rank=1, cp_size=2, ok=False, reason="boom", layer_start=4,
                 layer_end=8, num_tokens=0, num_pages=3, nbytes=0, descriptors=0, batches=0, naive_bytes=0,
                 plan_s=0.001, write_s=0.0, early_layers=0, settled=True)
     args.update(kw)
@@ -106,12 +106,12 @@ def _pack(d) -> bytes:
     (lambda d: d.update(extra=1), r"unknown fields \[\"'extra'\"\]"),
     (lambda d: d.update(dcp_rank=2), r"dcp_rank must be in \[0, dcp_size=2\)"),
     (lambda d: d.update(dcp_size=0), "dcp_size must be in"),
-    (lambda d: d.update(transfer_id=-1), "transfer_id must be in"),
+    (lambda d: d.update(attempt_id=-1), "attempt_id must be in"),
     (lambda d: d.update(first_page=1.0), "first_page must be an int, got float"),
     (lambda d: d.update(consumer_rank=True), "consumer_rank must be an int, got bool"),
     (lambda d: d.update(consumer_rank=2), "consumer_rank must be in"),
-    (lambda d: d.update(request_id=""), "request_id must have 1..512 characters"),
-    (lambda d: d.update(request_id=b"x"), "request_id must be a string, got bytes"),
+    (lambda d: d.update(transfer_key=""), "transfer_key must have 1..512 characters"),
+    (lambda d: d.update(transfer_key=b"x"), "transfer_key must be a string, got bytes"),
     (lambda d: d.update(block_ids=np.array([1, -3]).tobytes()), "block_ids entries must be in"),
     (lambda d: d.update(block_ids=b"\x01\x02\x03"), "not a multiple of 8"),
     (lambda d: d.update(block_ids=[1, 2]), "block_ids must be bin"),

@@ -167,7 +167,7 @@ def test_fingerprint_mismatch(cluster):
     assert not res["ok"]
     assert "kv_dtype: ours 'bfloat16', peer 'uint8'" in res["error"], res["error"]
     # The producer checks too (a consumer that skips the bootstrap check): direct request.
-    req = TransferRequest.build(regions=_fake_regions(), request_id="fp", transfer_id=1, engine_id="x",
+    req = TransferRequest.build(regions=_fake_regions(), transfer_key="fp", attempt_id=1, engine_id="x",
                                 consumer_rank=0, consumer_size=1, session="127.0.0.1:1", dcp_size=1, dcp_rank=0,
                                 block_ids=np.arange(8), num_tokens=8 * 16, first_page=0,
                                 fingerprint=fingerprint(num_layers=6), wait_s=0.0)

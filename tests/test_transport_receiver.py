@@ -63,8 +63,8 @@ def test_silent_rank_times_out(receiver, server):
         # with the rank quarantined (it may still write), and is never released
         assert 3.9 < f.seconds < 12
         assert list(f.quarantined) == [0] and "no answer to the cancel" in f.quarantined[0]
-        assert isinstance(rank.seen[-1], CancelTransfer) and rank.seen[-1].transfer_id == rank.seen[0].transfer_id
-        time.sleep(2.5)  # cancels go out again (1 s, 2 s backoff), unanswered
+        assert isinstance(rank.seen[-1], CancelTransfer) and rank.seen[-1].attempt_id == rank.seen[0].attempt_id
+        time.sleep(3.5)  # cancels go out again 1 s and 3 s after it ended (1, 2, 4 s backoff), unanswered
         assert sum(isinstance(m, CancelTransfer) for m in rank.seen) >= 3 and receiver.poll_released() == []
     finally:
         rank.close()
@@ -74,7 +74,7 @@ def test_incomplete_or_missing_bootstrap(receiver, server):
     register_rank(server.address, RegisterRank("P", 0, 2, "tcp://127.0.0.1:9", FP), 5)
     receiver.start("a", server.address, [0], num_tokens=20)
     receiver.start("b", "tcp://127.0.0.1:9", [0], timeout_s=0.5, num_tokens=20)
-    got = {f.request_id: f for f in (receiver.wait("a", 10), receiver.wait("b", 10))}
+    got = {f.transfer_key: f for f in (receiver.wait("a", 10), receiver.wait("b", 10))}
     assert "1 of 2 cp ranks registered, missing [1]" in got["a"].error.reason
     assert got["a"].error.timed_out and got["a"].error.cp_rank is None
     assert "no rank table from bootstrap tcp://127.0.0.1:9 (no answer)" in got["b"].error.reason

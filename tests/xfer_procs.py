@@ -137,7 +137,7 @@ class DecodeRank:
             return _fetch_dict(r.wait(request_id, 15.0))
 
     def released(self):
-        return [f.request_id for f in self.receiver.poll_released()]
+        return [f.transfer_key for f in self.receiver.poll_released()]
 
     def dump(self):
         return self.kv.copy()

@@ -1,5 +1,5 @@
 """Sharding math of the 2D reshard: layers across prefill CP ranks, pages
-across decode DCP ranks (seed §4.1, §5.1, §6.2).
+across decode DCP ranks (design §4.1, §5.1, §6.2).
 
 Pure functions over ints and numpy arrays. No vLLM, no torch, no I/O.
 
@@ -108,7 +108,7 @@ def dcp_local_slot(pages, dcp_size: int):
 
 def filter_kv_indices_for_dcp_rank(kv_indices, dcp_size: int, dcp_rank: int) -> np.ndarray:
     """Keep the pages DCP rank ``dcp_rank`` owns and map them to its local slots
-    (seed §6.2): ``kv_indices[kv_indices % N == d] // N``.
+    (design §6.2): ``kv_indices[kv_indices % N == d] // N``.
 
     kv_indices: int array ``[n]`` of global logical page indices.
     Returns an int array ``[m]``, ``m ~= n / dcp_size``; with ``dcp_size == 1``

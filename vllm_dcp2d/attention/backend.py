@@ -11,7 +11,7 @@ each rank holds 1/N of every sequence's KV pages and a forward pass is:
 3. attend the step's own tokens causally over themselves (every rank has their
    K/V) -> ``(O, LSE)`` for this rank's ``H`` heads;
 4. all-gather the context partials and LSE-merge them with step 3, keeping this
-   rank's heads (seed §5.2).
+   rank's heads (design §5.2).
 
 The KV of the step's tokens is written only on the rank that owns each token
 (the CP slot mapping gives the others slot -1, which the writer skips). Chunked

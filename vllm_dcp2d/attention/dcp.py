@@ -1,5 +1,5 @@
 """Cross-rank step of DCP attention: all-gather the partial (O, LSE) and merge
-(seed §5.2).
+(design §5.2).
 
 ``group`` is anything with ``world_size``, ``rank_in_group`` and
 ``all_gather(tensor, dim)`` (vLLM's ``GroupCoordinator``), so tests can pass a

@@ -1,4 +1,4 @@
-"""LSE-weighted merge of partial attention outputs (seed §5.2).
+"""LSE-weighted merge of partial attention outputs (design §5.2).
 
 Each of ``N`` DCP ranks attends over its own shard of the KV pages and returns
 a partial output ``O_n`` with its log-sum-exp ``LSE_n``. The exact result over

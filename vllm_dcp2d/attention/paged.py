@@ -1,6 +1,6 @@
 """Attention that returns its log-sum-exp, over paged or ragged KV (torch).
 
-A DCP rank holds only its shard of every sequence's KV pages (seed §5.1). It
+A DCP rank holds only its shard of every sequence's KV pages (design §5.1). It
 attends over those local pages, returns ``(O, LSE)``, and the ranks merge
 (:mod:`vllm_dcp2d.attention.merge`). Also used for the attention of the
 tokens of the current step over themselves, which every rank has in full.

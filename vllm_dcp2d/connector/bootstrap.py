@@ -1,5 +1,5 @@
 """How prefill and decode find each other: one ZMQ bootstrap port per prefill
-instance (seed §6.7).
+instance (design §6.7).
 
 Each prefill CP rank runs a ``sender.Sender`` with its own ZMQ ROUTER socket
 (its side channel) and registers that address with the instance's
@@ -19,6 +19,9 @@ Public API
 ``request(address, msg, expect, timeout_s) -> message``: one round trip on a fresh socket.
 ``register_rank(server, msg: RegisterRank, timeout_s=10.0) -> None``: retries until acknowledged.
 ``query_ranks(server, engine_id, timeout_s=10.0) -> RankTable``: retries until all ranks registered.
+``TableQuery(address, engine_id, fingerprint)``: the non-blocking client a decode rank's poll loop
+    uses (``ask(now)``, ``read()``, ``forget()``, ``.table``).
+``Backoff``: the one resend schedule (1, 2, 4, ... s) of every unanswered message.
 ``Waker``: lets any thread interrupt a poll loop (``wake()``, ``.socket``, ``drain()``, ``close()``).
 """
 
@@ -35,7 +38,8 @@ import zmq
 from vllm_dcp2d.connector.messages import (MessageError, QueryRanks, RankTable, RegisterRank, Reply, decode,
                                            encode)
 
-__all__ = ["BootstrapError", "BootstrapServer", "Waker", "request", "register_rank", "query_ranks", "bind"]
+__all__ = ["BootstrapError", "BootstrapServer", "Backoff", "TableQuery", "Waker", "request", "register_rank",
+           "query_ranks", "bind"]
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -123,13 +127,31 @@ def request(address: str, msg, expect, timeout_s: float):
         sock.close()
 
 
+class Backoff:
+    """How long to wait for an answer before asking again: 1, 2, 4, ... ``max_s``.
+    With a fixed short wait, a host too loaded to connect and answer within it
+    never succeeds; asking ever more rarely keeps a silent peer from being flooded."""
+
+    def __init__(self, max_s: float = RESEND_MAX_S):
+        self.max_s = max_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.wait_s = RESEND_S
+
+    def next(self) -> float:
+        """The current wait; the following one is twice as long (capped)."""
+        wait, self.wait_s = self.wait_s, min(2 * self.wait_s, self.max_s)
+        return wait
+
+
 def _retry(what: str, server: str, timeout_s: float, attempt):
-    """Call ``attempt(seconds)`` until it returns a non-error reply. Each attempt
-    waits twice as long as the one before (1 s, 2 s, ... up to 8 s): with a fixed
-    short wait, a host too loaded to connect and answer within it never succeeds."""
+    """Call ``attempt(seconds)`` until it returns a non-error reply, each attempt
+    waiting as ``Backoff`` says."""
     deadline = time.monotonic() + timeout_s
     last = "no attempt"
-    wait = RESEND_S
+    backoff = Backoff()
+    wait = backoff.next()
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -138,7 +160,7 @@ def _retry(what: str, server: str, timeout_s: float, attempt):
             reply = attempt(min(left, wait))
         except BootstrapError as e:
             last = str(e)
-            wait = min(2 * wait, RESEND_MAX_S)
+            wait = backoff.next()
         else:
             if not isinstance(reply, Reply) or reply.ok:
                 return reply
@@ -239,3 +261,61 @@ class BootstrapServer:
             return Reply(False, f"{len(self._ranks)} of {first.cp_size} cp ranks registered, missing {missing}")
         return RankTable(first.engine_id, first.cp_size,
                          tuple(self._ranks[r].address for r in range(first.cp_size)), first.fingerprint)
+
+
+class TableQuery:
+    """A decode rank's client of one prefill instance's ``BootstrapServer``, for a
+    poll loop that owns it (the receiver's thread): a DEALER (``.sock``) and its
+    disconnect monitor (``.monitor``) to register with the loop's poller.
+
+    ``ask(now)`` sends ``QueryRanks`` when one is due: at once, again after
+    ``Backoff`` waits without an answer (on the same socket: ZMQ reconnects to a
+    restarted server by itself), and ``QUERY_RETRY_S`` after a "not every rank
+    registered" reply. ``read()`` takes one reply: the ``RankTable`` (also kept
+    in ``.table``), or None; raises ``MessageError`` for a malformed reply or a
+    table of another KV format. ``forget()`` drops the table (ask again).
+    """
+
+    QUERY_RETRY_S = 0.05
+
+    def __init__(self, address: str, engine_id: str, fingerprint):
+        self.address, self.engine_id, self.fingerprint = address, engine_id, fingerprint
+        self.sock = socket(zmq.DEALER)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(address)
+        self.table: RankTable | None = None
+        self.last_reason = "no answer"
+        self._asked = 0.0      # when the unanswered query went out (0: none out)
+        self._retry_at = 0.0
+        self._backoff = Backoff()
+
+    def ask(self, now: float) -> None:
+        if self.table is not None:
+            return
+        if self._asked and now - self._asked > self._backoff.wait_s:
+            self._backoff.next()
+            self._asked = 0.0
+        if not self._asked and now >= self._retry_at:
+            self.sock.send(encode(QueryRanks(self.engine_id)))
+            self._asked = now
+
+    def read(self) -> RankTable | None:
+        payload = self.sock.recv()
+        self._asked = 0.0
+        self._backoff.reset()
+        msg = decode(payload, (RankTable, Reply))
+        if isinstance(msg, Reply):  # not every rank registered yet
+            self._retry_at = time.monotonic() + self.QUERY_RETRY_S
+            self.last_reason = msg.reason
+            return None
+        self.fingerprint.check(msg.fingerprint)
+        self.table = msg
+        return msg
+
+    def forget(self) -> None:
+        self.table, self._asked = None, 0.0
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()

@@ -1,5 +1,5 @@
 """Wire schema of the 2D reshard: msgpack messages between prefill and decode
-(seed §6.3, §6.7). No I/O; ``bootstrap``, ``sender`` and ``receiver`` move them.
+(design §6.3, §6.7). No I/O; ``bootstrap``, ``sender`` and ``receiver`` move them.
 
 Every message is a msgpack map ``{"v": PROTOCOL_VERSION, "type": <name>, <fields>}``.
 Integer arrays (block ids, addresses) travel as little-endian int64 ``bin``.
@@ -39,8 +39,10 @@ __all__ = [
     "encode", "decode",
 ]
 
-# History: 1 = first release. 2 = TransferRequest/TransferOutcome carry num_tokens
-# (a length mismatch fails the fetch), TransferOutcome.settled, Fingerprint.model_config.
+# History: 1 = first release. 2 = the transfer key and the per-attempt id are
+# ``transfer_key`` / ``attempt_id`` (were request_id / transfer_id);
+# TransferRequest/TransferOutcome carry num_tokens (a length mismatch fails the
+# fetch); TransferOutcome.settled; Fingerprint.model_config.
 PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
@@ -226,14 +228,15 @@ class Fingerprint(_Message):
 class TransferRequest(_Message):
     """Decode DCP rank -> one prefill CP rank: "write your layers of my pages".
 
-    request_id:    the request (vLLM request id on the prefill side).
-    transfer_id:   this attempt, unique per consumer rank; echoed in the outcome.
+    transfer_key:  the request's transfer key (``kv_transfer_params["remote_request_id"]``):
+                   the client's ``transfer_id``, or the prefill's vLLM request id.
+    attempt_id:    this request to this rank, unique per consumer rank; echoed in the outcome.
     engine_id:     consumer (decode instance) identity.
     consumer_rank, consumer_size: this worker and how many workers of the consumer
                    fetch the request (e.g. decode TP size); the producer frees the
                    request once all of them got their pages.
     session:       consumer's Mooncake session id ``host:rpc_port``.
-    dcp_size, dcp_rank: the consumer's DCP topology, per request (seed §6.7).
+    dcp_size, dcp_rank: the consumer's DCP topology, per request (design §6.7).
     block_ids:     int64 ``[n]`` the consumer's block table; page ``i`` lands in
                    ``block_ids[i // dcp_size]`` on rank ``i % dcp_size``.
     num_tokens:    prompt tokens the consumer expects; the producer fails the
@@ -246,8 +249,8 @@ class TransferRequest(_Message):
                    ``request_id`` yet (prefill still running); 0 = answer at once.
     """
 
-    request_id: str
-    transfer_id: int
+    transfer_key: str
+    attempt_id: int
     engine_id: str
     consumer_rank: int
     consumer_size: int
@@ -264,7 +267,7 @@ class TransferRequest(_Message):
     fingerprint: Fingerprint
     wait_s: float
 
-    SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR), "engine_id": _NAME,
+    SCHEMA = {"transfer_key": _NAME, "attempt_id": _Int(0, MAX_ADDR), "engine_id": _NAME,
               "consumer_rank": _Int(0, 1 << 16), "consumer_size": _Int(1, 1 << 16), "session": _Str(256),
               "dcp_size": _Int(1, 1 << 12), "dcp_rank": _Int(0, 1 << 12), "block_ids": _Ids(MAX_IDS, hi=MAX_COUNT),
               "num_tokens": _Int(0, MAX_COUNT), "first_page": _Int(0, MAX_COUNT), "layer_ids": _Ids(1 << 16, hi=1 << 16, min_n=1),
@@ -317,8 +320,8 @@ class TransferOutcome(_Message):
                        the consumer must keep those blocks out of use (quarantine).
     """
 
-    request_id: str
-    transfer_id: int
+    transfer_key: str
+    attempt_id: int
     cp_rank: int
     cp_size: int
     ok: bool
@@ -336,7 +339,7 @@ class TransferOutcome(_Message):
     early_layers: int
     settled: bool
 
-    SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR), "cp_rank": _Int(0, 1 << 12),
+    SCHEMA = {"transfer_key": _NAME, "attempt_id": _Int(0, MAX_ADDR), "cp_rank": _Int(0, 1 << 12),
               "cp_size": _Int(1, 1 << 12), "ok": _Bool(), "reason": _Str(4096, min_len=0),
               "layer_start": _Int(0, 1 << 16), "layer_end": _Int(0, 1 << 16),
               "num_tokens": _Int(0, MAX_COUNT), "num_pages": _Int(0, MAX_COUNT), "nbytes": _Int(0, MAX_COUNT),
@@ -374,15 +377,15 @@ class RegisterRank(_Message):
 
 @dataclass(frozen=True)
 class CancelTransfer(_Message):
-    """Decode rank -> prefill CP rank: the fetch ``transfer_id`` of ``request_id``
+    """Decode rank -> prefill CP rank: the request ``attempt_id`` of ``transfer_key``
     failed; write nothing more for it. The rank answers with a ``TransferOutcome``
     (ok=False, "cancelled") once no write of it is in flight, at once if it has
     none (also for a fetch it does not know). May be sent again: each one is answered."""
 
-    request_id: str
-    transfer_id: int
+    transfer_key: str
+    attempt_id: int
 
-    SCHEMA = {"request_id": _NAME, "transfer_id": _Int(0, MAX_ADDR)}
+    SCHEMA = {"transfer_key": _NAME, "attempt_id": _Int(0, MAX_ADDR)}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Transfer plan of the 2D reshard: the ``(src_addr, dst_addr, length)``
-descriptors one prefill rank writes to one decode DCP rank (seed §6).
+descriptors one prefill rank writes to one decode DCP rank (design §6).
 
 Pure numpy over integer addresses: no vLLM, no torch, no I/O, so it is
 tested on fake addresses exactly like the bytes it will move.

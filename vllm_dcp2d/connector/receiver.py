@@ -1,14 +1,14 @@
-"""Decode side of the 2D reshard: one ``Receiver`` per decode DCP rank (seed §6.7).
+"""Decode side of the 2D reshard: one ``Receiver`` per decode DCP rank (design §6.7).
 
-``start(key, bootstrap, block_ids, num_tokens=...)`` asks the prefill instance
-behind ``bootstrap`` for its rank table (cached per instance), sends one
-``TransferRequest`` carrying this rank's ``(dcp_size, dcp_rank)``, block table,
-claimed token count and KV regions to every prefill CP rank, and collects their
-``TransferOutcome``s. The pages are in place when every CP rank answered ok
-for the claimed token count; any failure, length mismatch or deadline fails
-the whole fetch, naming the CP rank and the reason (the destination blocks are
-then undefined). Nothing blocks the caller: a background thread owns the
-sockets, ``poll()`` returns finished fetches.
+``start(transfer_key, bootstrap, block_ids, num_tokens=...)`` gets the rank table
+of the prefill instance behind ``bootstrap`` (``bootstrap.TableQuery``, cached
+per instance), sends every prefill CP rank one ``TransferRequest`` carrying this
+rank's ``(dcp_size, dcp_rank)``, block table, token count and KV regions, and
+collects their ``TransferOutcome``s. The pages are in place when every CP rank
+answered ok for the same token count; any failure, count mismatch or deadline
+fails the whole fetch, naming the CP rank and the reason (the destination
+blocks are then undefined). Nothing blocks the caller: a background thread owns
+the sockets, ``poll()`` returns finished fetches.
 
 Block lifetime (docs/connector.md): a CP rank's answer means none of its writes
 can still land. A failing fetch sends ``CancelTransfer`` to the ranks still in
@@ -16,25 +16,26 @@ flight and waits up to ``cancel_grace_s`` for their answers. Ranks that have not
 answered by then, or answered ``settled=False`` (a write timed out), are listed
 in ``Fetch.quarantined``: the fetch ends, but its blocks must stay out of use
 until ``poll_released()`` returns it. That happens when each such rank answers
-a (re-sent) cancel, or when the prefill instance's new rank table no longer has
-the rank's address while its link is down (the rank restarted, so its old
-process is gone). A dropped ZMQ link alone proves nothing (Mooncake writes do
-not use it); the link reconnects with the same routing id and answers arrive.
+a cancel (re-sent with ``bootstrap.Backoff``), or when the prefill instance's
+new rank table no longer lists the rank's address while its link is down (the
+rank restarted, so its old process is gone). A dropped ZMQ link alone proves
+nothing (Mooncake writes do not use it); the link reconnects with the same
+routing id and the answers arrive.
 
 Public API
 ----------
-``class FetchError(RuntimeError)``: ``.request_id``, ``.cp_rank`` (None if not rank-specific), ``.reason``,
+``class FetchError(RuntimeError)``: ``.transfer_key``, ``.cp_rank`` (None if not rank-specific), ``.reason``,
     ``.timed_out`` (the deadline passed).
-``Fetch``: ``.request_id``, ``.ok``, ``.error: FetchError | None``, ``.outcomes: dict[int, TransferOutcome]``,
+``Fetch``: ``.transfer_key``, ``.ok``, ``.error: FetchError | None``, ``.outcomes: dict[int, TransferOutcome]``,
     ``.quarantined: dict[int, str]`` (cp rank -> why its writes may still land), ``.seconds``;
     ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
 ``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
            dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0)``
-    ``.start(key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens)``
-    ``.poll() -> list[Fetch]``        finished fetches since the last call (any thread).
+    ``.start(transfer_key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens)``
+    ``.poll() -> list[Fetch]``           finished fetches since the last call (any thread).
     ``.poll_released() -> list[Fetch]``  quarantined fetches whose ranks all settled since.
-    ``.wait(key, timeout_s) -> Fetch``  blocking helper (tests, benches).
-    ``.close()``                      fails what is in flight, unregisters ``buffers``.
+    ``.wait(transfer_key, timeout_s) -> Fetch``  blocking helper (tests, benches).
+    ``.close()``                         fails what is in flight, unregisters ``buffers``.
 """
 
 from __future__ import annotations
@@ -52,23 +53,22 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, QueryRanks, RankTable,
-                                           Reply, TransferOutcome, TransferRequest, decode, encode)
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, Reply,
+                                           TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions
 from vllm_dcp2d.connector.transport import MooncakeTransport
 
 __all__ = ["Receiver", "Fetch", "FetchError"]
 
 log = logging.getLogger(__name__)
-QUERY_RETRY_S = 0.05   # bootstrap said "not all ranks registered yet"
 CANCEL_RESEND_MAX_S = 30.0  # a quarantining rank is asked again after 1, 2, 4, ... 30 s
 
 
 class FetchError(RuntimeError):
-    def __init__(self, request_id: str, cp_rank: int | None, reason: str):  # request_id: the transfer key
-        self.request_id, self.cp_rank, self.reason = request_id, cp_rank, reason
+    def __init__(self, transfer_key: str, cp_rank: int | None, reason: str):
+        self.transfer_key, self.cp_rank, self.reason = transfer_key, cp_rank, reason
         where = "" if cp_rank is None else f" from prefill cp rank {cp_rank}"
-        super().__init__(f"fetch of {request_id!r}{where} failed: {reason}")
+        super().__init__(f"fetch of {transfer_key!r}{where} failed: {reason}")
 
     @property
     def timed_out(self) -> bool:
@@ -76,9 +76,11 @@ class FetchError(RuntimeError):
         return self.reason.startswith("timed out")
 
 
-@dataclass
+@dataclass(eq=False)
 class Fetch:
-    request_id: str
+    """One request's pages for this rank, from every CP rank of one prefill instance."""
+
+    transfer_key: str
     bootstrap: str
     block_ids: np.ndarray
     num_tokens: int
@@ -87,15 +89,15 @@ class Fetch:
     wait_s: float
     started: float = field(default_factory=time.monotonic)
     table: RankTable | None = None
-    inflight: dict = field(default_factory=dict)   # cp_rank -> (peer address, transfer_id)
-    outcomes: dict = field(default_factory=dict)   # cp_rank -> TransferOutcome
+    inflight: dict = field(default_factory=dict)     # cp_rank -> (rank address, attempt_id)
+    outcomes: dict = field(default_factory=dict)     # cp_rank -> TransferOutcome
     error: FetchError | None = None
     seconds: float = 0.0
-    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to cancel
+    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to confirm the cancel
     peer_fault: bool = False
     settle_by: float = 0.0
     quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
-    limbo: dict = field(default_factory=dict)  # quarantined cp_rank -> (peer address, transfer_id)
+    limbo: dict = field(default_factory=dict)        # quarantined cp_rank -> (rank address, attempt_id)
 
     @property
     def ok(self) -> bool:
@@ -110,31 +112,29 @@ class Fetch:
         return sum(o.naive_bytes for o in self.outcomes.values())
 
 
-class _Peer:
-    """A DEALER to one ROUTER (bootstrap server or prefill rank) plus its monitor."""
+class _Rank:
+    """A DEALER to one prefill CP rank's side channel, with its link monitor and
+    what is outstanding there, by attempt id."""
 
-    def __init__(self, address: str, poller: zmq.Poller, is_boot: bool, identity: bytes):
-        self.address, self.is_boot = address, is_boot
+    def __init__(self, address: str, poller: zmq.Poller, identity: bytes):
+        self.address = address
         self.sock = bs.socket(zmq.DEALER)
         # Same routing id after a reconnect: the rank's answers still reach us.
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self.sock.connect(address)
-        self.down = False                        # the link is disconnected now
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        self.tids: dict[int, Fetch] = {}         # prefill rank: transfer id -> fetch in flight
-        self.limbo: dict[int, Fetch] = {}        # prefill rank: transfer id -> ended fetch it may write into
-        self.waiting: list[Fetch] = []           # bootstrap: fetches waiting for the table
-        self.table: RankTable | None = None
-        self.asked = 0.0                         # bootstrap: when the last query went out (0 = none)
-        self.resend_s = bs.RESEND_S              # bootstrap: ask again after this long without an answer
-        self.retry_at = 0.0
-        self.last_reason = "no answer"
-        self.cancel_at = 0.0                     # rank: when quarantined fetches' cancels go out again
-        self.cancel_s = bs.RESEND_S
+        for s in (self.sock, self.monitor):
+            poller.register(s, zmq.POLLIN)
+        self.down = False                     # the link is disconnected now
+        self.inflight: dict[int, Fetch] = {}  # attempt id -> fetch it may still answer
+        self.limbo: dict[int, Fetch] = {}     # attempt id -> ended fetch it may still write into
+        self.cancel_at = 0.0                  # when the limbo's cancels go out again
+        self.backoff = bs.Backoff(CANCEL_RESEND_MAX_S)
 
-    def close(self, poller: zmq.Poller):
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def close(self, poller: zmq.Poller) -> None:
         for s in (self.sock, self.monitor):
             poller.unregister(s)
         self.sock.disable_monitor()
@@ -153,6 +153,7 @@ class Receiver:
     consumer_rank, consumer_size: this worker among the decode instance's workers.
     timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
                  may hold the request while its prefill is still running.
+    cancel_grace_s: how long a failing fetch waits for its cancels to be confirmed.
     """
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
@@ -169,7 +170,7 @@ class Receiver:
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
             transport.register(a, n)
-        self._tids = itertools.count(1)
+        self._attempts = itertools.count(1)
         self._identity = b"dcp2d-" + uuid.uuid4().bytes
         self._new: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
@@ -186,9 +187,9 @@ class Receiver:
     def __exit__(self, *exc):
         self.close()
 
-    def start(self, request_id: str, bootstrap: str, block_ids, first_page: int = 0,
+    def start(self, transfer_key: str, bootstrap: str, block_ids, first_page: int = 0,
               timeout_s: float | None = None, wait_s: float | None = None, *, num_tokens: int) -> None:
-        """Begin fetching ``request_id`` (the transfer key) from the prefill instance at ``bootstrap``.
+        """Begin fetching ``transfer_key`` from the prefill instance at ``bootstrap``.
 
         block_ids:  int ``[n]`` this rank's block table of the request; sequence
                     page ``i`` (with ``i % dcp_size == dcp_rank``) lands in ``block_ids[i // dcp_size]``.
@@ -199,7 +200,8 @@ class Receiver:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
         t = self.timeout_s if timeout_s is None else timeout_s
         w = self.wait_s if wait_s is None else wait_s
-        self._new.put(Fetch(request_id, bootstrap, ids, int(num_tokens), int(first_page), time.monotonic() + t, w))
+        self._new.put(Fetch(transfer_key, bootstrap, ids, int(num_tokens), int(first_page),
+                            time.monotonic() + t, w))
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
@@ -210,8 +212,8 @@ class Receiver:
         the last call: their blocks may be used again."""
         return _drain(self._released)
 
-    def wait(self, request_id: str, timeout_s: float) -> Fetch:
-        """Block until ``request_id`` finishes (other finished fetches stay queued for ``poll``)."""
+    def wait(self, transfer_key: str, timeout_s: float) -> Fetch:
+        """Block until ``transfer_key`` finishes (other finished fetches stay queued for ``poll``)."""
         deadline = time.monotonic() + timeout_s
         held = []
         try:
@@ -219,8 +221,8 @@ class Receiver:
                 try:
                     f = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
-                    raise TimeoutError(f"fetch of {request_id!r} not finished within {timeout_s}s") from None
-                if f.request_id == request_id:
+                    raise TimeoutError(f"fetch of {transfer_key!r} not finished within {timeout_s}s") from None
+                if f.transfer_key == transfer_key:
                     return f
                 held.append(f)
         finally:
@@ -241,8 +243,9 @@ class Receiver:
     def _loop(self):
         self._poller = zmq.Poller()
         self._poller.register(self._waker.socket, zmq.POLLIN)
-        self._peers: dict[str, _Peer] = {}
-        self._boots: dict[str, _Peer] = {}
+        self._ranks: dict[str, _Rank] = {}
+        self._queries: dict[str, bs.TableQuery] = {}
+        self._waiting: dict[str, list[Fetch]] = {}  # bootstrap -> fetches waiting for its table
         try:
             while not self._stop.is_set():
                 events = dict(self._poller.poll(int(bs.POLL_S * 1000)))
@@ -250,187 +253,171 @@ class Receiver:
                     self._waker.drain()
                 while not self._new.empty():
                     self._begin(self._new.get())
-                for p in list(self._boots.values()) + list(self._peers.values()):
-                    if p.monitor in events:
-                        self._link(p)
-                    if p.sock in events:
-                        self._read(p)
+                for q in list(self._queries.values()):
+                    if q.monitor in events and _link_events(q.monitor)[0]:
+                        self._no_table(q, "connection lost")
+                    if q.sock in events:
+                        self._read_table(q)
+                for r in list(self._ranks.values()):
+                    if r.monitor in events:
+                        self._link(r)
+                    if r.sock in events:
+                        self._read(r)
                 self._tick()
         finally:
             for f in list(self._active.values()):
-                self._finish(f, FetchError(f.request_id, None, "receiver closed"))
-            for p in list(self._boots.values()) + list(self._peers.values()):
-                p.close(self._poller)
-
-    def _peer(self, addr: str) -> _Peer:
-        peer = self._peers.get(addr)
-        if peer is None:
-            peer = self._peers[addr] = _Peer(addr, self._poller, False, self._identity)
-        return peer
+                self._finish(f, FetchError(f.transfer_key, None, "receiver closed"))
+            for q in self._queries.values():
+                for s in (q.sock, q.monitor):
+                    self._poller.unregister(s)
+                q.close()
+            for r in self._ranks.values():
+                r.close(self._poller)
 
     def _begin(self, f: Fetch):
-        if f.request_id in self._active:
-            self._finish(f, FetchError(f.request_id, None, "a fetch of this request is already running"),
+        if f.transfer_key in self._active:
+            self._finish(f, FetchError(f.transfer_key, None, "a fetch of this request is already running"),
                          track=False)
             return
-        self._active[f.request_id] = f
-        boot = self._boots.get(f.bootstrap)
-        if boot is None:
-            boot = self._boots[f.bootstrap] = _Peer(f.bootstrap, self._poller, True, self._identity)
-        if boot.table is not None:
-            self._dispatch(f, boot.table)
+        self._active[f.transfer_key] = f
+        q = self._queries.get(f.bootstrap)
+        if q is None:
+            q = self._queries[f.bootstrap] = bs.TableQuery(f.bootstrap, self.engine_id, self.fingerprint)
+            for s in (q.sock, q.monitor):
+                self._poller.register(s, zmq.POLLIN)
+        if q.table is not None:
+            self._dispatch(f, q.table)
         else:
-            boot.waiting.append(f)
+            self._waiting.setdefault(f.bootstrap, []).append(f)
 
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
-        for r, addr in enumerate(table.addresses):
-            peer = self._peer(addr)
-            tid = next(self._tids)
-            req = TransferRequest.build(
-                regions=self.regions, request_id=f.request_id, transfer_id=tid, engine_id=self.engine_id,
+        for cp_rank, addr in enumerate(table.addresses):
+            rank = self._ranks.get(addr)
+            if rank is None:
+                rank = self._ranks[addr] = _Rank(addr, self._poller, self._identity)
+            attempt = next(self._attempts)
+            rank.inflight[attempt] = f
+            f.inflight[cp_rank] = (addr, attempt)
+            rank.send(TransferRequest.build(
+                regions=self.regions, transfer_key=f.transfer_key, attempt_id=attempt, engine_id=self.engine_id,
                 consumer_rank=self.consumer_rank, consumer_size=self.consumer_size,
                 session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                 block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
-                fingerprint=self.fingerprint, wait_s=f.wait_s)
-            peer.tids[tid] = f
-            f.inflight[r] = (addr, tid)
-            peer.sock.send(encode(req))
+                fingerprint=self.fingerprint, wait_s=f.wait_s))
 
-    def _link(self, p: _Peer):
-        """Monitor events of ``p``'s link."""
-        lost = False
-        while p.monitor.poll(0):
-            event = recv_monitor_message(p.monitor)["event"]
-            p.down = event == zmq.EVENT_DISCONNECTED
-            lost |= p.down
-        if lost:
-            self._lost(p, "connection lost")
+    # ---- the bootstrap server ----
 
-    def _read(self, p: _Peer):
-        payload = p.sock.recv()
-        if p.is_boot:
-            return self._read_table(p, payload)
+    def _read_table(self, q: bs.TableQuery):
         try:
-            msg = decode(payload, (TransferOutcome, Reply))
+            table = q.read()
         except MessageError as e:
-            return self._lost(p, f"malformed reply: {e}")
+            return self._no_table(q, str(e))
+        if table is None:
+            return
+        self._forget_restarted(q.address, table)
+        for f in self._waiting.pop(q.address, []):
+            if self._active.get(f.transfer_key) is f:
+                self._dispatch(f, table)
+
+    def _no_table(self, q: bs.TableQuery, why: str):
+        q.forget()
+        for f in self._waiting.pop(q.address, []):
+            self._finish(f, FetchError(f.transfer_key, None, f"bootstrap {q.address}: {why}"))
+
+    def _forget_restarted(self, bootstrap: str, table: RankTable):
+        """Quarantined ranks of ``bootstrap`` whose link is down and whose address the
+        instance's new rank table no longer lists were restarted: their old process,
+        the only one that could write into those blocks, is gone."""
+        for addr, rank in list(self._ranks.items()):
+            if not rank.down or addr in table.addresses:
+                continue
+            for attempt, f in list(rank.limbo.items()):
+                if f.bootstrap == bootstrap:
+                    del rank.limbo[attempt]
+                    cp_rank = next(r for r, where in f.limbo.items() if where == (addr, attempt))
+                    self._settle(f, cp_rank, "restarted")
+            if not rank.inflight and not rank.limbo:
+                rank.close(self._poller)
+                del self._ranks[addr]
+
+    # ---- the CP ranks ----
+
+    def _link(self, rank: _Rank):
+        lost, rank.down = _link_events(rank.monitor, rank.down)
+        if lost:
+            self._lost(rank, "connection lost")
+
+    def _read(self, rank: _Rank):
+        try:
+            msg = decode(rank.sock.recv(), (TransferOutcome, Reply))
+        except MessageError as e:
+            return self._lost(rank, f"malformed reply: {e}")
         if isinstance(msg, Reply):  # the rank rejected one of our messages: we cannot tell which
-            return self._lost(p, f"rejected: {msg.reason}")
-        f = p.tids.pop(msg.transfer_id, None)
-        if f is None or f.request_id != msg.request_id:
-            f = p.limbo.get(msg.transfer_id)
-            if f is not None and f.request_id == msg.request_id and msg.settled:
-                del p.limbo[msg.transfer_id]
+            return self._lost(rank, f"rejected: {msg.reason}")
+        f = rank.inflight.pop(msg.attempt_id, None)
+        if f is None or f.transfer_key != msg.transfer_key:
+            f = rank.limbo.get(msg.attempt_id)
+            if f is not None and f.transfer_key == msg.transfer_key and msg.settled:
+                del rank.limbo[msg.attempt_id]
                 self._settle(f, msg.cp_rank, "answered")
             return  # else a late answer to a fetch that already ended
         f.inflight.pop(msg.cp_rank, None)
         if not msg.settled:
-            self._quarantine(f, msg.cp_rank, (p.address, msg.transfer_id), f"a write timed out: {msg.reason}"
-                             if not msg.ok else "a write stalled and was retried")
+            self._quarantine(f, msg.cp_rank, (rank.address, msg.attempt_id), f"a write timed out: {msg.reason}")
         if f.failing is not None:  # any answer means that rank writes nothing more
             if not f.inflight:
                 self._finish(f, f.failing, peer_fault=f.peer_fault)
             return
         if not msg.ok:
-            return self._fail(f, FetchError(f.request_id, msg.cp_rank, msg.reason))
+            return self._fail(f, FetchError(f.transfer_key, msg.cp_rank, msg.reason))
         pages = -(-f.num_tokens // self.fingerprint.page_size)
         if (msg.num_tokens, msg.num_pages) != (f.num_tokens, pages):
-            return self._fail(f, FetchError(f.request_id, msg.cp_rank, (
+            return self._fail(f, FetchError(f.transfer_key, msg.cp_rank, (
                 f"length mismatch: this decode expects {f.num_tokens} tokens ({pages} pages), the prefill "
                 f"wrote {msg.num_tokens} tokens ({msg.num_pages} pages)")))
         f.outcomes[msg.cp_rank] = msg
         if not f.inflight:
             self._finish(f, None)
 
-    def _read_table(self, boot: _Peer, payload: bytes):
-        boot.asked, boot.resend_s = 0.0, bs.RESEND_S
-        try:
-            msg = decode(payload, (RankTable, Reply))
-            if isinstance(msg, RankTable):
-                self.fingerprint.check(msg.fingerprint)
-        except MessageError as e:
-            for f in boot.waiting:
-                self._finish(f, FetchError(f.request_id, None, f"bootstrap {boot.address}: {e}"))
-            boot.waiting = []
-            return
-        if isinstance(msg, Reply):  # not every rank registered yet: ask again shortly
-            boot.retry_at = time.monotonic() + QUERY_RETRY_S
-            boot.last_reason = msg.reason
-            return
-        boot.table = msg
-        self._forget_restarted(boot.address, msg)
-        waiting, boot.waiting = boot.waiting, []
-        for f in waiting:
-            if f.request_id in self._active:
-                self._dispatch(f, msg)
+    def _lost(self, rank: _Rank, why: str):
+        """``rank``'s link failed, or it sent something we cannot read: fail the fetches
+        in flight to it. They stay in flight (it may still be writing) until it
+        answers their cancel, which waits in ZMQ's queue until the link is back."""
+        for q in self._queries.values():
+            if q.table is not None and rank.address in q.table.addresses:
+                q.forget()  # the rank may come back elsewhere: ask the bootstrap again
+        for attempt, f in list(rank.inflight.items()):
+            if f.failing is None:
+                cp_rank = next((r for r, (_, a) in f.inflight.items() if a == attempt), None)
+                self._fail(f, FetchError(f.transfer_key, cp_rank, f"{why} ({rank.address})"), peer_fault=True)
 
-    def _forget_restarted(self, bootstrap: str, table: RankTable):
-        """Quarantined ranks of ``bootstrap`` whose link is down and whose address the
-        instance's new rank table no longer lists were restarted: their old process,
-        the only one that could write into those blocks, is gone."""
-        for addr, p in list(self._peers.items()):
-            if not p.down or addr in table.addresses:
-                continue
-            for tid, f in list(p.limbo.items()):
-                if f.bootstrap == bootstrap:
-                    del p.limbo[tid]
-                    rank = next(r for r, (a, t) in f.limbo.items() if (a, t) == (addr, tid))
-                    self._settle(f, rank, "restarted")
-            if not p.tids and not p.limbo:
-                p.close(self._poller)
-                del self._peers[addr]
+    # ---- a fetch's end ----
 
     def _tick(self):
         now = time.monotonic()
-        for boot in self._boots.values():
-            boot.waiting = [f for f in boot.waiting if f.request_id in self._active]
-            if not boot.waiting or boot.table is not None:
-                continue
-            if boot.asked and now - boot.asked > boot.resend_s:
-                # No answer yet: ask again on the same socket (ZMQ reconnects to a
-                # restarted server by itself), waiting longer each time so that a
-                # slow, loaded server is not flooded; extra answers are harmless.
-                boot.asked, boot.resend_s = 0.0, min(2 * boot.resend_s, bs.RESEND_MAX_S)
-            if not boot.asked and now >= boot.retry_at:
-                boot.sock.send(encode(QueryRanks(self.engine_id)))
-                boot.asked = now
-        for p in self._peers.values():  # ask quarantining ranks again, less and less often
-            if p.limbo and now >= p.cancel_at:
-                for tid, f in p.limbo.items():
-                    p.sock.send(encode(CancelTransfer(f.request_id, tid)))
-                p.cancel_at, p.cancel_s = now + p.cancel_s, min(2 * p.cancel_s, CANCEL_RESEND_MAX_S)
+        for bootstrap, waiting in list(self._waiting.items()):
+            self._waiting[bootstrap] = [f for f in waiting if self._active.get(f.transfer_key) is f]
+            if self._waiting[bootstrap]:
+                self._queries[bootstrap].ask(now)
+        for rank in self._ranks.values():  # ask quarantining ranks again, less and less often
+            if rank.limbo and now >= rank.cancel_at:
+                for attempt, f in rank.limbo.items():
+                    rank.send(CancelTransfer(f.transfer_key, attempt))
+                rank.cancel_at = now + rank.backoff.next()
         for f in [f for f in self._active.values() if f.failing is not None and f.settle_by <= now]:
-            for rank, where in list(f.inflight.items()):
-                self._quarantine(f, rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
+            for cp_rank, where in list(f.inflight.items()):
+                self._quarantine(f, cp_rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
             self._finish(f, f.failing, peer_fault=f.peer_fault)
         for f in [f for f in self._active.values() if f.failing is None and f.deadline <= now]:
             if f.table is None:
-                boot = self._boots.get(f.bootstrap)
-                rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({boot and boot.last_reason})"
+                q = self._queries.get(f.bootstrap)
+                cp_rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({q and q.last_reason})"
             else:
                 pending = sorted(f.inflight)
-                rank, why = pending[0], f"no outcome from cp ranks {pending}"
-            self._fail(f, FetchError(f.request_id, rank, f"timed out after {now - f.started:.1f}s: {why}"),
+                cp_rank, why = pending[0], f"no outcome from cp ranks {pending}"
+            self._fail(f, FetchError(f.transfer_key, cp_rank, f"timed out after {now - f.started:.1f}s: {why}"),
                        peer_fault=True)
-
-    def _lost(self, p: _Peer, why: str):
-        """Peer ``p``'s link failed or it sent something we cannot read. A bootstrap
-        server: fail the fetches waiting for its table. A CP rank: fail the fetches
-        in flight to it, which stay in flight (it may still be writing) until it
-        answers their cancel, queued until the link is back."""
-        if p.is_boot:
-            for f in p.waiting:
-                self._finish(f, FetchError(f.request_id, None, f"bootstrap {p.address}: {why}"))
-            p.waiting, p.table, p.asked = [], None, 0.0
-            return
-        for boot in self._boots.values():
-            if boot.table is not None and p.address in boot.table.addresses:
-                boot.table = None  # the rank may come back elsewhere: ask the bootstrap again
-        for tid, f in list(p.tids.items()):
-            if f.failing is None:
-                rank = next((r for r, (a, t) in f.inflight.items() if t == tid), None)
-                self._fail(f, FetchError(f.request_id, rank, f"{why} ({p.address})"), peer_fault=True)
 
     def _fail(self, f: Fetch, error: FetchError, peer_fault: bool = False):
         """Fail ``f`` once no CP rank can still write into its blocks: the ranks still
@@ -440,41 +427,42 @@ class Receiver:
             return self._finish(f, error, peer_fault=peer_fault)
         f.failing, f.peer_fault = error, peer_fault
         f.settle_by = time.monotonic() + self.cancel_grace_s
-        for addr, tid in f.inflight.values():
-            self._peers[addr].sock.send(encode(CancelTransfer(f.request_id, tid)))
+        for addr, attempt in f.inflight.values():
+            self._ranks[addr].send(CancelTransfer(f.transfer_key, attempt))
 
-    def _quarantine(self, f: Fetch, rank: int, where: tuple[str, int], why: str):
-        """CP rank ``rank`` of ``f`` may still write into its blocks."""
-        addr, tid = where
-        peer = self._peers[addr]
-        peer.tids.pop(tid, None)
-        peer.limbo[tid] = f
-        f.inflight.pop(rank, None)
-        f.limbo[rank] = where
-        f.quarantined[rank] = why
-        peer.cancel_at, peer.cancel_s = time.monotonic() + bs.RESEND_S, bs.RESEND_S
+    def _quarantine(self, f: Fetch, cp_rank: int, where: tuple[str, int], why: str):
+        """CP rank ``cp_rank`` of ``f`` may still write into its blocks."""
+        addr, attempt = where
+        rank = self._ranks[addr]
+        rank.inflight.pop(attempt, None)
+        rank.limbo[attempt] = f
+        f.inflight.pop(cp_rank, None)
+        f.limbo[cp_rank] = where
+        f.quarantined[cp_rank] = why
+        rank.backoff.reset()
+        rank.cancel_at = time.monotonic() + rank.backoff.next()
 
-    def _settle(self, f: Fetch, rank: int, how: str):
-        """Quarantined CP rank ``rank`` of ``f`` can no longer write."""
-        if f.limbo.pop(rank, None) is None:
+    def _settle(self, f: Fetch, cp_rank: int, how: str):
+        """Quarantined CP rank ``cp_rank`` of ``f`` can no longer write."""
+        if f.limbo.pop(cp_rank, None) is None:
             return
-        log.info("fetch of %r: quarantined cp rank %d settled (%s)", f.request_id, rank, how)
-        if not f.limbo and f.request_id not in self._active:
+        log.info("fetch of %r: quarantined cp rank %d settled (%s)", f.transfer_key, cp_rank, how)
+        if not f.limbo and self._active.get(f.transfer_key) is not f:
             self._released.put(f)
 
     def _finish(self, f: Fetch, error: FetchError | None, track: bool = True, peer_fault: bool = False):
         if track:
-            if self._active.get(f.request_id) is not f:
+            if self._active.get(f.transfer_key) is not f:
                 return
-            del self._active[f.request_id]
-        for addr, tid in f.inflight.values():
-            if addr in self._peers:
-                self._peers[addr].tids.pop(tid, None)
+            del self._active[f.transfer_key]
+        for addr, attempt in f.inflight.values():
+            if addr in self._ranks:
+                self._ranks[addr].inflight.pop(attempt, None)
         f.inflight = {}
-        if peer_fault and f.bootstrap in self._boots:
-            self._boots[f.bootstrap].table = None  # re-query: a rank may have moved
+        if peer_fault and f.bootstrap in self._queries:
+            self._queries[f.bootstrap].forget()  # re-query: a rank may have moved
         if f.quarantined and error is None:
-            error = FetchError(f.request_id, min(f.quarantined), "a write may still land: "
+            error = FetchError(f.transfer_key, min(f.quarantined), "a write may still land: "
                                + "; ".join(f"cp rank {r}: {w}" for r, w in sorted(f.quarantined.items())))
         f.error, f.seconds = error, time.monotonic() - f.started
         if error is not None:
@@ -482,6 +470,16 @@ class Receiver:
         self._done.put(f)
         if f.quarantined and not f.limbo:  # every quarantined rank settled before the fetch ended
             self._released.put(f)
+
+
+def _link_events(monitor: zmq.Socket, down: bool = False) -> tuple[bool, bool]:
+    """Drain a link monitor: (whether it disconnected, whether it is down now)."""
+    lost = False
+    while monitor.poll(0):
+        event = recv_monitor_message(monitor)["event"]
+        down = event == zmq.EVENT_DISCONNECTED
+        lost |= down
+    return lost, down
 
 
 def _drain(q: queue.Queue) -> list:

@@ -59,21 +59,21 @@ __all__ = ["LoadSpec", "SendSpec", "DCP2DMetadata", "DCP2DWorkerMeta", "Schedule
 class SendSpec:
     """A producer request's KV: ``block_ids`` int ``[cdiv(num_tokens, page_size)]``.
 
-    key: the id decode ranks fetch it by (``remote_request_id``): the client's
+    transfer_key: the id decode ranks fetch it by (``remote_request_id``): the client's
     ``transfer_id`` when it gave one, so a router can send the decode request
     before the prefill finished (layer pipelining), else vLLM's request id.
     """
 
     block_ids: list[int]
     num_tokens: int
-    key: str
+    transfer_key: str
 
 
 @dataclass
 class LoadSpec:
     """What a consumer worker fetches for one request.
 
-    remote_request_id: the request id on the producer.
+    transfer_key:      what the producer knows the request by (``remote_request_id``).
     bootstrap_addr:    producer's bootstrap server, "tcp://host:port".
     remote_engine_id:  producer's engine id (checked by the bootstrap).
     block_ids:         int ``[n]`` the request's block table on this instance
@@ -85,7 +85,7 @@ class LoadSpec:
                        ``kv_transfer_params`` if given (a router's per-request budget), else the config's.
     """
 
-    remote_request_id: str
+    transfer_key: str
     bootstrap_addr: str
     remote_engine_id: str
     block_ids: list[int]
@@ -186,7 +186,7 @@ class SchedulerSide:
         num_tokens = request.num_prompt_tokens
         remote = params.get("remote_num_tokens")
         self._loads[request.request_id] = LoadSpec(
-            remote_request_id=str(params["remote_request_id"]),
+            transfer_key=str(params["remote_request_id"]),
             bootstrap_addr=str(params["remote_bootstrap_addr"]),
             remote_engine_id=str(params["remote_engine_id"]),
             block_ids=list(compat.block_ids(blocks)),

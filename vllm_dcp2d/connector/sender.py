@@ -1,4 +1,4 @@
-"""Prefill side of the 2D reshard: one ``Sender`` per prefill CP rank (seed §6.3, §6.6).
+"""Prefill side of the 2D reshard: one ``Sender`` per prefill CP rank (design §6.3, §6.6).
 
 The rank holds the KV of its own layers (``cp_layer_range``) for every page.
 Its owner (the prefill worker) calls ``add_request`` once a request's KV is
@@ -131,10 +131,10 @@ class Sender:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._pending: dict[str, list[_Held]] = {}  # key -> fetches held until add_request
-        self._fetches: dict[tuple, _Held] = {}  # (consumer identity, transfer id) -> fetch not answered yet
+        self._fetches: dict[tuple, _Held] = {}  # (consumer identity, attempt id) -> fetch not answered yet
         self._finished: dict[str, str] = {}
         self._aborting: dict[str, list[_Held]] = {}  # key -> its fetches with a layer write in flight
-        self._unsettled: dict[tuple, float] = {}  # (identity, transfer id) -> when its stalled write is dropped
+        self._unsettled: dict[tuple, float] = {}  # (identity, attempt id) -> when its stalled write is dropped
         self._writes = 0
         self.errors: deque[str] = deque(maxlen=100)
         self.malformed = 0
@@ -168,19 +168,19 @@ class Sender:
 
     # ---- owner API (any thread) ----
 
-    def add_request(self, key: str, block_ids, num_tokens: int) -> None:
-        """The KV of ``key``'s ``num_tokens`` prompt tokens is complete in
+    def add_request(self, transfer_key: str, block_ids, num_tokens: int) -> None:
+        """The KV of ``transfer_key``'s ``num_tokens`` prompt tokens is complete in
         ``block_ids`` (int ``[P]``, this rank's block of each sequence page,
         ``P >= cdiv(num_tokens, page_size)``); serves fetches already waiting."""
         ids, pages = self._blocks(block_ids, num_tokens)
         with self._lock:
-            self._requests[key] = _Request(ids, int(num_tokens), pages, time.monotonic() + self.expiry_s)
-            waiting = self._pending.pop(key, [])
+            self._requests[transfer_key] = _Request(ids, int(num_tokens), pages, time.monotonic() + self.expiry_s)
+            waiting = self._pending.pop(transfer_key, [])
         for held in waiting:
             self._work.put(partial(self._answer, held))
 
-    def layer_ready(self, key: str, layer: int, block_ids, num_tokens: int, event=None) -> None:
-        """Layer ``layer`` of ``key`` is computed in ``block_ids`` (int ``[P]``)
+    def layer_ready(self, transfer_key: str, layer: int, block_ids, num_tokens: int, event=None) -> None:
+        """Layer ``layer`` of ``transfer_key`` is computed in ``block_ids`` (int ``[P]``)
         for its ``num_tokens`` prompt tokens: write it now to every fetch held for it.
 
         Called by the owner from its forward pass (``save_kv_layer``), so it only
@@ -193,34 +193,34 @@ class Sender:
         if layer not in self.layers:
             return
         with self._lock:
-            held = list(self._pending.get(key, ()))
+            held = list(self._pending.get(transfer_key, ()))
         if not held:
             return
         ids, _ = self._blocks(block_ids, num_tokens)
         for h in held:
             self._work.put(partial(self._write_layer, h, layer, ids, int(num_tokens), event))
 
-    def abort(self, key: str) -> None:
-        """``key`` will never be added (its prefill was aborted): its held fetches
+    def abort(self, transfer_key: str) -> None:
+        """``transfer_key`` will never be added (its prefill was aborted): its held fetches
         fail, and ``pop_finished`` reports it "aborted" once no layer write reading
         its blocks is in flight."""
         with self._lock:
-            held = self._pending.pop(key, [])
+            held = self._pending.pop(transfer_key, [])
             for h in held:
-                self._close(h, f"request {key!r} was aborted on the prefill (cp rank {self.cp_rank})")
+                self._close(h, f"request {transfer_key!r} was aborted on the prefill (cp rank {self.cp_rank})")
             if any(h.writes for h in held):
-                self._aborting[key] = held
+                self._aborting[transfer_key] = held
             else:
-                self._finished[key] = "aborted"
+                self._finished[transfer_key] = "aborted"
         self._flush()
 
-    def held(self, key: str) -> int:
-        """How many fetches of ``key`` are held, waiting for its KV."""
+    def held(self, transfer_key: str) -> int:
+        """How many fetches of ``transfer_key`` are held, waiting for its KV."""
         with self._lock:
-            return len(self._pending.get(key, ()))
+            return len(self._pending.get(transfer_key, ()))
 
     def pop_finished(self) -> dict[str, str]:
-        """Requests the owner may free now: key -> "done" (all consumer ranks
+        """Requests the owner may free now: transfer key -> "done" (all consumer ranks
         served), "expired" (nobody finished within ``expiry_s``) or "aborted";
         none has a write in flight or can start one."""
         with self._lock:
@@ -260,13 +260,13 @@ class Sender:
         """Under ``_lock``: ``h`` failed after a write timed out. Mooncake drops a
         connection that made no progress for its progress timeout (``STALL_S``), so
         until then re-sent cancels are answered ``settled=False``."""
-        self._unsettled[(h.identity, h.req.transfer_id)] = time.monotonic() + STALL_S
+        self._unsettled[(h.identity, h.req.attempt_id)] = time.monotonic() + STALL_S
 
     def _reply(self, h: _Held, outcome: TransferOutcome) -> None:
         """Under ``_lock``: queue ``h``'s one answer for the I/O thread."""
         if not h.answered:
             h.answered = True
-            self._fetches.pop((h.identity, h.req.transfer_id), None)  # known until answered
+            self._fetches.pop((h.identity, h.req.attempt_id), None)  # known until answered
             if not outcome.settled:
                 self._unsettled_until(h)
             self._out.put((h.identity, outcome))
@@ -347,16 +347,16 @@ class Sender:
             return
         h = _Held(identity, req, time.monotonic() + req.wait_s)
         with self._lock:
-            known = req.request_id in self._requests
+            known = req.transfer_key in self._requests
             if known or req.wait_s > 0:
-                self._fetches[(identity, req.transfer_id)] = h
+                self._fetches[(identity, req.attempt_id)] = h
             if not known and req.wait_s > 0:
-                self._pending.setdefault(req.request_id, []).append(h)
+                self._pending.setdefault(req.transfer_key, []).append(h)
                 return
         if known:
             self._work.put(partial(self._answer, h))
         else:
-            self._send(identity, self._failed(req, f"unknown request id {req.request_id!r} on cp rank "
+            self._send(identity, self._failed(req, f"unknown request id {req.transfer_key!r} on cp rank "
                                                    f"{self.cp_rank} (not added, or already finished/expired)"))
 
     def _cancel(self, identity: bytes, msg: CancelTransfer) -> None:
@@ -365,13 +365,13 @@ class Sender:
         fetch this rank does not know has nothing in flight: answered at once."""
         why = f"cancelled by the consumer on cp rank {self.cp_rank}"
         with self._lock:
-            h = self._fetches.get((identity, msg.transfer_id))
+            h = self._fetches.get((identity, msg.attempt_id))
             if h is not None:
-                items = self._pending.get(h.req.request_id, [])
+                items = self._pending.get(h.req.transfer_key, [])
                 if h in items:
                     items.remove(h)
                 self._close(h, why)
-            settled = self._unsettled.get((identity, msg.transfer_id), 0.0) <= time.monotonic()
+            settled = self._unsettled.get((identity, msg.attempt_id), 0.0) <= time.monotonic()
         if h is None:
             self._send(identity, self._failed(msg, why, settled=settled))
 
@@ -440,12 +440,12 @@ class Sender:
                 h.error = f"layer {layer} (written early): {e}"
             finally:
                 with self._lock:
-                    self._end(h, None, h.req.request_id)
+                    self._end(h, None, h.req.transfer_key)
 
     def _answer(self, h: _Held) -> None:
         """Write what fetch ``h`` still lacks (all of this rank's layers, or those
         ``layer_ready`` did not write yet) and answer it."""
-        req, key = h.req, h.req.request_id
+        req, key = h.req, h.req.transfer_key
         with h.lock:  # after any layer write of h
             with self._lock:
                 state = self._requests.get(key)
@@ -483,7 +483,7 @@ class Sender:
         n = h.descriptors
         naive = len(self.layers) * max(0, state.num_pages - h.req.first_page) * int(self.regions.page_bytes.sum())
         return TransferOutcome(
-            request_id=h.req.request_id, transfer_id=h.req.transfer_id, cp_rank=self.cp_rank,
+            transfer_key=h.req.transfer_key, attempt_id=h.req.attempt_id, cp_rank=self.cp_rank,
             cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
             num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=h.nbytes, descriptors=n,
             batches=-(-n // self.transport.max_batch), naive_bytes=naive, plan_s=h.plan_s, write_s=h.write_s,
@@ -494,7 +494,7 @@ class Sender:
         self.errors.append(reason)
         log.warning("%s", reason)
         return TransferOutcome(
-            request_id=req.request_id, transfer_id=req.transfer_id, cp_rank=self.cp_rank, cp_size=self.cp_size,
+            transfer_key=req.transfer_key, attempt_id=req.attempt_id, cp_rank=self.cp_rank, cp_size=self.cp_size,
             ok=False, reason=reason[:4096], layer_start=self.layers.start, layer_end=self.layers.stop,
             num_tokens=0, num_pages=num_pages, nbytes=0, descriptors=0, batches=0, naive_bytes=0, plan_s=0.0,
             write_s=0.0, early_layers=0, settled=settled)

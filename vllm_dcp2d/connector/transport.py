@@ -1,4 +1,4 @@
-"""Mooncake transfer engine behind a small, typed API (seed §6.3).
+"""Mooncake transfer engine behind a small, typed API (design §6.3).
 
 Facts this wraps (mooncake-transfer-engine 0.3.13, see notes/mooncake-transfer-engine.md):
 the Python API returns int codes (0 ok, negative error) and never raises; one

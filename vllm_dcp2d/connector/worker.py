@@ -158,12 +158,12 @@ class WorkerSide:
             if self.sender is None:
                 self._finished_sending.add(req_id)
             else:
-                self._sending[spec.key] = req_id
-                self.sender.add_request(spec.key, spec.block_ids, spec.num_tokens)
+                self._sending[spec.transfer_key] = req_id
+                self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
         for req_id, spec in meta.loads.items():
             if self.receiver is None:
                 raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
-            key = spec.remote_request_id
+            key = spec.transfer_key
             if key in self._loading:
                 why = (f"transfer key {key!r} is already being fetched by request {self._loading[key][0]} on "
                        f"this decode instance; each request needs its own (remote_request_id)")
@@ -198,14 +198,14 @@ class WorkerSide:
                                 "blocks freed", req_id, self.tp_rank, self.cfg.send_timeout_s)
         if self.receiver is not None:
             for f in self.receiver.poll():
-                req_id, block_ids, first_page = self._loading.pop(f.request_id, (None, None, 0))
+                req_id, block_ids, first_page = self._loading.pop(f.transfer_key, (None, None, 0))
                 if req_id is None:
                     continue
                 recving.add(req_id)
                 if f.ok:
                     self._record(f)
                 else:
-                    self._fail(req_id, f.request_id, f, block_ids, first_page)
+                    self._fail(req_id, f.transfer_key, f, block_ids, first_page)
             for f in self.receiver.poll_released():
                 _, req_id, n = self._holds.pop(id(f))
                 self._meta.release.add((req_id, self.tp_rank))
@@ -213,7 +213,7 @@ class WorkerSide:
         refused, self._refused = self._refused, []
         for req_id, spec, why in refused:
             recving.add(req_id)
-            self._fail(req_id, spec.remote_request_id, None, spec.block_ids, spec.first_page, why)
+            self._fail(req_id, spec.transfer_key, None, spec.block_ids, spec.first_page, why)
         failed, self._failed_recving = self._failed_recving, set()
         return sending, recving, failed
 
@@ -228,7 +228,7 @@ class WorkerSide:
     def _record(self, f) -> None:
         for cp_rank, o in sorted(f.outcomes.items()):
             self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s)
-            self.stats_file.write(request_id=f.request_id, cp_rank=cp_rank, cp_size=o.cp_size,
+            self.stats_file.write(transfer_key=f.transfer_key, cp_rank=cp_rank, cp_size=o.cp_size,
                                   tp_rank=self.tp_rank, dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
                                   pages=o.num_pages, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
                                   descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
@@ -252,7 +252,7 @@ class WorkerSide:
         else:
             self._load_errors.update(blocks)
             what = f"reporting {len(blocks)} blocks as load errors"
-        self.stats_file.write(request_id=key, dcp_rank=self.dcp_rank, ok=False, expired=expired, reason=reason,
+        self.stats_file.write(transfer_key=key, dcp_rank=self.dcp_rank, ok=False, expired=expired, reason=reason,
                               fetch_seconds=0.0 if f is None else f.seconds, quarantined=len(self._holds))
         log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
                     what)
@@ -268,14 +268,14 @@ class WorkerSide:
                                f"{kv_layer.data_ptr():#x}; transfers would write freed memory")
         if self.sender is None:
             return
-        waiting = [spec for spec in meta.computing.values() if self.sender.held(spec.key)]
+        waiting = [spec for spec in meta.computing.values() if self.sender.held(spec.transfer_key)]
         if not waiting:  # the usual case: nobody asked before the prefill finished
             return
         layer = compat.layer_index(layer_name)
         # On GPU the KV write is queued on the compute stream: the sender waits for it.
         event = compat.record_event(kv_layer)
         for spec in waiting:
-            self.sender.layer_ready(spec.key, layer, spec.block_ids, spec.num_tokens, event)
+            self.sender.layer_ready(spec.transfer_key, layer, spec.block_ids, spec.num_tokens, event)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called by the model runner after ``get_finished``; returns and clears."""

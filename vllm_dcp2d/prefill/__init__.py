@@ -1,4 +1,4 @@
-"""Prefill CP layer-split on torch.distributed (seed §4, §7), usable without vLLM.
+"""Prefill CP layer-split on torch.distributed (design §4, §7), usable without vLLM.
 
 pool       per-rank paged KV pool: owned layers + 1 transient slot
 broadcast  size-broadcast of the owner's prefix KV, consensus prefix lens
@@ -12,7 +12,7 @@ from vllm_dcp2d.prefill.broadcast import (
     normalize_prefix_lens,
     prefix_slots,
 )
-from vllm_dcp2d.prefill.dist import CPGroup, cp_group_from, default_backend, free_port, init_cp_group
+from vllm_dcp2d.prefill.dist import CPGroup, cp_group_from, default_backend, init_cp_group
 from vllm_dcp2d.prefill.pool import LayerSplitKVPool
 
 __all__ = [
@@ -25,5 +25,4 @@ __all__ = [
     "init_cp_group",
     "cp_group_from",
     "default_backend",
-    "free_port",
 ]

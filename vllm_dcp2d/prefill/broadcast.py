@@ -1,5 +1,5 @@
 """Prefix-KV broadcast of prefill CP layer-split, safe under prefix divergence
-(seed §4.2, §7).
+(design §4.2, §7).
 
 Each CP rank matches cached prefixes on its own (a local radix tree, a local
 prefetch), so the prefix a rank sees for a request can differ between ranks.

@@ -7,14 +7,13 @@ cross the wire must live (CUDA for NCCL, CPU for gloo).
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CPGroup", "default_backend", "init_cp_group", "cp_group_from", "free_port"]
+__all__ = ["CPGroup", "default_backend", "init_cp_group", "cp_group_from"]
 
 
 @dataclass(frozen=True)
@@ -98,9 +97,3 @@ def cp_group_from(group: dist.ProcessGroup | None = None) -> CPGroup:
         device=_device_for(backend),
     )
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for ``tcp://`` init)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Per-rank paged KV pool of prefill CP layer-split (seed §4.1).
+"""Per-rank paged KV pool of prefill CP layer-split (design §4.1).
 
 CP rank ``r`` stores KV only for its own layers ``cp_layer_range(L, N, r)``
 plus one transient slot: while layer ``l`` is being computed, a rank that

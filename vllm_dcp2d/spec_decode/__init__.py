@@ -1,4 +1,4 @@
-"""Speculative decoding (EAGLE / MTP) under DCP (seed §8), usable without vLLM.
+"""Speculative decoding (EAGLE / MTP) under DCP (design §8), usable without vLLM.
 
 draft   dcp_disabled() for the draft forward, draft pool sizing, memory figure
 verify  greedy acceptance, MIN agreement of the accepted prefix across the DCP group

@@ -1,4 +1,4 @@
-"""Draft side of EAGLE/MTP speculative decoding under DCP (seed §8).
+"""Draft side of EAGLE/MTP speculative decoding under DCP (design §8).
 
 The target model's KV is DCP-sharded: each of ``dcp_size`` ranks holds every
 ``dcp_size``-th page. The draft head must see the whole sequence, so it runs
@@ -120,7 +120,7 @@ def spec_kv_bytes(
     """KV memory of the DCP-sharded target vs the unsharded draft pool, per rank.
 
     seq_tokens: context length; pages of ``page_size`` tokens are dealt
-    round-robin (seed §5.1), so the largest rank holds ``cdiv(pages, dcp_size)``.
+    round-robin (design §5.1), so the largest rank holds ``cdiv(pages, dcp_size)``.
     kv_bytes_per_token_layer: e.g. 576 for GLM-5.2's FP8 DSA latent.
     draft_layers: layers of the draft (1 for an MTP/NextN head).
     """

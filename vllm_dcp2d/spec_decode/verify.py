@@ -1,4 +1,4 @@
-"""Greedy verification of draft tokens under DCP (seed §8).
+"""Greedy verification of draft tokens under DCP (design §8).
 
 The target model scores ``K`` draft tokens in one forward under DCP: each
 rank attends over its own KV pages, and the all-gather + LSE merge gives the

@@ -1,0 +1,142 @@
+"""A PD cluster of real processes for the end-to-end suites: one prefill ``vllm
+serve`` (tiny ``llama-mqa``, TP=2 = 2 layer-split CP ranks) serving two decode
+instances, ``decode`` (TP=2, DCP=2) and ``decode1`` (TP=2, DCP=1: the one KV head
+is replicated, so both TP ranks fetch all pages; ``kv_load_failure_policy=
+"recompute"``), each behind its own proxy, plus a pipelined proxy. The prefill
+instance itself, asked without ``kv_transfer_params``, is the non-disaggregated
+reference. ``place(name) -> (host, netns)`` puts each process on a host
+(loopback by default; ``test_multihost.py`` uses network namespaces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from vllm_dcp2d.connector.plan import plan_request
+from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.report import synthetic_request
+from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+
+PAGE = 32
+LAYERS = 4                # tiny llama-mqa
+# float32: the DCP=2 attention path computes in fp32 and matches the stock kernel
+# token for token only when the model runs in fp32 (bf16 rounding differs).
+DTYPE = "float32"
+PAGE_BYTES = PAGE * 2 * 32 * 4  # 1 KV head x (K+V) x head_dim 32 x fp32, per token per layer
+MAX_TOKENS = 12
+EXPIRY_S = 4.0
+DCP = 2
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 7 + i * 13) % 500 + 6 for i in range(n)]
+
+
+def prompts(salt: int = 0) -> dict[str, list[int]]:
+    """``salt`` gives another set, for a decode instance that has cached the first."""
+    s = 10 * salt
+    return {
+        "short": ids(20, 1 + s),                                 # shorter than a page
+        "pages": ids(3 * PAGE + 5, 2 + s),                       # spans 4 pages, last one partial
+        "prefix": ids(3 * PAGE + 5, 2 + s)[:2 * PAGE] + ids(40, 3 + s),  # shares 2 pages with "pages"
+    }
+
+
+PROMPTS = prompts()
+FIRST_PAGE = {"short": 0, "pages": 0, "prefix": 2}   # pages the decode instance has cached
+
+
+def complete(url: str, model: str, prompt: list[int], **extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    body.update(extra)
+    status, out = post_json(url + "/v1/completions", body, timeout_s=300)
+    assert status == 200, out
+    return out
+
+
+def tokens(out: dict) -> list[int]:
+    choice = out["choices"][0]
+    return choice.get("token_ids") or choice["text"]
+
+
+def expected_bytes(n_tokens: int, dcp: int, first_page: int) -> dict[tuple[int, int], int]:
+    """The plan's bytes per (cp_rank, dcp_rank) path for one request."""
+    src, src_ids, dst, dst_ids = synthetic_request(LAYERS, 2, dcp, n_tokens, PAGE, PAGE_BYTES)
+    plans = plan_request(LAYERS, 2, src, src_ids, dst, dst_ids, first_page=first_page)
+    return {k: d.nbytes for k, d in plans.items()}
+
+
+def check_paths(recs: list[dict], n_tokens: int, dcp: int, tp: int, first_page: int) -> None:
+    ok = [r for r in recs if r.get("ok")]
+    # every decode TP rank got one outcome from each of the 2 CP ranks
+    assert len(ok) == 2 * tp, recs
+    want = expected_bytes(n_tokens, dcp, first_page)
+    for r in ok:
+        assert r["dcp_size"] == dcp and r["cp_size"] == 2 and r["pages"] == cdiv(n_tokens, PAGE)
+        assert r["bytes"] == want[(r["cp_rank"], r["dcp_rank"])], (r, want)
+        assert r["layers"] == [[0, 2], [2, 4]][r["cp_rank"]]  # CP rank r sends only its layers
+    got = {}
+    for r in ok:
+        got[(r["cp_rank"], r["dcp_rank"])] = r["bytes"]
+    assert got == want
+
+
+def bootstrap_addr(c) -> str:
+    boot = [a for a in c["prefill"].cmd if "bootstrap_port" in a][0]
+    port = json.loads(boot)["kv_connector_extra_config"]["bootstrap_port"]
+    return f"tcp://{c['prefill'].host}:{port}"
+
+
+def loopback(name: str) -> tuple[str, None]:
+    return "127.0.0.1", None
+
+
+@contextlib.contextmanager
+def pd_cluster(work, place=loopback):
+    """Start the cluster in ``work``; yields a dict of the model path, the stats file
+    and the processes by name; always stops them."""
+    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama-mqa", work / "model")
+    stats = work / "stats.jsonl"
+    common = {"stats_file": str(stats)}
+
+    def at(name):
+        host, netns = place(name)
+        return {"host": host, "netns": netns}
+
+    prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE,
+                          dtype=DTYPE, **at("prefill"),
+                          extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
+    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, dtype=DTYPE,
+                         block_size=PAGE, **at("decode"),
+                         extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
+    decode1 = vllm_server("decode1", model, free_port(), work, role="kv_consumer", tp=2, block_size=PAGE,
+                          dtype=DTYPE, failure_policy="recompute", **at("decode1"),
+                          extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
+    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy", **at("proxy"))
+    proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1", **at("proxy"))
+    proxyp = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxyp", pipelined=True, **at("proxy"))
+    procs = [prefill, decode, decode1, proxy, proxy1, proxyp]
+    try:
+        for p in procs:
+            p.start()
+        wait_all(procs, 900)
+        yield {"model": model, "stats": stats, **{p.name: p for p in procs}}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def check_proxy(c, which: str, tp: int, dcp: int, salt: int) -> None:
+    """Every prompt through proxy ``which``: the bytes of every (cp_rank, dcp_rank) path
+    equal the plan's, and the greedy tokens equal the non-disaggregated instance's."""
+    for name, prompt in prompts(salt).items():
+        ref = complete(c["prefill"].url, c["model"], prompt)
+        before = len(read_stats(c["stats"]))
+        out = complete(c[which].url, c["model"], prompt)
+        recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
+        check_paths(recs, len(prompt), dcp, tp, FIRST_PAGE[name])
+        assert tokens(out) == tokens(ref), name

@@ -1,0 +1,189 @@
+"""Real processes for the demo, the end-to-end tests and the benches: ``vllm serve``
+instances running DCP2DConnector and the PD proxy, each optionally on its own
+host (a network namespace, ``testing/netns.py``).
+
+Every wait has a timeout, and every process runs in its own session so
+``stop`` kills its whole tree (API server, engine core, TP workers) and
+nothing else. Servers are started with the command users type
+(``vllm serve MODEL ...``, ``vllm-dcp2d proxy ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["free_port", "Process", "vllm_server", "proxy_server", "post_json", "wait_all", "read_stats", "bin_path"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (in the caller's network namespace)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def bin_path(name: str) -> str:
+    """A console script of this environment (``vllm``, ``vllm-dcp2d``), as on the user's PATH."""
+    return str(Path(sys.executable).with_name(name))
+
+
+@dataclass
+class Process:
+    """A server process. ``netns``: run it inside that network namespace (``ip netns
+    exec``); ``host``: the address it serves on, where ``url`` points."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    log_path: Path
+    env: dict = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    netns: str | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> Process:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = (["ip", "netns", "exec", self.netns] if self.netns else []) + self.cmd
+        with open(self.log_path, "wb") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **self.env}, start_new_session=True)
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def ready(self) -> bool:
+        """True once ``GET /health`` answers 200; raises if the process died."""
+        if self.proc is None or self.proc.poll() is not None:
+            code = None if self.proc is None else self.proc.returncode
+            raise RuntimeError(f"{self.name} exited with code {code} before it was ready; "
+                               f"log {self.log_path}:\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # workers may outlive the session leader for a moment
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_all(procs: list[Process], timeout_s: float) -> None:
+    """Block until every process answers ``/health``; raises on death or timeout."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while pending:
+        pending = [p for p in pending if not p.ready()]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(f"{p.name} (log {p.log_path}):\n{p.log_tail(15)}" for p in pending)
+            raise TimeoutError(f"not ready after {timeout_s:.0f} s: {names}")
+        time.sleep(1.0)
+
+
+def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, extra_config: dict,
+                tp: int = 1, dcp: int = 1, block_size: int | None = None, cpu: bool = True,
+                kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024, failure_policy: str = "fail",
+                dtype: str | None = None, host: str = "127.0.0.1", netns: str | None = None,
+                args: tuple[str, ...] = ()) -> Process:
+    """``vllm serve MODEL ...`` running DCP2DConnector on ``host:port``.
+
+    On another host than loopback, the connector's advertised addresses follow
+    ``host`` unless ``extra_config`` names them: the bootstrap server
+    (``bootstrap_host``, producer) and the Mooncake engine (``local_hostname``).
+    """
+    if host != "127.0.0.1":
+        extra_config = {"local_hostname": host, **({"bootstrap_host": host} if role != "kv_consumer" else {}),
+                        **extra_config}
+    kv = {"kv_connector": "DCP2DConnector", "kv_role": role, "kv_load_failure_policy": failure_policy,
+          "kv_connector_extra_config": extra_config}
+    cmd = [bin_path("vllm"), "serve", model, "--port", str(port), "--host", host,
+           "--tensor-parallel-size", str(tp), "--max-model-len", str(max_model_len),
+           "--kv-transfer-config", json.dumps(kv), "--disable-uvicorn-access-log"]
+    if dcp > 1:
+        cmd += ["--decode-context-parallel-size", str(dcp)]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if block_size:
+        cmd += ["--block-size", str(block_size)]
+        if dcp > 1:
+            cmd += ["--cp-kv-cache-interleave-size", str(block_size)]
+    env = {}
+    if cpu:
+        cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "4"]
+        cores = os.cpu_count() or 1
+        # One core per TP rank (vLLM's "auto" binding refuses TP=2 on one NUMA node). TP=1 stays
+        # unbound: with "auto" its OpenMP threads pin every core and the connector's
+        # threads starve (measured: fetches never served on a 2-core machine).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp)) if tp > 1 else "nobind"
+    return Process(name, cmd + list(args), port, log_dir / f"{name}.log", env, host, netns)
+
+
+def proxy_server(port: int, prefill: list[str], decode: list[str], log_dir: Path, name: str = "proxy",
+                 pipelined: bool = False, host: str = "127.0.0.1", netns: str | None = None) -> Process:
+    """``vllm-dcp2d proxy`` on ``host:port`` in front of the given instances."""
+    cmd = [bin_path("vllm-dcp2d"), "proxy", "--host", host, "--port", str(port)]
+    cmd += ["--pipelined"] if pipelined else []
+    for u in prefill:
+        cmd += ["--prefill", u]
+    for u in decode:
+        cmd += ["--decode", u]
+    return Process(name, cmd, port, log_dir / f"{name}.log", host=host, netns=netns)
+
+
+def post_json(url: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict]:
+    """POST ``body``; returns (status, parsed JSON body) for 2xx and error statuses alike."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except json.JSONDecodeError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def read_stats(path: Path) -> list[dict]:
+    """Records of a ``stats_file`` (one JSON object per line)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
