@@ -130,13 +130,35 @@ def pd_cluster(work, place=loopback):
             p.stop()
 
 
+def stalled(recs: list[dict]) -> list[dict]:
+    """Consumer records of fetches that failed on a Mooncake TCP stall (issue 14:
+    0.3.13.post1 sessions stall in vLLM processes, ~1 request in 60 beyond the
+    prefill's fresh-engine retries): the write timed out, so the blocks were
+    quarantined (``settled=False``)."""
+    return [r for r in recs if not r.get("ok") and r.get("quarantined") and "Mooncake write" in r["reason"]]
+
+
 def check_proxy(c, which: str, tp: int, dcp: int, salt: int) -> None:
     """Every prompt through proxy ``which``: the bytes of every (cp_rank, dcp_rank) path
-    equal the plan's, and the greedy tokens equal the non-disaggregated instance's."""
+    equal the plan's, and the greedy tokens equal the non-disaggregated instance's.
+
+    A request whose fetch hit the known Mooncake stall must have been handled
+    safely (its blocks quarantined; a clear error, or the right tokens by
+    recompute) and is then sent once more, which must pass every check: one
+    stall does not fail the suite, a second one, or any other failure, does."""
     for name, prompt in prompts(salt).items():
         ref = complete(c["prefill"].url, c["model"], prompt)
-        before = len(read_stats(c["stats"]))
-        out = complete(c[which].url, c["model"], prompt)
-        recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
-        check_paths(recs, len(prompt), dcp, tp, FIRST_PAGE[name])
-        assert tokens(out) == tokens(ref), name
+        for attempt in range(2):
+            before = len(read_stats(c["stats"]))
+            body = {"model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            status, out = post_json(c[which].url + "/v1/completions", body, timeout_s=300)
+            recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
+            if attempt == 0 and stalled(recs):
+                assert status in (200, 502) and (status != 200 or tokens(out) == tokens(ref)), (status, out)
+                print(f"{which} {name}: Mooncake stall (issue 14), handled safely; sent again: {stalled(recs)[0]}")
+                continue
+            assert status == 200, out
+            check_paths(recs, len(prompt), dcp, tp, FIRST_PAGE[name])
+            assert tokens(out) == tokens(ref), name
+            break

@@ -205,7 +205,7 @@ def test_quarantined_blocks_stay_out_of_use_until_the_rank_settles(llm, tmp_path
             assert time.monotonic() - t0 < 10  # deadline + cancel grace, not an unbounded wait
             assert free_blocks(engine) == free - 4  # recomputed elsewhere; the 4 blocks are held
             rec = [r for r in records(stats) if r.get("transfer_key") == "frozen"][-1]
-            assert not rec["ok"] and rec["quarantined"] == 1
+            assert not rec["ok"] and rec["quarantined"] == 4
             for _ in range(3):  # still silent: still held
                 engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)
             assert free_blocks(engine) == free - 4

@@ -178,13 +178,15 @@ class WorkerSide:
             self._refused.append((req_id, spec, why))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """Called by the model runner after every step. Returns request ids
-          * whose blocks the producer may free (all decode ranks served, expired
-            or aborted; no write reads them any more);
-          * whose fetch ended on this consumer rank (ok or failed: a failed one's
-            blocks are in ``get_block_ids_with_load_errors``, or the request is
-          * in the third set, failed as a whole: recompute in fresh blocks, the
-            old ones are quarantined (``build_worker_meta``)."""
+        """Called by the model runner after every step (``get_transfer_results``).
+        Returns three sets of request ids:
+
+        * sending: the producer may free their blocks (all decode ranks served,
+          expired or aborted; no write reads them any more);
+        * recving: their fetch ended on this consumer rank, ok or failed. A failed
+          one's blocks are in ``get_block_ids_with_load_errors``, unless it is in
+        * failed: failed as a whole, to be recomputed in fresh blocks while the
+          old ones are quarantined (``build_worker_meta``)."""
         sending, recving = self._finished_sending, set()
         self._finished_sending = set()
         if self.sender is not None:
@@ -253,7 +255,8 @@ class WorkerSide:
             self._load_errors.update(blocks)
             what = f"reporting {len(blocks)} blocks as load errors"
         self.stats_file.write(transfer_key=key, dcp_rank=self.dcp_rank, ok=False, expired=expired, reason=reason,
-                              fetch_seconds=0.0 if f is None else f.seconds, quarantined=len(self._holds))
+                              fetch_seconds=0.0 if f is None else f.seconds,
+                              quarantined=len(blocks) if f is not None and f.quarantined else 0)
         log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
                     what)
 
