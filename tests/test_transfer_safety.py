@@ -223,6 +223,14 @@ def test_unsettled_answer_keeps_the_quarantine(silent):
     got = []
     wait_until(lambda: got.extend(recv.poll_released()) or got, 20)
     assert got == [f]
+    # The decode rank renewed its Mooncake engine (its target may be wedged): the
+    # next request names the new session.
+    first = rank.seen[0].session
+    assert recv.transport.session_id != first
+    rank.reply = lambda msg: outcome(msg, ok=True, num_tokens=msg.num_tokens, layers=L)
+    recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10)
+    assert recv.wait("y", 20).ok
+    assert [m.session for m in rank.seen if getattr(m, "transfer_key", "") == "y"] == [recv.transport.session_id]
 
 
 def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):

@@ -20,7 +20,8 @@ a cancel (re-sent with ``bootstrap.Backoff``), or when the prefill instance's
 new rank table no longer lists the rank's address while its link is down (the
 rank restarted, so its old process is gone). A dropped ZMQ link alone proves
 nothing (Mooncake writes do not use it); the link reconnects with the same
-routing id and the answers arrive.
+routing id and the answers arrive. After a timed-out write the rank's Mooncake
+engine is renewed (``_renew_target``).
 
 Public API
 ----------
@@ -56,7 +57,7 @@ from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, Reply,
                                            TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError"]
 
@@ -176,6 +177,7 @@ class Receiver:
         self._done: queue.Queue = queue.Queue()
         self._released: queue.Queue = queue.Queue()
         self._active: dict[str, Fetch] = {}
+        self._renewed = 0.0  # when the transport was last renewed after a timed-out write
         self._stop = threading.Event()
         self._waker = bs.Waker()
         self._thread = threading.Thread(target=self._loop, name=f"dcp2d-recv-{dcp_rank}", daemon=True)
@@ -365,6 +367,7 @@ class Receiver:
         f.inflight.pop(msg.cp_rank, None)
         if not msg.settled:
             self._quarantine(f, msg.cp_rank, (rank.address, msg.attempt_id), f"a write timed out: {msg.reason}")
+            self._renew_target()
         if f.failing is not None:  # any answer means that rank writes nothing more
             if not f.inflight:
                 self._finish(f, f.failing, peer_fault=f.peer_fault)
@@ -429,6 +432,25 @@ class Receiver:
         f.settle_by = time.monotonic() + self.cancel_grace_s
         for addr, attempt in f.inflight.values():
             self._ranks[addr].send(CancelTransfer(f.transfer_key, attempt))
+
+    def _renew_target(self):
+        """A prefill rank's write to us timed out. Seen with Mooncake 0.3.13.post1 TCP:
+        fresh initiator engines stalled on the same target too, so the target engine
+        was wedged. Later requests name a fresh engine (``TransferRequest.session``);
+        the old one stays alive with the KV registered, so a late write into
+        quarantined blocks still lands only there. At most once per ``STALL_S``."""
+        now = time.monotonic()
+        if now - self._renewed < STALL_S:
+            return
+        self._renewed = now
+        old = self.transport.session_id
+        try:
+            self.transport.renew()
+        except TransportError as e:
+            log.warning("decode rank %d: renewing Mooncake engine %s failed: %s", self.dcp_rank, old, e)
+            return
+        log.warning("decode rank %d: a write to Mooncake session %s timed out; new requests name %s",
+                    self.dcp_rank, old, self.transport.session_id)
 
     def _quarantine(self, f: Fetch, cp_rank: int, where: tuple[str, int], why: str):
         """CP rank ``cp_rank`` of ``f`` may still write into its blocks."""

@@ -112,11 +112,13 @@ class MooncakeTransport:
     def renew(self) -> None:
         """Replace the engine by a fresh one, with every range registered again.
 
-        For a write-only (initiator) transport: peers' sessions to it change
-        (``session_id``). Used after a failed write, when the engine's sessions
-        to that peer may be wedged (seen with 0.3.13.post1 TCP: a peer's writes
-        stall for minutes, "no transfer progress within 30s", while a fresh
-        engine reaches it at once).
+        ``session_id`` changes; the old engine stays alive with every range
+        registered (the ``RETIRED_KEPT`` newest ones), so a write still running
+        on it, or still arriving at it, completes. Used after a stalled write:
+        by an initiator whose sessions to that peer may be wedged (seen with
+        0.3.13.post1 TCP: a peer's writes stall for minutes, "no transfer
+        progress within 30s", while a fresh engine reaches it at once), and by
+        a target whose engine a fresh initiator could not reach either.
         """
         engine = self._new_engine()
         with self._lock:
@@ -125,8 +127,8 @@ class MooncakeTransport:
                 rc = engine.register_memory(addr, nbytes)
                 if rc != 0:
                     raise TransportError(f"register_memory({addr:#x}, {nbytes}) returned {rc} on a renewed engine")
-            # Keeps its registrations: a write to another peer may still run on it;
-            # nobody writes into it (a producer's session is not published).
+            # Keeps its registrations: a write to another peer may still run on it,
+            # or (a target's engine) a late write may still arrive.
             self._retired.append(self._engine)
             for old in self._retired[:-RETIRED_KEPT]:
                 for addr in self._regs:
