@@ -47,100 +47,20 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, Reply,
-                                           TransferOutcome, TransferRequest, decode, encode)
+                                           TransferOutcome, TransferRequest, decode)
 from vllm_dcp2d.connector.plan import KVRegions
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError"]
 
 log = logging.getLogger(__name__)
-CANCEL_RESEND_MAX_S = 30.0  # a quarantining rank is asked again after 1, 2, 4, ... 30 s
-
-
-class FetchError(RuntimeError):
-    def __init__(self, transfer_key: str, cp_rank: int | None, reason: str):
-        self.transfer_key, self.cp_rank, self.reason = transfer_key, cp_rank, reason
-        where = "" if cp_rank is None else f" from prefill cp rank {cp_rank}"
-        super().__init__(f"fetch of {transfer_key!r}{where} failed: {reason}")
-
-    @property
-    def timed_out(self) -> bool:
-        """The fetch hit its deadline (as opposed to an explicit failure)."""
-        return self.reason.startswith("timed out")
-
-
-@dataclass(eq=False)
-class Fetch:
-    """One request's pages for this rank, from every CP rank of one prefill instance."""
-
-    transfer_key: str
-    bootstrap: str
-    block_ids: np.ndarray
-    num_tokens: int
-    first_page: int
-    deadline: float
-    wait_s: float
-    started: float = field(default_factory=time.monotonic)
-    table: RankTable | None = None
-    inflight: dict = field(default_factory=dict)     # cp_rank -> (rank address, attempt_id)
-    outcomes: dict = field(default_factory=dict)     # cp_rank -> TransferOutcome
-    error: FetchError | None = None
-    seconds: float = 0.0
-    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to confirm the cancel
-    peer_fault: bool = False
-    settle_by: float = 0.0
-    quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
-    limbo: dict = field(default_factory=dict)        # quarantined cp_rank -> (rank address, attempt_id)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.table is not None and len(self.outcomes) == self.table.cp_size
-
-    @property
-    def nbytes(self) -> int:
-        return sum(o.nbytes for o in self.outcomes.values())
-
-    @property
-    def naive_bytes(self) -> int:
-        return sum(o.naive_bytes for o in self.outcomes.values())
-
-
-class _Rank:
-    """A DEALER to one prefill CP rank's side channel, with its link monitor and
-    what is outstanding there, by attempt id."""
-
-    def __init__(self, address: str, poller: zmq.Poller, identity: bytes):
-        self.address = address
-        self.sock = bs.socket(zmq.DEALER)
-        # Same routing id after a reconnect: the rank's answers still reach us.
-        self.sock.setsockopt(zmq.ROUTING_ID, identity)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-        self.sock.connect(address)
-        for s in (self.sock, self.monitor):
-            poller.register(s, zmq.POLLIN)
-        self.down = False                     # the link is disconnected now
-        self.inflight: dict[int, Fetch] = {}  # attempt id -> fetch it may still answer
-        self.limbo: dict[int, Fetch] = {}     # attempt id -> ended fetch it may still write into
-        self.cancel_at = 0.0                  # when the limbo's cancels go out again
-        self.backoff = bs.Backoff(CANCEL_RESEND_MAX_S)
-
-    def send(self, msg) -> None:
-        self.sock.send(encode(msg))
-
-    def close(self, poller: zmq.Poller) -> None:
-        for s in (self.sock, self.monitor):
-            poller.unregister(s)
-        self.sock.disable_monitor()
-        self.monitor.close()
-        self.sock.close()
 
 
 class Receiver:
@@ -207,12 +127,12 @@ class Receiver:
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
-        return _drain(self._done)
+        return drain(self._done)
 
     def poll_released(self) -> list[Fetch]:
         """Fetches that ended with ``quarantined`` ranks, all of which settled since
         the last call: their blocks may be used again."""
-        return _drain(self._released)
+        return drain(self._released)
 
     def wait(self, transfer_key: str, timeout_s: float) -> Fetch:
         """Block until ``transfer_key`` finishes (other finished fetches stay queued for ``poll``)."""
@@ -245,7 +165,7 @@ class Receiver:
     def _loop(self):
         self._poller = zmq.Poller()
         self._poller.register(self._waker.socket, zmq.POLLIN)
-        self._ranks: dict[str, _Rank] = {}
+        self._ranks: dict[str, Rank] = {}
         self._queries: dict[str, bs.TableQuery] = {}
         self._waiting: dict[str, list[Fetch]] = {}  # bootstrap -> fetches waiting for its table
         try:
@@ -256,7 +176,7 @@ class Receiver:
                 while not self._new.empty():
                     self._begin(self._new.get())
                 for q in list(self._queries.values()):
-                    if q.monitor in events and _link_events(q.monitor)[0]:
+                    if q.monitor in events and link_events(q.monitor)[0]:
                         self._no_table(q, "connection lost")
                     if q.sock in events:
                         self._read_table(q)
@@ -297,7 +217,7 @@ class Receiver:
         for cp_rank, addr in enumerate(table.addresses):
             rank = self._ranks.get(addr)
             if rank is None:
-                rank = self._ranks[addr] = _Rank(addr, self._poller, self._identity)
+                rank = self._ranks[addr] = Rank(addr, self._poller, self._identity)
             attempt = next(self._attempts)
             rank.inflight[attempt] = f
             f.inflight[cp_rank] = (addr, attempt)
@@ -345,12 +265,12 @@ class Receiver:
 
     # ---- the CP ranks ----
 
-    def _link(self, rank: _Rank):
-        lost, rank.down = _link_events(rank.monitor, rank.down)
+    def _link(self, rank: Rank):
+        lost, rank.down = link_events(rank.monitor, rank.down)
         if lost:
             self._lost(rank, "connection lost")
 
-    def _read(self, rank: _Rank):
+    def _read(self, rank: Rank):
         try:
             msg = decode(rank.sock.recv(), (TransferOutcome, Reply))
         except MessageError as e:
@@ -383,7 +303,7 @@ class Receiver:
         if not f.inflight:
             self._finish(f, None)
 
-    def _lost(self, rank: _Rank, why: str):
+    def _lost(self, rank: Rank, why: str):
         """``rank``'s link failed, or it sent something we cannot read: fail the fetches
         in flight to it. They stay in flight (it may still be writing) until it
         answers their cancel, which waits in ZMQ's queue until the link is back."""
@@ -492,22 +412,3 @@ class Receiver:
         self._done.put(f)
         if f.quarantined and not f.limbo:  # every quarantined rank settled before the fetch ended
             self._released.put(f)
-
-
-def _link_events(monitor: zmq.Socket, down: bool = False) -> tuple[bool, bool]:
-    """Drain a link monitor: (whether it disconnected, whether it is down now)."""
-    lost = False
-    while monitor.poll(0):
-        event = recv_monitor_message(monitor)["event"]
-        down = event == zmq.EVENT_DISCONNECTED
-        lost |= down
-    return lost, down
-
-
-def _drain(q: queue.Queue) -> list:
-    out = []
-    while True:
-        try:
-            out.append(q.get_nowait())
-        except queue.Empty:
-            return out

@@ -1,0 +1,119 @@
+"""What a decode rank's fetch is made of (``receiver.Receiver`` drives it):
+``Fetch``, one request's pages from every CP rank of one prefill instance;
+``FetchError``, why it failed; ``Rank``, the side channel to one prefill CP rank
+with what is outstanding there.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.messages import RankTable, encode
+
+__all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
+
+CANCEL_RESEND_MAX_S = 30.0  # a quarantining rank is asked again after 1, 2, 4, ... 30 s
+
+
+class FetchError(RuntimeError):
+    def __init__(self, transfer_key: str, cp_rank: int | None, reason: str):
+        self.transfer_key, self.cp_rank, self.reason = transfer_key, cp_rank, reason
+        where = "" if cp_rank is None else f" from prefill cp rank {cp_rank}"
+        super().__init__(f"fetch of {transfer_key!r}{where} failed: {reason}")
+
+    @property
+    def timed_out(self) -> bool:
+        """The fetch hit its deadline (as opposed to an explicit failure)."""
+        return self.reason.startswith("timed out")
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One request's pages for this rank, from every CP rank of one prefill instance."""
+
+    transfer_key: str
+    bootstrap: str
+    block_ids: np.ndarray
+    num_tokens: int
+    first_page: int
+    deadline: float
+    wait_s: float
+    started: float = field(default_factory=time.monotonic)
+    table: RankTable | None = None
+    inflight: dict = field(default_factory=dict)     # cp_rank -> (rank address, attempt_id)
+    outcomes: dict = field(default_factory=dict)     # cp_rank -> TransferOutcome
+    error: FetchError | None = None
+    seconds: float = 0.0
+    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to confirm the cancel
+    peer_fault: bool = False
+    settle_by: float = 0.0
+    quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
+    limbo: dict = field(default_factory=dict)        # quarantined cp_rank -> (rank address, attempt_id)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.table is not None and len(self.outcomes) == self.table.cp_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outcomes.values())
+
+    @property
+    def naive_bytes(self) -> int:
+        return sum(o.naive_bytes for o in self.outcomes.values())
+
+
+class Rank:
+    """A DEALER to one prefill CP rank's side channel, with its link monitor and
+    what is outstanding there, by attempt id."""
+
+    def __init__(self, address: str, poller: zmq.Poller, identity: bytes):
+        self.address = address
+        self.sock = bs.socket(zmq.DEALER)
+        # Same routing id after a reconnect: the rank's answers still reach us.
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.sock.connect(address)
+        for s in (self.sock, self.monitor):
+            poller.register(s, zmq.POLLIN)
+        self.down = False                     # the link is disconnected now
+        self.inflight: dict[int, Fetch] = {}  # attempt id -> fetch it may still answer
+        self.limbo: dict[int, Fetch] = {}     # attempt id -> ended fetch it may still write into
+        self.cancel_at = 0.0                  # when the limbo's cancels go out again
+        self.backoff = bs.Backoff(CANCEL_RESEND_MAX_S)
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def close(self, poller: zmq.Poller) -> None:
+        for s in (self.sock, self.monitor):
+            poller.unregister(s)
+        self.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
+
+
+def link_events(monitor: zmq.Socket, down: bool = False) -> tuple[bool, bool]:
+    """Drain a link monitor: (whether it disconnected, whether it is down now)."""
+    lost = False
+    while monitor.poll(0):
+        event = recv_monitor_message(monitor)["event"]
+        down = event == zmq.EVENT_DISCONNECTED
+        lost |= down
+    return lost, down
+
+
+def drain(q: queue.Queue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
