@@ -199,6 +199,10 @@ class WorkerSide:
                     log.warning("DCP2D: request %s expired on CP rank %d after send_timeout_s=%.0f s; "
                                 "blocks freed", req_id, self.tp_rank, self.cfg.send_timeout_s)
         if self.receiver is not None:
+            # Releases first: the receiver reports a fetch as done before it can release
+            # it, so every release drained here belongs to a fetch drained just below
+            # or in an earlier call, and its hold is registered before it is dropped.
+            released = self.receiver.poll_released()
             for f in self.receiver.poll():
                 req_id, block_ids, first_page = self._loading.pop(f.transfer_key, (None, None, 0))
                 if req_id is None:
@@ -208,7 +212,7 @@ class WorkerSide:
                     self._record(f)
                 else:
                     self._fail(req_id, f.transfer_key, f, block_ids, first_page)
-            for f in self.receiver.poll_released():
+            for f in released:
                 _, req_id, n = self._holds.pop(id(f))
                 self._meta.release.add((req_id, self.tp_rank))
                 self.stats.count("released", n)
