@@ -3,8 +3,9 @@
 A rank of a layer-split group allocates ``owned + 1`` layer slots (its layers
 plus the transient slot) instead of all ``L``, so the same KV memory holds
 ``L / (owned + 1)`` times more tokens. The group is bounded by its fullest
-rank (``ceil(L / N) + 1`` slots), which is what the gain column uses. Byte
-figures come from ``LayerSplitKVPool`` itself, allocated on the meta device.
+rank (``ceil(L / N) + 1`` slots), which is what the gain column uses: it is
+how ``vllm_compat/kv_cache.py`` sizes vLLM's ``num_blocks``. The measured gain
+inside vLLM, from vLLM's own "KV cache size" line, is ``bench/layer_split.py``.
 
     .venv/bin/python bench/prefill_capacity.py [--budget-gib 40] [--bytes 576]
 """
@@ -13,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from vllm_dcp2d.layout import local_layer_count
-from vllm_dcp2d.prefill.pool import LayerSplitKVPool
 
 # (label, layers, cp_size). Layer counts of known models; the byte figures all
 # use --bytes, so only the seed row's token counts describe its real model.
@@ -50,13 +48,9 @@ def main() -> None:
     for name, L, N in CONFIGS:
         slots = [local_layer_count(L, N, r) for r in range(N)]
         worst = max(slots)
-        # One 64-token page per layer slot, 1-byte elements: K and V halves of args.bytes.
-        pool = LayerSplitKVPool(L, N, slots.index(worst), num_pages=1, page_size=64, num_kv_heads=1,
-                                head_dim=args.bytes // 2, dtype=torch.uint8, device="meta")
-        assert pool.nbytes == worst * 64 * (args.bytes // 2) * 2
         per_slot = "/".join(str(s) for s in sorted(set(slots), reverse=True))
         print(f"{name:<16}{L:>4}{N:>4}  {per_slot:<22}{L:>5}{L / worst:>6.2f}x"
-              f"{pool.nbytes / pool.full_nbytes:>10.3f}"
+              f"{worst / L:>10.3f}"
               f"{budget / (L * args.bytes) / 1e6:>16.2f} M{budget / (worst * args.bytes) / 1e6:>17.2f} M")
 
 

@@ -13,8 +13,8 @@ import torch
 
 from _spec_model import PagedPool, forward, make_weights, prompts_for
 from vllm_dcp2d.layout import cdiv
-from vllm_dcp2d.prefill.broadcast import consensus_prefix_lens
-from vllm_dcp2d.prefill.forward import TinyConfig
+from _tiny_cp_model import consensus_prefix_lens
+from _tiny_cp_model import TinyConfig
 from vllm_dcp2d.spec_decode import TorchGroup, dcp_disabled, draft_pool_tokens, kv_commit_mask, verify_greedy
 
 

@@ -179,3 +179,17 @@ def test_plain_requests_untouched():
     req = request(status=RequestStatus.FINISHED_STOPPED)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.request_finished(req, [1]) == (False, None)
+
+
+def test_layer_split_context_blocks_cover_every_earlier_token():
+    """Each scheduled request's blocks up to the tokens it computed before the step,
+    sorted and without repeats (two requests may share prefix-cache blocks)."""
+    s = side(producer=True)
+    s.layer_split = True
+    tables = {"a": [10, 11, 12, 13], "b": [10, 11, 20], "c": [30, 31], "d": [40]}
+    s.kv_cache_manager = NS(get_block_ids=lambda rid: (tables[rid],))
+    out = sched_out(new=[("a", 2 * PAGE + 1), ("d", 0)], cached=[("b", PAGE), ("c", 5)],
+                    tokens={"a": 5, "b": 1, "c": 1, "d": 3})
+    assert s.build_connector_meta(out).context_blocks == [10, 11, 12, 30]
+    assert s.build_connector_meta(sched_out(new=[("d", 0)], tokens={"d": 8})).context_blocks == []
+    assert side(producer=True).build_connector_meta(out).context_blocks is None  # without layer-split

@@ -77,10 +77,17 @@ def test_regions_gpu_layout_two_regions():
 
 
 def test_interleave_check_says_what_to_set():
-    vc = NS(parallel_config=NS(decode_context_parallel_size=2, cp_kv_cache_interleave_size=1),
+    vc = NS(parallel_config=NS(decode_context_parallel_size=2, cp_kv_cache_interleave_size=1,
+                               _allow_auto_resolve_cp_interleave_size=False),
             cache_config=NS(block_size=32))
-    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 32"):
+    with pytest.raises(ValueError, match="or set it to 32"):
         compat.check_interleave(vc)
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=1, block_size=32"):
+        compat.check_interleave(vc, resolved=False)  # set by the user: the engine core refuses it too
+    vc.parallel_config._allow_auto_resolve_cp_interleave_size = True
+    compat.check_interleave(vc, resolved=False)  # left unset: each worker resolves it
+    with pytest.raises(ValueError):
+        compat.check_interleave(vc)  # a worker must see it resolved
     vc.parallel_config.cp_kv_cache_interleave_size = 32
     compat.check_interleave(vc)
     vc.parallel_config.decode_context_parallel_size = 1

@@ -16,7 +16,7 @@ from _prefill_group import run_group
 from _spec_model import POISON, forward, make_weights, prompts_for, reference_greedy
 from _spec_workers import pools, spec_decode
 from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
-from vllm_dcp2d.prefill.forward import TinyConfig
+from _tiny_cp_model import TinyConfig
 from vllm_dcp2d.spec_decode import dcp_disabled
 
 CFG = TinyConfig(num_layers=2, hidden=16, num_heads=2, head_dim=8, ffn=32, vocab=48, max_len=64)

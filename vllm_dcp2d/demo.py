@@ -41,7 +41,8 @@ def _parse(argv: list[str]):
     p.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size = layer-split CP size")
     p.add_argument("--decode-tp", type=int, default=2)
     p.add_argument("--decode-dcp", type=int, default=2, help="decode DCP size (divides --decode-tp)")
-    p.add_argument("--block-size", type=int, default=None, help="KV page size (default: 32 on CPU)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV page size (default: 32 for the tiny model, else vLLM's choice for the model)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--pipelined", action="store_true",
                    help="proxy sends prefill and decode at once (layer-pipelined transfer) after the first request")
@@ -83,7 +84,10 @@ def main(argv: list[str]) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dcp2d-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     cpu = args.model is None or not _has_gpu()
-    block = args.block_size or (32 if cpu else 16)
+    # The tiny model uses 32-token pages; any other model gets vLLM's own choice for
+    # its attention backend (CPU_MLA, for one, takes 16 only). The DCP interleave
+    # follows the block size by itself (vllm_compat/config.py).
+    block = args.block_size or (32 if args.model is None else None)
     if args.model is None:
         from vllm_dcp2d.testing.tiny_models import build_tiny_model
         model = build_tiny_model("llama-mqa", work / "tiny-llama-mqa")
@@ -93,6 +97,7 @@ def main(argv: list[str]) -> int:
     # The tiny model runs in fp32: DCP attention on CPU computes in fp32 and
     # matches the stock kernel token for token only then.
     dtype = args.dtype or ("float32" if args.model is None else None)
+    mla = _is_mla(model)
     stats = work / "stats.jsonl"
     boot = free_port()
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=args.prefill_tp,
@@ -128,19 +133,32 @@ def main(argv: list[str]) -> int:
             print(f"request {i}: {tokens} prompt tokens -> {text!r}")
             print(f"  equals the prefill instance's own (non-disaggregated, TP={args.prefill_tp}) answer: "
                   f"{text == ref_text}")
+            if text != ref_text and mla:
+                print("  (MLA: vLLM's CPU MLA runs the last prompt token through its prefill path there and "
+                      "through its decode path here; docs/connector.md, \"MLA\")")
             ok = [r for r in recs if r.get("ok")]
             if i == 0 and ok:
                 r = ok[0]
                 rank_pages = len(range(r["dcp_rank"], r["pages"], r["dcp_size"]))
                 nl = r["layers"][1] - r["layers"][0]
-                per_token_layer = r["bytes"] // max(1, nl * rank_pages * block)
-                m = reshard_matrix(max(x["layers"][1] for x in ok), r["cp_size"], r["dcp_size"], tokens, block, per_token_layer)
+                page = r["page_size"]
+                per_token_layer = r["bytes"] // max(1, nl * rank_pages * page)
+                m = reshard_matrix(max(x["layers"][1] for x in ok), r["cp_size"], r["dcp_size"], tokens, page,
+                                   per_token_layer)
                 print("\n" + "\n".join("  " + line for line in format_matrix(m).splitlines()) + "\n")
             _print_paths(recs, tokens)
         return 1 if failures else 0
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def _is_mla(model: str) -> bool:
+    """Whether ``model`` is a local directory whose config has an MLA latent."""
+    import json
+
+    cfg = Path(model) / "config.json"
+    return cfg.is_file() and "kv_lora_rank" in json.loads(cfg.read_text())
 
 
 def _has_gpu() -> bool:

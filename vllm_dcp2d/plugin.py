@@ -2,8 +2,9 @@
 
 vLLM calls ``register()`` once in every process it starts (front end, engine
 core, each worker), before any connector or attention backend is resolved.
-It makes ``kv_connector="DCP2DConnector"`` resolvable without a module path
-and installs the DCP-capable CPU attention backend.
+It makes ``kv_connector="DCP2DConnector"`` resolvable without a module path,
+installs the DCP-capable CPU attention backends and the engine core's
+layer-split KV layout (``vllm_compat/kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,32 @@ CONNECTOR_NAME = "DCP2DConnector"
 
 
 def register() -> None:
+    _route_logs()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     try:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_dcp2d.connector.connector", "DCP2DConnector")
     except ValueError:
         pass  # already registered: register() can run twice in one process (in-process engine + CLI)
-    from vllm_dcp2d.vllm_compat import attention
+    from vllm_dcp2d.vllm_compat import attention, config, kv_cache
 
     attention.register()
+    config.install()  # MLA backend and DCP interleave chosen for DCP2D instances
+    kv_cache.install()  # layer-split storage on prefill instances that ask for it
     logger.debug("vllm_dcp2d registered %s and the DCP attention backend", CONNECTOR_NAME)
+
+
+def _route_logs() -> None:
+    """Send ``vllm_dcp2d``'s log records through vLLM's handlers, at vLLM's level.
+
+    vLLM configures only its own ``vllm`` logger; without this, the plugin's
+    INFO lines (which layers a rank stores and sends, a stalled write) would
+    reach a user only at WARNING and above, unformatted.
+    """
+    theirs, ours = logging.getLogger("vllm"), logging.getLogger("vllm_dcp2d")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False

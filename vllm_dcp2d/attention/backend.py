@@ -13,6 +13,9 @@ each rank holds 1/N of every sequence's KV pages and a forward pass is:
 4. all-gather the context partials and LSE-merge them with step 3, keeping this
    rank's heads (design §5.2).
 
+The cache write (``do_kv_cache_update``) also serves layer-split storage on
+prefill instances (``prefill/layer_split.py``), at any DCP size.
+
 The KV of the step's tokens is written only on the rank that owns each token
 (the CP slot mapping gives the others slot -1, which the writer skips). Chunked
 prefill, prefix-cache hits and mixed batches all reduce to "context" (tokens
@@ -30,6 +33,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from vllm_dcp2d.attention.dcp import dcp_merge
 from vllm_dcp2d.attention.paged import paged_attention_lse, varlen_attention_lse
+from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout, local_context_lens
 
 __all__ = ["DCPCPUAttentionBackend", "DCPCPUAttentionImpl"]
@@ -58,6 +62,13 @@ class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
         if bad:
             raise NotImplementedError(f"vllm_dcp2d DCP attention on CPU does not support: {', '.join(bad)}")
         self.cp_interleave = get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Called by vLLM (``unified_kv_cache_update``) before ``forward``: writes the
+        step's K/V ``[T, Hkv, D]`` into ``kv_cache``. With layer-split storage the
+        owner of the layer first fills the other ranks' transient slot."""
+        layer_split.before_cache_write(kv_cache)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

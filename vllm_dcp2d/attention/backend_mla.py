@@ -9,6 +9,9 @@ returning the LSE), then combines the ranks' partials with
 ``MLADCPManager.combine``, which ``vllm_compat.attention`` points at the torch
 merge (vLLM's is a Triton kernel, unusable on CPU).
 
+Its cache write also serves layer-split storage on prefill instances
+(``prefill/layer_split.py``), at any DCP size.
+
 Limits (raised, not silently wrong): one query token per decode request (no
 speculative decode), and prefills without cached context (the CPU platform
 turns chunked prefill and prefix caching off for MLA on non-AMX CPUs; on AMX
@@ -24,6 +27,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from vllm_dcp2d.attention.paged import paged_attention_lse, plain_layout
+from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat.attention import install_mla_dcp_combine
 
 __all__ = ["DCPCPUMLABackend", "DCPCPUMLAImpl"]
@@ -46,6 +50,14 @@ class DCPCPUMLAImpl(CPUMLAImpl):
         self.cp_kv_cache_interleave_size = (
             get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size)
         install_mla_dcp_combine()
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+        """Called by vLLM (``MLAAttention.update_kv_cache``) before attention: writes
+        the step's latents ``[T, L]`` and ``k_pe`` ``[T, 1, R]`` into ``kv_cache``
+        ``[num_blocks, block_size, L + R]``. With layer-split storage the owner of
+        the layer first fills the other ranks' transient slot."""
+        layer_split.before_cache_write(kv_cache)
+        super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         """Called by ``MLAAttention.forward_impl`` for the decode tokens of a step.

@@ -22,6 +22,7 @@ class DCP2DConfig:
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 17500
     cp_size: int = 0
+    layer_split: str = "auto"
     transfer_timeout_s: float = 60.0
     send_timeout_s: float = 120.0
     prefill_wait_s: float = 30.0
@@ -41,6 +42,13 @@ KEYS: dict[str, tuple[str, str]] = {
     "cp_size": ("producer", "Prefill layer-split size: TP rank `r < cp_size` sends only the layers "
                 "`cp_layer_range(L, cp_size, r)`. 0 (default) = the tensor-parallel size. Values > 1 "
                 "need KV replicated over the TP ranks (MLA, or one KV head); must be <= TP size."),
+    "layer_split": ("producer", "Layer-split *storage*: each TP rank allocates KV only for the layers it owns "
+                    "plus one transient slot that its other layers share, so the same `kv_cache_memory_bytes` "
+                    "holds `L / (max owned + 1)` times the tokens. Before a non-owned layer writes its cache, "
+                    "the owner broadcasts the blocks of the step's earlier tokens over the TP group. `\"auto\"` "
+                    "(default): on for a `kv_producer` with cp_size > 1 and replicated KV on CPU, off otherwise "
+                    "(logged). `\"on\"`: start-up fails if it cannot apply. `\"off\"`: every rank stores every "
+                    "layer (docs/connector.md, \"Layer-split storage\")."),
     "transfer_timeout_s": ("consumer", "Decode-side expiry: seconds from the decode worker asking for "
                            "a request's KV until all of it must have arrived. Past it the request's "
                            "blocks are reported as load errors, so `kv_load_failure_policy` decides: "
@@ -114,6 +122,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "cpu_poll_sleep_us" in extra:
         v = extra["cpu_poll_sleep_us"]
         _expect("cpu_poll_sleep_us", v, _is_int(v) and 0 <= v <= 100_000, "an int in [0, 100000] microseconds")
+    if "layer_split" in extra:
+        v = extra["layer_split"]
+        _expect("layer_split", v, v in ("auto", "on", "off"), 'one of "auto", "on", "off"')
     if "protocol" in extra:
         v = extra["protocol"]
         _expect("protocol", v, v in ("tcp", "rdma"), 'one of "tcp", "rdma"')

@@ -45,8 +45,9 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
         compat.sleep_between_shm_polls(cfg.cpu_poll_sleep_us)
         if role == compat.KVConnectorRole.SCHEDULER:
             if is_consumer:
-                compat.check_interleave(vllm_config)
-            self._scheduler = SchedulerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer)
+                compat.check_interleave(vllm_config, resolved=False)
+            self._scheduler = SchedulerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer,
+                                            layer_split=compat.layer_split_applies(vllm_config, kv_cache_config))
         else:
             from vllm_dcp2d.connector.worker import WorkerSide  # Mooncake/ZMQ only in workers
             num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
@@ -77,6 +78,18 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """Called by the model runner before each step's forward."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        """Called by the model runner after each step."""
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.bind(None)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())

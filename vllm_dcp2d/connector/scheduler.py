@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from vllm_dcp2d.connector.config import DCP2DConfig
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.vllm_compat import connector as compat
@@ -98,12 +100,15 @@ class LoadSpec:
 @dataclass
 class DCP2DMetadata(compat.KVConnectorMetadata):
     """Scheduler -> workers, once per step. aborted: request id -> transfer key of
-    producer requests aborted after their prompt completed."""
+    producer requests aborted after their prompt completed. context_blocks: sorted
+    ids of the blocks that hold the scheduled requests' tokens computed before this
+    step (producer with layer-split storage: the owners broadcast them; else None)."""
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
     computing: dict[str, SendSpec] = field(default_factory=dict)
     ready: dict[str, SendSpec] = field(default_factory=dict)
     aborted: dict[str, str] = field(default_factory=dict)
+    context_blocks: list[int] | None = None
 
 
 @dataclass
@@ -129,8 +134,10 @@ def transfer_params(params: dict | None) -> dict:
 class SchedulerSide:
     """The scheduler-role half of DCP2DConnector (see module doc)."""
 
-    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool):
+    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool,
+                 layer_split: bool = False):
         self.cfg = cfg
+        self.layer_split = layer_split  # producer stores KV layer-split: list each step's context blocks
         self.engine_id = engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.page_size = compat.page_size(vllm_config)
@@ -248,6 +255,8 @@ class SchedulerSide:
             time.sleep(IDLE_POLL_S)
         meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted)
         self._loads, self._ready, self._aborted = {}, {}, {}
+        if self.layer_split:
+            meta.context_blocks = self._context_blocks(scheduler_output)
         if self.is_producer and self._remote_decode:
             for req_id, num_tokens in compat.scheduled_tokens(scheduler_output):
                 prompt_len = self._remote_decode.get(req_id)
@@ -257,6 +266,10 @@ class SchedulerSide:
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
                                                       self._keys.get(req_id, req_id))
         return meta
+
+    def _context_blocks(self, scheduler_output) -> list[int]:
+        ids = [self._block_ids(req_id, n) for req_id, n in compat.scheduled_context(scheduler_output) if n > 0]
+        return np.unique(np.concatenate(ids)).tolist() if ids else []
 
     def _block_ids(self, req_id: str, num_tokens: int) -> list[int]:
         ids = compat.request_block_ids(self.kv_cache_manager, req_id)

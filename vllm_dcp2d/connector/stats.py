@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["DCP2DStats", "path_key", "StatsFile"]
 
-_COUNTERS = ("failed", "expired", "quarantined", "released")
+_COUNTERS = ("failed", "expired", "quarantined", "released", "prefix_broadcast_bytes")
 _PATH_FIELDS = ("transfers", "bytes", "descriptors", "seconds")
 
 
@@ -36,7 +36,7 @@ def path_key(cp_rank: int, dcp_rank: int) -> str:
 @dataclass
 class DCP2DStats(KVConnectorStats):
     """``data = {"paths": {"r,d": {"transfers", "bytes", "descriptors", "seconds"}},
-    "failed": int, "expired": int, "quarantined": int, "released": int}``.
+    "failed": int, "expired": int, "quarantined": int, "released": int, "prefix_broadcast_bytes": int}``.
 
     failed:      fetches that ended with an error (decode), length mismatches included.
     expired:     requests given up on: decode KV that never arrived in
@@ -44,6 +44,8 @@ class DCP2DStats(KVConnectorStats):
     quarantined: decode blocks kept out of use because a prefill rank may still
                  write into them (docs/connector.md, "Block lifetime").
     released:    quarantined blocks given back once their rank settled.
+    prefix_broadcast_bytes: prefill with layer-split storage: bytes this rank sent
+                 or received filling transient slots (``prefill/layer_split.py``).
     """
 
     def __post_init__(self):

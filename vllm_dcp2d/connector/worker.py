@@ -48,7 +48,9 @@ from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.transport import MooncakeTransport
 from vllm_dcp2d.layout import cp_layer_range
+from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat import connector as compat
+from vllm_dcp2d.vllm_compat.kv_cache import storage_plan
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._kv_ptrs: dict[str, int] = {}
+        self.layer_split: layer_split.LayerSplit | None = None
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -114,8 +117,42 @@ class WorkerSide:
             layout=(f"{compat.page_layout(first, self.num_blocks)}:"
                     f"{compat.kv_element_order(self.vllm_config, name, first)}"),
             model_config=compat.model_config_id(self.vllm_config))
+        if self.is_producer:
+            self._start_layer_split(kv_caches, int(layers.size))
         with _unpinned():
             self._start(regions, memory, fingerprint, int(layers.size))
+
+    def _start_layer_split(self, kv_caches: dict, num_layers: int) -> None:
+        """With layer-split storage (``vllm_compat.kv_cache`` laid the memory out in
+        the engine core), check the layout and hook the transient-slot fill."""
+        plan = storage_plan(self.vllm_config, num_layers)
+        if plan is None:
+            return
+        owned = [n for n in kv_caches if plan.owner(compat.layer_index(n)) == self.tp_rank]
+        others = [n for n in kv_caches if n not in set(owned)]
+        ptrs = {n: t.data_ptr() for n, t in kv_caches.items()}
+        transient = {ptrs[n] for n in others}
+        if len(transient) != 1 or len({ptrs[n] for n in owned} | transient) != len(owned) + 1:
+            raise RuntimeError(f"layer-split storage is configured (layer_split={self.cfg.layer_split!r}), but the KV "
+                               f"cache of TP rank {self.tp_rank} is not laid out for it: {len(owned)} owned layers "
+                               f"and {len(transient)} distinct regions for the {len(others)} others (expected 1). "
+                               f"Was vllm_dcp2d's plugin loaded in the engine core?")
+        unhooked = [n for n in kv_caches if not compat.fills_transient_slot(self.vllm_config, n)]
+        if unhooked:
+            raise RuntimeError(f"layer-split storage needs the plugin's CPU_ATTN or CPU_MLA attention, which fill "
+                               f"the transient slot; {unhooked[0]} uses another backend. Start with "
+                               f"--attention-backend CPU_MLA (MLA) or layer_split='off'.")
+        bound = compat.bound_kv_caches(self.vllm_config)
+        owners = {id(t): (n, plan.owner(compat.layer_index(n))) for n, t in bound.items() if n in kv_caches}
+        if len(owners) != len(kv_caches):
+            raise RuntimeError(f"layer-split storage: {len(kv_caches)} KV caches registered but {len(owners)} "
+                               f"bound to attention layers")
+        self.layer_split = layer_split.LayerSplit(compat.tp_cp_group(), owners, self.num_blocks)
+        layer_split.activate(self.layer_split)
+        r = cp_layer_range(num_layers, plan.cp_size, self.tp_rank) if self.tp_rank < plan.cp_size else range(0)
+        log.info("DCP2D layer-split storage: TP rank %d stores layers [%d, %d) plus one transient slot for the "
+                 "other %d (%d layer slots instead of %d)", self.tp_rank, r.start, r.stop, len(others),
+                 len(owned) + 1, num_layers)
 
     def _start(self, regions, memory, fingerprint, num_layers: int) -> None:
         # A producer's engine only writes: it may be replaced after a failed write.
@@ -143,6 +180,17 @@ class WorkerSide:
             log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d", self.tp_rank, self.dcp_rank, self.dcp_size)
 
     # -- per step -----------------------------------------------------------------------------
+
+    def bind(self, meta) -> None:
+        """Called every step with its metadata, before the forward (None after it):
+        the context blocks the layer-split fill broadcasts."""
+        if self.layer_split is not None:
+            from vllm_dcp2d.connector.scheduler import DCP2DMetadata
+            blocks = meta.context_blocks if isinstance(meta, DCP2DMetadata) else None
+            if isinstance(meta, DCP2DMetadata) and blocks is None:
+                raise RuntimeError("layer-split storage is on in this worker, but the scheduler side sent no "
+                                   "context_blocks: the owners cannot fill the transient slots")
+            self.layer_split.bind(blocks)
 
     def start_load_kv(self, meta) -> None:
         """Called by the model runner every step with this step's metadata bound.
@@ -236,7 +284,7 @@ class WorkerSide:
             self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s)
             self.stats_file.write(transfer_key=f.transfer_key, cp_rank=cp_rank, cp_size=o.cp_size,
                                   tp_rank=self.tp_rank, dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
-                                  pages=o.num_pages, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
+                                  pages=o.num_pages, page_size=self.page_size, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
                                   descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
 
     def _fail(self, req_id: str, key: str, f: Fetch | None, block_ids: list[int], first_page: int,
@@ -290,9 +338,14 @@ class WorkerSide:
         return out
 
     def get_kv_connector_stats(self) -> DCP2DStats | None:
+        if self.layer_split is not None:
+            self.stats.count("prefix_broadcast_bytes", self.layer_split.take_bytes())
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
+        if self.layer_split is not None:
+            layer_split.deactivate()
+            self.layer_split = None
         for part in (self.receiver, self.sender, self.bootstrap):
             if part is not None:
                 try:
@@ -329,3 +382,4 @@ def _unpinned():
         yield
     finally:
         os.sched_setaffinity(0, pinned)
+

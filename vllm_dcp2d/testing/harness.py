@@ -140,10 +140,8 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
         cmd += ["--decode-context-parallel-size", str(dcp)]
     if dtype:
         cmd += ["--dtype", dtype]
-    if block_size:
+    if block_size:  # the DCP interleave follows it (vllm_compat/config.py)
         cmd += ["--block-size", str(block_size)]
-        if dcp > 1:
-            cmd += ["--cp-kv-cache-interleave-size", str(block_size)]
     env = {}
     if cpu:
         cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "4"]

@@ -11,6 +11,7 @@ Kinds (all: vocab 512, hidden 128, 4 attention heads, head_dim 32 or MLA 576):
   llama-mqa        LlamaForCausalLM, 4 layers, 1 KV head: the KV is replicated
                    over TP=2 ranks, so each TP rank can act as a layer-split CP
                    rank, and DCP=2 is valid with TP=2 (vLLM needs TP > KV heads).
+  llama-mqa-8      llama-mqa with 8 layers (layer-split storage at CP=2: 8 / 5 = 1.6x).
   deepseek-v2-mla  DeepseekV2ForCausalLM, 2 layers, MLA with kv_lora_rank 512 and
                    qk_rope_head_dim 64 (the only MLA shape vLLM's CPU backend runs).
 """
@@ -21,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-KINDS = ("llama", "llama-mqa", "deepseek-v2-mla")
+KINDS = ("llama", "llama-mqa", "llama-mqa-8", "deepseek-v2-mla")
 _VERSION = 1  # bump when the recipe changes, so cached builds are rebuilt
 _VOCAB = 512
 _CHAT_TEMPLATE = (
@@ -41,8 +42,9 @@ def _config(kind: str, dtype: str) -> dict:
     common = dict(vocab_size=_VOCAB, hidden_size=128, num_attention_heads=4, intermediate_size=256,
                   max_position_embeddings=4096, rms_norm_eps=1e-6, dtype=dtype,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind in ("llama", "llama-mqa"):
-        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=4,
+    if kind in ("llama", "llama-mqa", "llama-mqa-8"):
+        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
+                    num_hidden_layers=8 if kind == "llama-mqa-8" else 4,
                     num_key_value_heads=2 if kind == "llama" else 1, head_dim=32, hidden_act="silu",
                     rope_theta=10000.0)
     if kind == "deepseek-v2-mla":

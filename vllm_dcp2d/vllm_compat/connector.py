@@ -39,7 +39,8 @@ __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorWorkerMetada
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
            "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
-           "check_interleave", "record_event", "hold_blocks", "release_blocks", "sleep_between_shm_polls"]
+           "check_interleave", "record_event", "scheduled_context", "bound_kv_caches", "tp_cp_group",
+           "fills_transient_slot", "layer_split_applies", "hold_blocks", "release_blocks", "sleep_between_shm_polls"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -87,6 +88,14 @@ def scheduled_tokens(scheduler_output):
         yield req_id, computed + n.get(req_id, 0)
 
 
+def scheduled_context(scheduler_output):
+    """Yields ``(req_id, tokens computed before this step)`` for every scheduled request."""
+    for req in scheduler_output.scheduled_new_reqs:
+        yield req.req_id, req.num_computed_tokens
+    cached = scheduler_output.scheduled_cached_reqs
+    yield from zip(cached.req_ids, cached.num_computed_tokens)
+
+
 def finished_normally(request) -> bool:
     """Stopped or length-capped: its prompt KV is complete (not aborted or failed)."""
     return request.status in _FINISHED_OK
@@ -95,6 +104,44 @@ def finished_normally(request) -> bool:
 def tp_rank_size() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def tp_cp_group():
+    """The TP group as a ``prefill.dist.CPGroup`` (layer-split CP rank = TP rank)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from vllm_dcp2d.prefill.dist import cp_group_from
+    return cp_group_from(get_tp_group().device_group)
+
+
+def bound_kv_caches(vllm_config) -> dict[str, torch.Tensor]:
+    """Layer name -> the KV tensor object vLLM hands that layer's cache write
+    (``layer.kv_cache`` in the static forward context, bound before
+    ``register_kv_caches``)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return {name: layer.kv_cache for name, layer in ctx.items() if isinstance(getattr(layer, "kv_cache", None),
+                                                                              torch.Tensor)}
+
+
+def layer_split_applies(vllm_config, kv_cache_config) -> bool:
+    """Whether this instance stores KV layer-split (``vllm_compat.kv_cache``), from the
+    layers of its KV cache config (the scheduler side's; None: unknown, so no)."""
+    from vllm_dcp2d.vllm_compat.kv_cache import storage_plan
+
+    if kv_cache_config is None:
+        return False
+    layers = {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names}
+    return bool(layers) and storage_plan(vllm_config, len(layers)) is not None
+
+
+def fills_transient_slot(vllm_config, layer_name: str) -> bool:
+    """Whether the attention impl of ``layer_name`` calls the layer-split fill before
+    its cache write (the plugin's CPU_ATTN / CPU_MLA impls do; AMX_MLA does not)."""
+    from vllm_dcp2d.attention.backend import DCPCPUAttentionImpl
+    from vllm_dcp2d.attention.backend_mla import DCPCPUMLAImpl
+
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    return isinstance(getattr(layer, "impl", None), (DCPCPUAttentionImpl, DCPCPUMLAImpl))
 
 
 def dcp_rank_size() -> tuple[int, int]:
@@ -113,17 +160,24 @@ def kv_replicated(vllm_config) -> bool:
     return bool(mc.use_mla) or mc.get_total_num_kv_heads() == 1
 
 
-def check_interleave(vllm_config) -> None:
-    """Decode with DCP must keep whole pages per rank: interleave == block_size."""
+def check_interleave(vllm_config, resolved: bool = True) -> None:
+    """Decode with DCP must keep whole pages per rank: interleave == block_size.
+
+    resolved: False in the engine core, where an interleave the user left unset
+    is still vLLM's default (each worker sets it to the block size before it
+    builds the connector, ``vllm_compat.config``); True in workers.
+    """
     pc = vllm_config.parallel_config
     dcp = pc.decode_context_parallel_size
     bs = page_size(vllm_config)
+    if not resolved and pc._allow_auto_resolve_cp_interleave_size:
+        return
     if dcp > 1 and pc.cp_kv_cache_interleave_size != bs:
         raise ValueError(
             f"DCP2DConnector writes whole pages into vLLM's DCP layout, which needs "
             f"cp_kv_cache_interleave_size == block_size; got decode_context_parallel_size={dcp}, "
             f"cp_kv_cache_interleave_size={pc.cp_kv_cache_interleave_size}, block_size={bs}. "
-            f"Start decode with --cp-kv-cache-interleave-size {bs} (or change --block-size to match).")
+            f"Leave --cp-kv-cache-interleave-size unset (it then follows the block size) or set it to {bs}.")
 
 
 def layer_index(layer_name: str) -> int:
@@ -199,7 +253,7 @@ def kv_element_order(vllm_config, layer_name: str, t: torch.Tensor) -> str:
     ISA vLLM's writer packs for and a digest of the resulting element permutation."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
     backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
-    if t.device.type != "cpu" or t.ndim != 4:
+    if t.device.type != "cpu" or t.ndim != 4 or backend not in ("CPU_ATTN", "unknown"):  # MLA: rows as written
         return backend
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

@@ -1,0 +1,112 @@
+"""Start-up choices for DCP2D instances (``vllm_compat.config``) and the layer-split
+KV layout (``vllm_compat.kv_cache``), on config stand-ins: exact decisions and
+exact placements, without starting vLLM."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_dcp2d.connector.config import ConfigError
+from vllm_dcp2d.layout import cp_layer_range
+from vllm_dcp2d.vllm_compat.config import mla_backend, resolve_interleave
+from vllm_dcp2d.vllm_compat.kv_cache import StoragePlan, split_tensors, storage_plan
+
+
+def _vc(role="kv_consumer", dcp=1, tp=2, mla=True, backend=None, extra=None, connector="DCP2DConnector",
+        heads=1, interleave=1, auto=True):
+    return NS(kv_transfer_config=NS(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {}),
+              model_config=NS(use_mla=mla, model="m", get_total_num_kv_heads=lambda: heads),
+              attention_config=NS(backend=backend),
+              parallel_config=NS(decode_context_parallel_size=dcp, tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                 cp_kv_cache_interleave_size=interleave,
+                                 _allow_auto_resolve_cp_interleave_size=auto))
+
+
+def test_mla_backend_on_amx():
+    assert mla_backend(_vc(dcp=2), amx=True) == "CPU_MLA"
+    assert mla_backend(_vc(role="kv_producer"), amx=True) == "CPU_MLA"  # layer-split may apply
+    assert mla_backend(_vc(role="kv_producer", extra={"layer_split": "off"}), amx=True) is None
+    assert mla_backend(_vc(role="kv_producer", tp=1), amx=True) is None
+    assert mla_backend(_vc(dcp=1), amx=True) is None  # a DCP=1 decode keeps AMX_MLA
+    assert mla_backend(_vc(dcp=2), amx=False) is None  # vLLM already picks CPU_MLA
+    assert mla_backend(_vc(dcp=2, mla=False), amx=True) is None
+    assert mla_backend(_vc(dcp=2, connector="NixlConnector"), amx=True) is None
+    with pytest.raises(ValueError, match="Use --attention-backend CPU_MLA"):
+        mla_backend(_vc(dcp=2, backend=NS(name="AMX_MLA")), amx=True)
+    with pytest.raises(ValueError, match="layer_split='off'"):
+        mla_backend(_vc(role="kv_producer", backend=NS(name="AMX_MLA")), amx=True)
+
+
+def test_interleave_follows_block_size_unless_set():
+    vc = _vc(dcp=2)
+    resolve_interleave(vc, 16)
+    assert vc.parallel_config.cp_kv_cache_interleave_size == 16
+    vc = _vc(dcp=2, interleave=8, auto=False)  # the user's choice stays (and check_interleave names it)
+    resolve_interleave(vc, 16)
+    assert vc.parallel_config.cp_kv_cache_interleave_size == 8
+    vc = _vc(dcp=1)
+    resolve_interleave(vc, 16)
+    assert vc.parallel_config.cp_kv_cache_interleave_size == 1
+
+
+def test_storage_plan_decisions(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda *a: True)
+    plan = storage_plan(_vc(role="kv_producer"), 8)
+    assert plan == StoragePlan(8, 2) and plan.slots == 5
+    assert storage_plan(_vc(role="kv_producer", extra={"cp_size": 1}), 8) is None
+    assert storage_plan(_vc(role="kv_consumer"), 8) is None
+    assert storage_plan(_vc(role="kv_producer", extra={"layer_split": "off"}), 8) is None
+    assert storage_plan(_vc(role="kv_producer", mla=False, heads=2), 8) is None  # sharded KV: "auto" skips
+    with pytest.raises(ConfigError, match="2 KV heads sharded over TP=2"):
+        storage_plan(_vc(role="kv_producer", mla=False, heads=2, extra={"layer_split": "on"}), 8)
+    with pytest.raises(ConfigError, match="kv_role is 'kv_consumer'"):
+        storage_plan(_vc(extra={"layer_split": "on"}), 8)
+    with pytest.raises(ConfigError, match="expected one of"):
+        storage_plan(_vc(role="kv_producer", extra={"layer_split": "yes"}), 8)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda *a: False)
+    with pytest.raises(ConfigError, match="CPU attention backends"):
+        storage_plan(_vc(role="kv_producer", extra={"layer_split": "on"}), 8)
+
+
+@given(layers=st.integers(1, 40), cp=st.integers(2, 8), blocks=st.integers(1, 64), page=st.integers(1, 512))
+def test_split_tensors_places_owned_layers_apart_and_others_on_one_slot(layers, cp, blocks, page):
+    """For every rank: owned layers at their own offsets, every other layer at the
+    one transient offset, all inside an allocation of (owned + 1) layer regions."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+
+    cp = min(cp, layers) if layers > 1 else 2
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    stride = blocks * page
+    cfg = KVCacheConfig(num_blocks=blocks, kv_cache_groups=[NS(layer_names=names)],
+                        kv_cache_tensors=[KVCacheTensor(size=layers * stride, layers=names, layer_stride=stride,
+                                                        block_stride=page)])
+    plan = StoragePlan(layers, cp)
+    index = lambda n: int(n.split(".")[2])  # noqa: E731
+    for rank in range(cp):
+        out = split_tensors(cfg, plan, rank, index)
+        owned = list(cp_layer_range(layers, cp, rank))
+        start = {}
+        for t in out.kv_cache_tensors:
+            assert t.size == (len(owned) + 1) * stride and t.block_stride == page
+            for i, n in enumerate(t.layers):
+                start[index(n)] = t.offset + i * t.layer_stride
+        assert sorted(start) == list(range(layers))
+        assert [start[i] for i in owned] == [k * stride for k in range(len(owned))]
+        assert {start[i] for i in range(layers) if i not in owned} <= {len(owned) * stride}
+        assert out.num_blocks == blocks
+
+
+def test_split_tensors_refuses_block_outermost_layouts():
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    cfg = KVCacheConfig(num_blocks=4, kv_cache_groups=[NS(layer_names=names)],
+                        kv_cache_tensors=[KVCacheTensor(size=8 * 64, layers=names, layer_stride=64, block_stride=128)])
+    with pytest.raises(ValueError, match="layer-outermost"):
+        split_tensors(cfg, StoragePlan(2, 2), 0, lambda n: int(n.split(".")[2]))

@@ -1,0 +1,138 @@
+"""Start-up settings a DCP2D instance needs, chosen for the user (vLLM 0.32.0).
+
+Without these, serving an MLA model through the connector took three flags
+that nothing pointed to (``--attention-backend CPU_MLA``, ``--block-size 16``,
+``--cp-kv-cache-interleave-size 16``). Each patch below acts only when
+``kv_connector`` is ``DCP2DConnector``, logs what it chose, and yields to an
+explicit setting, unless that setting cannot work: then start-up fails with
+an error that names the flag to change.
+
+1. ``CpuPlatform.check_and_update_config``: on a CPU with AMX, vLLM picks
+   ``AMX_MLA`` for MLA models. It returns no LSE, so DCP cannot merge its
+   partials, and the layer-split fill is hooked into ``CPU_MLA`` only. For a
+   decode with DCP > 1, or a producer whose layer-split storage may apply,
+   :func:`mla_backend` switches to ``CPU_MLA`` before the platform fixes the
+   block size (16 for ``CPU_MLA``).
+2. ``VllmConfig.adjust_dcp_kv_cache_interleave_size``: vLLM pins the DCP
+   interleave to the block size for NIXL, once each worker knows its block
+   size. The connector writes whole pages into the DCP layout, which needs
+   the same, so DCP2DConnector gets it too (unless
+   ``--cp-kv-cache-interleave-size`` was given; ``check_interleave`` then
+   names the mismatch).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+__all__ = ["install", "mla_backend", "resolve_interleave"]
+
+CONNECTOR_NAME = "DCP2DConnector"
+
+
+def _ours(vllm_config) -> bool:
+    kv = vllm_config.kv_transfer_config
+    return kv is not None and kv.kv_connector == CONNECTOR_NAME
+
+
+def _layer_split_may_apply(vllm_config) -> bool:
+    kv = vllm_config.kv_transfer_config
+    extra = kv.kv_connector_extra_config or {}
+    return kv.kv_role == "kv_producer" and extra.get("layer_split", "auto") != "off" \
+        and vllm_config.parallel_config.tensor_parallel_size > 1
+
+
+def mla_backend(vllm_config, amx: bool) -> str | None:
+    """The MLA backend a DCP2D instance must use on CPU, or None to leave vLLM's choice.
+
+    amx: whether this CPU has AMX tiles (vLLM then prefers ``AMX_MLA``).
+    Raises ``ValueError`` when ``AMX_MLA`` was asked for where it cannot work.
+    """
+    mc = vllm_config.model_config
+    if not (_ours(vllm_config) and mc is not None and mc.use_mla and amx):
+        return None
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    why = ("decode_context_parallel_size > 1 needs the attention's LSE, which AMX_MLA does not return"
+           if dcp > 1 else "layer-split storage fills its transient slot from CPU_MLA's cache write"
+           if _layer_split_may_apply(vllm_config) else None)
+    if why is None:
+        return None
+    chosen = vllm_config.attention_config.backend
+    name = getattr(chosen, "name", chosen)
+    if name == "AMX_MLA":
+        extra = " or kv_connector_extra_config layer_split='off'" if dcp == 1 else ""
+        raise ValueError(f"--attention-backend AMX_MLA cannot serve this DCP2D instance: {why}. "
+                         f"Use --attention-backend CPU_MLA{extra}.")
+    if name in (None, "CPU_MLA"):
+        return "CPU_MLA"
+    return None
+
+
+def resolve_interleave(vllm_config, block_size: int) -> None:
+    """Set ``cp_kv_cache_interleave_size`` to ``block_size`` on a DCP2D decode with
+    DCP > 1, unless the user set it (vLLM's ``_allow_auto_resolve_cp_interleave_size``)."""
+    pc = vllm_config.parallel_config
+    if not _ours(vllm_config) or pc.decode_context_parallel_size <= 1:
+        return
+    if not pc._allow_auto_resolve_cp_interleave_size or pc.cp_kv_cache_interleave_size == block_size:
+        return
+    log.info("DCP2DConnector writes whole pages into the DCP layout: cp_kv_cache_interleave_size %d -> "
+             "block_size %d", pc.cp_kv_cache_interleave_size, block_size)
+    pc.cp_kv_cache_interleave_size = block_size
+
+
+# ---- 1. CpuPlatform.check_and_update_config (vLLM 0.32.0) ----
+
+def _install_mla_backend() -> None:
+    import torch
+    from vllm.platforms import CpuArchEnum, current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cls = type(current_platform)
+    stock = cls.check_and_update_config.__func__
+    if getattr(stock, "_dcp2d", False):
+        return
+
+    def check_and_update_config(klass, vllm_config) -> None:
+        amx = klass.get_cpu_architecture() == CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()
+        backend = mla_backend(vllm_config, amx)
+        if backend is not None and vllm_config.attention_config.backend is None:
+            log.info("DCP2DConnector: MLA on an AMX CPU uses the CPU_MLA attention backend, not AMX_MLA "
+                     "(it returns the LSE DCP merges with, and fills layer-split transient slots)")
+            vllm_config.attention_config.backend = AttentionBackendEnum[backend]
+        stock(klass, vllm_config)
+
+    check_and_update_config._dcp2d = True
+    cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+# ---- 2. VllmConfig.adjust_dcp_kv_cache_interleave_size (vLLM 0.32.0) ----
+
+def _install_interleave() -> None:
+    from vllm.config import VllmConfig
+
+    stock = VllmConfig.adjust_dcp_kv_cache_interleave_size
+    if getattr(stock, "_dcp2d", False):
+        return
+
+    def adjust_dcp_kv_cache_interleave_size(self, kv_cache_config) -> None:
+        stock(self, kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups
+        if groups:
+            resolve_interleave(self, min(g.kv_cache_spec.block_size for g in groups))
+
+    adjust_dcp_kv_cache_interleave_size._dcp2d = True
+    VllmConfig.adjust_dcp_kv_cache_interleave_size = adjust_dcp_kv_cache_interleave_size
+
+# ---- end of fenced pieces ----
+
+
+def install() -> None:
+    """Install both patches (idempotent; called by the plugin in every process)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _install_mla_backend()
+    _install_interleave()
