@@ -61,7 +61,9 @@ class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
         bad = [name for name, hit in unsupported.items() if hit]
         if bad:
             raise NotImplementedError(f"vllm_dcp2d DCP attention on CPU does not support: {', '.join(bad)}")
-        self.cp_interleave = get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size
+        # Read at each forward: a KV connector may set the interleave after the model is
+        # built (vLLM's adjust_dcp_kv_cache_interleave_size, vllm_compat/config.py).
+        self._parallel_config = get_current_vllm_config().parallel_config
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Called by vLLM (``unified_kv_cache_update``) before ``forward``: writes the
@@ -94,7 +96,8 @@ class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
         num_reqs = qsl.shape[0] - 1
         seq_lens = attn_metadata.seq_lens[:num_reqs]
         context = seq_lens - (qsl[1:] - qsl[:-1])
-        local = local_context_lens(context, self.dcp_world_size, rank, self.cp_interleave)
+        local = local_context_lens(context, self.dcp_world_size, rank,
+                                   self._parallel_config.cp_kv_cache_interleave_size)
 
         nb, hkv, bs, _ = kv_cache.shape
         pages = kv_cache.view(nb, hkv, 2 * bs * d)

@@ -382,4 +382,3 @@ def _unpinned():
         yield
     finally:
         os.sched_setaffinity(0, pinned)
-
