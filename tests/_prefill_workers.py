@@ -10,6 +10,11 @@ from vllm_dcp2d.prefill.broadcast import broadcast_owner_layer_prefix
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, as an int tensor of the same element size."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def page_values(case: int, layer: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The owner's KV of ``layer`` in case ``case``: distinct per block, layer and case."""
     g = torch.Generator().manual_seed(case * 1000 + layer)
@@ -40,8 +45,7 @@ def cases(cp, cases: list[dict]) -> dict:
                 continue
             rest = torch.ones(shape[0], dtype=torch.bool)
             rest[blocks] = False
-            if not torch.equal(kv[blocks].view(torch.uint8) if dtype != torch.float32 else kv[blocks],
-                               own[blocks].view(torch.uint8) if dtype != torch.float32 else own[blocks]):
+            if not torch.equal(_bits(kv[blocks]), _bits(own[blocks])):
                 bad.append((i, layer, "blocks differ from the owner's"))
             if not torch.equal(kv[rest], before[rest]):
                 bad.append((i, layer, "a block outside the list changed"))
