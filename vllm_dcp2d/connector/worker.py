@@ -43,7 +43,7 @@ from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.config import ConfigError, DCP2DConfig
 from vllm_dcp2d.connector.messages import Fingerprint
 from vllm_dcp2d.connector.receiver import Fetch, Receiver
-from vllm_dcp2d.connector.scheduler import DCP2DWorkerMeta, LoadSpec
+from vllm_dcp2d.connector.scheduler import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
 from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.transport import MooncakeTransport
@@ -129,7 +129,7 @@ class WorkerSide:
         if plan is None:
             return
         owned = [n for n in kv_caches if plan.owner(compat.layer_index(n)) == self.tp_rank]
-        others = [n for n in kv_caches if n not in set(owned)]
+        others = [n for n in kv_caches if plan.owner(compat.layer_index(n)) != self.tp_rank]
         ptrs = {n: t.data_ptr() for n, t in kv_caches.items()}
         transient = {ptrs[n] for n in others}
         if len(transient) != 1 or len({ptrs[n] for n in owned} | transient) != len(owned) + 1:
@@ -185,7 +185,6 @@ class WorkerSide:
         """Called every step with its metadata, before the forward (None after it):
         the context blocks the layer-split fill broadcasts."""
         if self.layer_split is not None:
-            from vllm_dcp2d.connector.scheduler import DCP2DMetadata
             blocks = meta.context_blocks if isinstance(meta, DCP2DMetadata) else None
             if isinstance(meta, DCP2DMetadata) and blocks is None:
                 raise RuntimeError("layer-split storage is on in this worker, but the scheduler side sent no "

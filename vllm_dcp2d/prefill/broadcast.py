@@ -33,7 +33,7 @@ def block_digest(blocks: torch.Tensor) -> int:
 
 
 def broadcast_owner_layer_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, owner: int, cp: CPGroup,
-                                 what: str = "") -> int:
+                                 what: str = "", digest: int | None = None) -> int:
     """Copy the owner's ``kv_cache[blocks]`` into every other rank's ``kv_cache[blocks]``.
 
     Called by every rank of ``cp`` for the layer, before its cache write.
@@ -44,16 +44,18 @@ def broadcast_owner_layer_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, o
               every rank (each rank computes it from the step's metadata).
     owner:    CP rank that owns the layer, ``0 <= owner < cp.size``.
     what:     names the layer in errors.
+    digest:   ``block_digest(blocks)`` if the caller has it (the same list serves
+              every layer of a step).
     Returns the bytes this rank sent or received.
 
     Raises ``RuntimeError`` on a non-owner whose ``(n, digest)`` differs from the
     owner's, after it joined the data broadcast (so the group is not left hanging).
     """
     src = cp.global_rank(owner)
-    local = (blocks.numel(), block_digest(blocks))
+    local = (blocks.numel(), block_digest(blocks) if digest is None else digest)
     head = torch.tensor(local, dtype=torch.int64, device=cp.device)
     dist.broadcast(head, src=src, group=cp.group)
-    n, digest = (int(x) for x in head.tolist())
+    n, owner_digest = (int(x) for x in head.tolist())
     if n == 0 and local[0] == 0:
         return 0
     if cp.rank == owner:
@@ -63,10 +65,10 @@ def broadcast_owner_layer_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, o
     if n:
         dist.broadcast(buf, src=src, group=cp.group)
     if cp.rank != owner:
-        if (n, digest) != local:
+        if (n, owner_digest) != local:
             raise RuntimeError(
                 f"layer-split prefix broadcast{' of ' + what if what else ''}: CP rank {cp.rank} has {local[0]} "
-                f"blocks (digest {local[1]}) but the owner, CP rank {owner}, has {n} (digest {digest}); the ranks "
+                f"blocks (digest {local[1]}) but the owner, CP rank {owner}, has {n} (digest {owner_digest}); the ranks "
                 f"no longer agree on the step's batch")
         kv_cache.index_copy_(0, blocks.to(kv_cache.device), buf.to(kv_cache.device))
     return buf.numel() * buf.element_size()

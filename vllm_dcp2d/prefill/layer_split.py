@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from vllm_dcp2d.prefill.broadcast import broadcast_owner_layer_prefix
+from vllm_dcp2d.prefill.broadcast import block_digest, broadcast_owner_layer_prefix
 from vllm_dcp2d.prefill.dist import CPGroup
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class LayerSplit:
     def __init__(self, cp: CPGroup, owners: dict[int, tuple[str, int]], num_blocks: int):
         self.cp, self.owners, self.num_blocks = cp, owners, num_blocks
         self.blocks: torch.Tensor | None = None
+        self.digest = 0  # block_digest(self.blocks), once per step
         self.bytes = 0  # sent or received since the last take_bytes()
 
     def bind(self, context_blocks) -> None:
@@ -50,6 +51,7 @@ class LayerSplit:
         ``context_blocks`` (int ``[n]``, sorted), or None when the step carries no
         DCP2D metadata (vLLM's dummy runs): then no layer broadcasts."""
         self.blocks = None if context_blocks is None else torch.as_tensor(context_blocks, dtype=torch.int64)
+        self.digest = 0 if self.blocks is None else block_digest(self.blocks)
 
     def fill(self, kv_cache: torch.Tensor) -> None:
         """Size-broadcast the step's context blocks of the layer whose cache is
@@ -65,7 +67,7 @@ class LayerSplit:
         ratio = kv_cache.shape[0] // self.num_blocks
         if ratio > 1:  # the backend splits each block into `ratio` kernel blocks
             blocks = (blocks[:, None] * ratio + torch.arange(ratio)).reshape(-1)
-        self.bytes += broadcast_owner_layer_prefix(kv_cache, blocks, owner, self.cp, what=name)
+        self.bytes += broadcast_owner_layer_prefix(kv_cache, blocks, owner, self.cp, what=name, digest=self.digest)
 
     def take_bytes(self) -> int:
         n, self.bytes = self.bytes, 0

@@ -27,21 +27,24 @@ import logging
 
 log = logging.getLogger(__name__)
 
-__all__ = ["install", "mla_backend", "resolve_interleave"]
-
-CONNECTOR_NAME = "DCP2DConnector"
+__all__ = ["install", "is_dcp2d", "mla_backend", "resolve_interleave"]
 
 
-def _ours(vllm_config) -> bool:
+def is_dcp2d(vllm_config) -> bool:
+    """Whether this instance's KV connector is DCP2DConnector."""
+    from vllm_dcp2d.plugin import CONNECTOR_NAME
+
     kv = vllm_config.kv_transfer_config
     return kv is not None and kv.kv_connector == CONNECTOR_NAME
 
 
 def _layer_split_may_apply(vllm_config) -> bool:
+    from vllm_dcp2d.connector.config import parse_extra_config
+
     kv = vllm_config.kv_transfer_config
-    extra = kv.kv_connector_extra_config or {}
-    return kv.kv_role == "kv_producer" and extra.get("layer_split", "auto") != "off" \
-        and vllm_config.parallel_config.tensor_parallel_size > 1
+    cfg = parse_extra_config(kv.kv_connector_extra_config)
+    cp = cfg.cp_size or vllm_config.parallel_config.tensor_parallel_size
+    return kv.kv_role == "kv_producer" and cfg.layer_split != "off" and cp > 1
 
 
 def mla_backend(vllm_config, amx: bool) -> str | None:
@@ -51,7 +54,7 @@ def mla_backend(vllm_config, amx: bool) -> str | None:
     Raises ``ValueError`` when ``AMX_MLA`` was asked for where it cannot work.
     """
     mc = vllm_config.model_config
-    if not (_ours(vllm_config) and mc is not None and mc.use_mla and amx):
+    if not (is_dcp2d(vllm_config) and mc is not None and mc.use_mla and amx):
         return None
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     why = ("decode_context_parallel_size > 1 needs the attention's LSE, which AMX_MLA does not return"
@@ -74,7 +77,7 @@ def resolve_interleave(vllm_config, block_size: int) -> None:
     """Set ``cp_kv_cache_interleave_size`` to ``block_size`` on a DCP2D decode with
     DCP > 1, unless the user set it (vLLM's ``_allow_auto_resolve_cp_interleave_size``)."""
     pc = vllm_config.parallel_config
-    if not _ours(vllm_config) or pc.decode_context_parallel_size <= 1:
+    if not is_dcp2d(vllm_config) or pc.decode_context_parallel_size <= 1:
         return
     if not pc._allow_auto_resolve_cp_interleave_size or pc.cp_kv_cache_interleave_size == block_size:
         return

@@ -30,9 +30,7 @@ from vllm_dcp2d.layout import cp_layer_owner, local_layer_count
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StoragePlan", "storage_plan", "split_tensors", "get_kv_cache_configs", "install", "CONNECTOR_NAME"]
-
-CONNECTOR_NAME = "DCP2DConnector"
+__all__ = ["StoragePlan", "storage_plan", "split_tensors", "get_kv_cache_configs", "install"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +62,11 @@ def storage_plan(vllm_config, num_layers: int) -> StoragePlan | None:
 
     Raises ``ConfigError`` when ``layer_split`` is ``"on"`` and it cannot apply.
     """
-    kv = vllm_config.kv_transfer_config
-    if kv is None or kv.kv_connector != CONNECTOR_NAME:
+    from vllm_dcp2d.vllm_compat.config import is_dcp2d
+
+    if not is_dcp2d(vllm_config):
         return None
+    kv = vllm_config.kv_transfer_config
     from vllm_dcp2d.connector.config import parse_extra_config
     from vllm_dcp2d.vllm_compat.connector import kv_replicated
 
@@ -122,7 +122,7 @@ def split_tensors(config, plan: StoragePlan, rank: int, layer_index) -> object:
                          f"got layer_stride={t.layer_stride}, block_stride={t.block_stride}, "
                          f"num_blocks={config.num_blocks}; unset VLLM_KV_CACHE_LAYOUT or use a layer-outer one")
     owned = [name for name in t.layers if plan.owner(layer_index(name)) == rank]
-    others = [name for name in t.layers if name not in set(owned)]
+    others = [name for name in t.layers if plan.owner(layer_index(name)) != rank]
     size = (len(owned) + 1) * t.layer_stride
     placements = [KVCacheTensor(size=size, layers=owned, layer_stride=t.layer_stride, block_stride=t.block_stride)]
     placements = placements if owned else []
