@@ -3,8 +3,9 @@
 vLLM calls ``register()`` once in every process it starts (front end, engine
 core, each worker), before any connector or attention backend is resolved.
 It makes ``kv_connector="DCP2DConnector"`` resolvable without a module path,
-installs the DCP-capable CPU attention backends and the engine core's
-layer-split KV layout (``vllm_compat/kv_cache.py``).
+installs the DCP-capable CPU attention backends, the engine core's
+layer-split KV layout (``vllm_compat/kv_cache.py``) and, on CPU, speculative
+decoding under DCP (``vllm_compat/spec_decode.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ def register() -> None:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_dcp2d.connector.connector", "DCP2DConnector")
     except ValueError:
         pass  # already registered: register() can run twice in one process (in-process engine + CLI)
-    from vllm_dcp2d.vllm_compat import attention, config, kv_cache
+    from vllm.platforms import current_platform
+
+    from vllm_dcp2d.vllm_compat import attention, config, kv_cache, spec_decode
 
     attention.register()
     config.install()  # MLA backend and DCP interleave chosen for DCP2D instances
     kv_cache.install()  # layer-split storage on prefill instances that ask for it
+    if current_platform.is_cpu():
+        spec_decode.install()  # a draft runs with DCP disabled; ranks agree on what was accepted
     logger.debug("vllm_dcp2d registered %s and the DCP attention backend", CONNECTOR_NAME)
 
 

@@ -44,6 +44,9 @@ class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
     can_return_lse_for_decode = True
     supports_dcp = True
     lse_base_on_e = True
+    # Any number of query tokens per request (k + 1 when verifying drafts), at any
+    # interleave: context and new tokens are split by the same local_context_lens.
+    supports_mtp_with_cp_non_trivial_interleave_size = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -14,6 +14,11 @@ Kinds (all: vocab 512, hidden 128, 4 attention heads, head_dim 32 or MLA 576):
   llama-mqa-8      llama-mqa with 8 layers (layer-split storage at CP=2: 8 / 5 = 1.6x).
   deepseek-v2-mla  DeepseekV2ForCausalLM, 2 layers, MLA with kv_lora_rank 512 and
                    qk_rope_head_dim 64 (the only MLA shape vLLM's CPU backend runs).
+  llama-mqa-eagle  an EAGLE draft head for llama-mqa (vLLM's EagleLlamaForCausalLM):
+                   one decoder layer without its input norm, and ``fc`` [128, 256]
+                   over [embedding | target hidden state]; it shares the target's
+                   embedding and LM head. Serve it with
+                   ``speculative_config={"method": "eagle", "model": path}``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import os
 from pathlib import Path
 
-KINDS = ("llama", "llama-mqa", "llama-mqa-8", "deepseek-v2-mla")
+KINDS = ("llama", "llama-mqa", "llama-mqa-8", "deepseek-v2-mla", "llama-mqa-eagle")
 _VERSION = 1  # bump when the recipe changes, so cached builds are rebuilt
 _VOCAB = 512
 _CHAT_TEMPLATE = (
@@ -42,9 +47,10 @@ def _config(kind: str, dtype: str) -> dict:
     common = dict(vocab_size=_VOCAB, hidden_size=128, num_attention_heads=4, intermediate_size=256,
                   max_position_embeddings=4096, rms_norm_eps=1e-6, dtype=dtype,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind in ("llama", "llama-mqa", "llama-mqa-8"):
+    if kind in ("llama", "llama-mqa", "llama-mqa-8", "llama-mqa-eagle"):
+        layers = {"llama-mqa-8": 8, "llama-mqa-eagle": 1}.get(kind, 4)
         return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
-                    num_hidden_layers=8 if kind == "llama-mqa-8" else 4,
+                    num_hidden_layers=layers,
                     num_key_value_heads=2 if kind == "llama" else 1, head_dim=32, hidden_act="silu",
                     rope_theta=10000.0)
     if kind == "deepseek-v2-mla":
@@ -100,10 +106,30 @@ def build_tiny_model(kind: str, path: str | os.PathLike, dtype: str = "bfloat16"
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
+    if kind == "llama-mqa-eagle":
+        _save_eagle_head(model, path)
+    else:
+        model.save_pretrained(path, safe_serialization=True)
     _build_tokenizer(path)
     stamp_file.write_text(json.dumps(stamp))
     return str(path)
+
+
+def _save_eagle_head(model, path: Path) -> None:
+    """Save a one-layer Llama as an EAGLE head in the checkpoint names vLLM's
+    ``EagleLlamaForCausalLM.load_weights`` reads (``fc.weight``, ``layers.0.*``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden = model.config.hidden_size
+    weights = {name.removeprefix("model."): w.contiguous() for name, w in model.state_dict().items()
+               if name.startswith("model.layers.") and "input_layernorm" not in name}
+    fc = torch.empty(hidden, 2 * hidden, dtype=model.dtype)
+    with torch.no_grad():
+        fc.normal_(0.0, 0.08)
+    weights["fc.weight"] = fc
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(path)
 
 
 def main(argv: list[str] | None = None) -> int:
