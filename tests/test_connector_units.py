@@ -174,3 +174,30 @@ def test_model_config_id_ignores_the_path_not_the_config():
     assert here.endswith("@unknown") and here.startswith("sha256:")
     assert compat.model_config_id(vc("/models/a", num_key_value_heads=1)) != here
     assert compat.model_config_id(vc("/models/a", revision="v2")).endswith("@v2")
+
+
+def _spec_config(method: str):
+    """vLLM's own ``SpeculativeConfig`` predicates on a bare object (building a real
+    one needs a model)."""
+    import types
+
+    from vllm.config import SpeculativeConfig
+
+    ns = NS(method=method)
+    for name in ("use_eagle", "uses_draft_model", "uses_extract_hidden_states", "uses_draft_kv_cache"):
+        setattr(ns, name, types.MethodType(getattr(SpeculativeConfig, name), ns))
+    return ns
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model"])
+def test_a_draft_with_kv_stops_start_up(method):
+    from vllm_dcp2d.connector.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"method='{method}'.*without --speculative-config"):
+        compat.check_no_draft_kv(NS(speculative_config=_spec_config(method)))
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_draft_without_kv_passes(method):
+    compat.check_no_draft_kv(NS(speculative_config=_spec_config(method)))
+    compat.check_no_draft_kv(NS(speculative_config=None))

@@ -9,7 +9,6 @@ runs under DCP, and the ranks agree on what was accepted
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None
     if spec != "none":
         method, _, draft = spec.partition(":")
         kw = dict(speculative_config={"method": method, "model": draft or model, "num_speculative_tokens": K},
-                  worker_extension_cls="_spec_probe.SpecProbe")
+                  worker_extension_cls="vllm_dcp2d.testing.spec_probe.SpecProbe")
     llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp, block_size=BLOCK,
               cp_kv_cache_interleave_size=BLOCK, distributed_executor_backend="mp", enforce_eager=True,
               kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
@@ -56,11 +55,8 @@ def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None
 
 def _engine(model: str, dcp: int, spec: str, tmp: Path, diverge: int = -1) -> dict:
     out = tmp / f"dcp{dcp}-{spec.split(':')[0]}-{diverge}.json"
-    tests = str(Path(__file__).parent)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     return run_engine(__file__, [model, str(dcp), spec, str(diverge), str(out)], out,
-                      f"DCP={dcp} spec={spec}", **env)[0]
+                      f"DCP={dcp} spec={spec}", VLLM_ENABLE_V1_MULTIPROCESSING="1")[0]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +116,7 @@ def test_divergent_draft_on_one_rank_commits_the_same_tokens(models):
     got = _engine(models["target"], 2, "draft_model", models["tmp"], diverge=1)
     reports = got["reports"]
     assert reports[1]["diverged_steps"] > 0 and reports[0]["diverged_steps"] == 0
-    from _spec_probe import committed_equal
+    from vllm_dcp2d.testing.spec_probe import committed_equal
 
     assert committed_equal(reports), "the DCP ranks committed different tokens"
     _assert_same_tokens(got, models["ref"], "one divergent rank")

@@ -42,6 +42,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
         is_consumer = kv.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._worker = None
+        compat.check_no_draft_kv(vllm_config)
         compat.sleep_between_shm_polls(cfg.cpu_poll_sleep_us)
         if role == compat.KVConnectorRole.SCHEDULER:
             if is_consumer:

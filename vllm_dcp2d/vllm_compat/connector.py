@@ -39,7 +39,7 @@ __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorWorkerMetada
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
            "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
-           "check_interleave", "record_event", "scheduled_context", "bound_kv_caches", "tp_cp_group",
+           "check_interleave", "check_no_draft_kv", "record_event", "scheduled_context", "bound_kv_caches", "tp_cp_group",
            "fills_transient_slot", "layer_split_applies", "hold_blocks", "release_blocks", "sleep_between_shm_polls"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -158,6 +158,22 @@ def kv_replicated(vllm_config) -> bool:
     """Whether every TP rank holds the whole KV of each layer (MLA, or one KV head)."""
     mc = vllm_config.model_config
     return bool(mc.use_mla) or mc.get_total_num_kv_heads() == 1
+
+
+def check_no_draft_kv(vllm_config) -> None:
+    """Refuse a speculative draft that keeps its own KV cache (EAGLE, MTP,
+    draft_model): the connector moves one KV cache group, the target's, so the
+    draft's KV for the prompt would be missing on the decode. Drafts without KV
+    (ngram, suffix) pass."""
+    from vllm_dcp2d.connector.config import ConfigError
+
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.uses_draft_kv_cache():
+        raise ConfigError(
+            f"DCP2DConnector does not transfer a speculative draft's KV cache yet "
+            f"(--speculative-config method={spec.method!r}): serve this instance without "
+            f"--speculative-config, or use a draft without KV (ngram). Speculation with "
+            f"DCP runs on an instance without the connector (README, 'Speculative decoding').")
 
 
 def check_interleave(vllm_config, resolved: bool = True) -> None:

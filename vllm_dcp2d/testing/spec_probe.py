@@ -1,6 +1,6 @@
-"""A vLLM worker extension (``worker_extension_cls="_spec_probe.SpecProbe"``) that
-lets a test look inside each TP worker of a speculative-decoding engine, through
-``LLM.collective_rpc``.
+"""A vLLM worker extension that lets a test or a benchmark look inside each TP
+worker of a speculative-decoding engine, through ``LLM.collective_rpc``:
+``LLM(..., worker_extension_cls="vllm_dcp2d.testing.spec_probe.SpecProbe")``.
 
 Every method runs on every worker and returns plain data:
 - ``probe_start(diverge_rank)``: record, per step, each KV cache group's block
@@ -8,6 +8,8 @@ Every method runs on every worker and returns plain data:
   second draft of every request with another token before the step runs, as a
   rank whose drafter went wrong would (vLLM's scheduler hands every rank the
   same drafts, so the test has to inject the difference).
+- ``probe_groups()``: each KV cache group's layers, sharding, block table and
+  page bytes;
 - ``probe_report()``: what was recorded.
 """
 
@@ -51,9 +53,11 @@ class SpecProbe:
         runner = self.model_runner
         groups = runner.kv_cache_config.kv_cache_groups
         tables = runner.input_batch.block_table.block_tables
-        return [{"layers": list(g.layer_names), "dcp_sharded": bool(g.kv_cache_spec.dcp_sharded),
+        draft = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+        return [{"layers": list(g.layer_names), "draft_layers": len(draft & set(g.layer_names)), "dcp_sharded": bool(g.kv_cache_spec.dcp_sharded),
                  "block_size": g.kv_cache_spec.block_size, "table_dcp": t.dcp_world_size,
-                 "table_width": t.max_num_blocks_per_req} for g, t in zip(groups, tables)]
+                 "table_width": t.max_num_blocks_per_req, "page_bytes": g.kv_cache_spec.page_size_bytes}
+                for g, t in zip(groups, tables)]
 
     def probe_report(self) -> dict:
         return self._probe
