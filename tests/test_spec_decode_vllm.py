@@ -27,6 +27,13 @@ def _prompts() -> list[list[int]]:
     return [ids(10, 1), ids(150, 2), ids(70, 3), ids(2 * 2 * BLOCK, 4), ids(33, 5), ids(300, 7)]
 
 
+# MLA on CPU: CPU_MLA's 16-token pages, and no chunked prefill or prefix caching
+# (vLLM's CPU build lacks the DCP context gather); prompts one at a time, as in
+# test_dcp_vllm_mla.py.
+_MLA = dict(block_size=16, cp_kv_cache_interleave_size=16, enable_chunked_prefill=False,
+            enable_prefix_caching=False, max_num_batched_tokens=1024, attention_config={"backend": "CPU_MLA"})
+
+
 def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -35,14 +42,16 @@ def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None
         method, _, draft = spec.partition(":")
         kw = dict(speculative_config={"method": method, "model": draft or model, "num_speculative_tokens": K},
                   worker_extension_cls="vllm_dcp2d.testing.spec_probe.SpecProbe")
-    llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp, block_size=BLOCK,
-              cp_kv_cache_interleave_size=BLOCK, distributed_executor_backend="mp", enforce_eager=True,
-              kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
-              seed=0, dtype="float32", disable_log_stats=False, **kw)
+    mla = "mla" in Path(model).name
+    kw.update(_MLA if mla else dict(block_size=BLOCK, cp_kv_cache_interleave_size=BLOCK, max_num_batched_tokens=256))
+    llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp,
+              distributed_executor_backend="mp", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+              max_model_len=1024, max_num_seqs=8, seed=0, dtype="float32", disable_log_stats=False, **kw)
     if spec != "none":
         llm.collective_rpc("probe_start", args=(diverge,))
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], sp, use_tqdm=False)
+    batches = [[p] for p in _prompts()[:4]] if mla else [_prompts()]
+    outs = [o for b in batches for o in llm.generate([{"prompt_token_ids": p} for p in b], sp, use_tqdm=False)]
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
     if spec != "none":
         result["groups"] = llm.collective_rpc("probe_groups")
@@ -54,7 +63,7 @@ def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None
 
 
 def _engine(model: str, dcp: int, spec: str, tmp: Path, diverge: int = -1) -> dict:
-    out = tmp / f"dcp{dcp}-{spec.split(':')[0]}-{diverge}.json"
+    out = tmp / f"{Path(model).name}-dcp{dcp}-{spec.split(':')[0]}-{diverge}.json"
     return run_engine(__file__, [model, str(dcp), spec, str(diverge), str(out)], out,
                       f"DCP={dcp} spec={spec}", VLLM_ENABLE_V1_MULTIPROCESSING="1")[0]
 
@@ -66,6 +75,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     target = build_tiny_model("llama-mqa", root / "target")
     return {"target": target, "eagle": build_tiny_model("llama-mqa-eagle", root / "eagle"),
+            "mla": build_tiny_model("deepseek-v2-mla", root / "mla"),
             "ref": _engine(target, 1, "none", root), "tmp": root}
 
 
@@ -122,6 +132,24 @@ def test_divergent_draft_on_one_rank_commits_the_same_tokens(models):
     _assert_same_tokens(got, models["ref"], "one divergent rank")
     # Rank 0's own drafts all match the target; the MIN with rank 1 stops at draft 1.
     assert got["accepted"] <= 0.4 * got["drafts"], (got["accepted"], got["drafts"])
+
+
+@pytest.mark.vllm
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_mla_verification_under_dcp2_matches_dcp1(models):
+    """MLA: the k + 1 verify tokens are a decode (DCPCPUMLAMetadataBuilder), attended
+    token by token over the sharded latent cache. vLLM 0.32's CPU MLA gives other
+    tokens with speculation than without, even at DCP=1 (its single-token decode and
+    its multi-token paths disagree; docs/connector.md, "Speculative decoding"), so the
+    reference is DCP=1 with the same draft: the same tokens and the same acceptance."""
+    ref = _engine(models["mla"], 1, "draft_model", models["tmp"])
+    got = _engine(models["mla"], 2, "draft_model", models["tmp"])
+    for i, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])):
+        assert a == b, f"MLA prompt {i}: DCP=2 {a} != DCP=1 {b}"
+    assert (got["accepted"], got["drafts"]) == (ref["accepted"], ref["drafts"]) and got["drafts"] > 0
+    for groups in got["groups"]:
+        assert [(g["dcp_sharded"], g["table_dcp"]) for g in groups] == [(False, 1), (True, 2)], groups
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--run"]:

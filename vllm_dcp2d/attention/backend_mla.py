@@ -12,8 +12,14 @@ merge (vLLM's is a Triton kernel, unusable on CPU).
 Its cache write also serves layer-split storage on prefill instances
 (``prefill/layer_split.py``), at any DCP size.
 
-Limits (raised, not silently wrong): one query token per decode request (no
-speculative decode), and prefills without cached context (the CPU platform
+Verification of speculative drafts (``k + 1`` query tokens per request) runs
+as a decode here: :class:`DCPCPUMLAMetadataBuilder` declares variable-length
+decode queries, and :meth:`DCPCPUMLAImpl.forward_mqa` attends each query token
+over the cache up to its own position (vLLM's stock CPU kernel takes one token
+per request, and vLLM 0.32 sends longer ones down the prefill path, which on
+CPU gives other tokens than decoding one at a time).
+
+Limits (raised, not silently wrong): prefills without cached context (the CPU platform
 turns chunked prefill and prefix caching off for MLA on non-AMX CPUs; on AMX
 CPUs pass ``enable_chunked_prefill=False, enable_prefix_caching=False``): vLLM's
 DCP context gather for MLA prefill calls ``ops.cp_gather_cache``, which the CPU
@@ -24,19 +30,33 @@ from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder, QueryLenSupport
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from vllm_dcp2d.attention.paged import paged_attention_lse, plain_layout
 from vllm_dcp2d.prefill import layer_split
-from vllm_dcp2d.vllm_compat.attention import install_mla_dcp_combine
+from vllm_dcp2d.vllm_compat.attention import install_mla_dcp_combine, local_context_lens
 
-__all__ = ["DCPCPUMLABackend", "DCPCPUMLAImpl"]
+__all__ = ["DCPCPUMLABackend", "DCPCPUMLAImpl", "DCPCPUMLAMetadataBuilder"]
+
+
+class DCPCPUMLAMetadataBuilder(MLACommonMetadataBuilder):
+    """vLLM's MLA metadata, with requests of up to ``1 + num_speculative_tokens``
+    query tokens (of any mix of lengths) classed as decodes, at any DCP size."""
+
+    query_len_support = QueryLenSupport.VARLEN
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, metadata_cls=None,
+                 supports_dcp_with_varlen: bool = True):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls,
+                         supports_dcp_with_varlen=supports_dcp_with_varlen)
 
 
 class DCPCPUMLAImpl(CPUMLAImpl):
     can_return_lse_for_decode = True
     supports_dcp = True
     lse_base_on_e = True
+    supports_mtp_with_cp_non_trivial_interleave_size = True  # forward_mqa splits by local_context_lens
 
     def __init__(self, *args, **kwargs) -> None:
         # AttentionImplBase.__new__ set the DCP size; CPUMLAImpl.__init__ forces 1.
@@ -62,29 +82,40 @@ class DCPCPUMLAImpl(CPUMLAImpl):
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         """Called by ``MLAAttention.forward_impl`` for the decode tokens of a step.
 
-        q: ``[B, Hg, L + R]`` (or a ``(q_nope [B, Hg, L], q_pe [B, Hg, R])`` tuple),
-        the absorbed queries of all ``Hg`` heads of the DCP group; kv_c_and_k_pe_cache:
-        ``[num_blocks, block_size, L + R]`` (this rank's pages). Returns
-        ``(o [B, Hg, L] in q.dtype, lse [B, Hg] float32)`` over the local pages;
-        with DCP == 1, the stock kernel's ``(o, None)``.
+        q: ``[T, Hg, L + R]`` (or a ``(q_nope [T, Hg, L], q_pe [T, Hg, R])`` tuple),
+        the absorbed queries of the ``T`` decode tokens of ``B`` requests (``T > B``
+        when verifying drafts), for all ``Hg`` heads of the DCP group;
+        kv_c_and_k_pe_cache: ``[num_blocks, block_size, L + R]`` (this rank's
+        pages, the step's tokens already written). Returns ``(o [T, Hg, L] in
+        q.dtype, lse [T, Hg] float32)`` over the local pages; with DCP == 1 and
+        one token per request, the stock kernel's ``(o, None)``.
         """
-        if self.dcp_world_size == 1:
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         dec = attn_metadata.decode
-        b = q.shape[0]
-        if dec.seq_lens.shape[0] != b:
-            raise NotImplementedError(
-                f"DCP MLA on CPU takes one query token per decode request, got {b} tokens "
-                f"for {dec.seq_lens.shape[0]} requests")
+        t, b = q.shape[0], dec.seq_lens.shape[0]
+        if self.dcp_world_size == 1 and t == b:
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        # One pseudo-request per query token: token i of a request with q_len
+        # tokens sees the sequence up to seq_len - (q_len - 1 - i), causally.
+        qsl = attn_metadata.query_start_loc[: b + 1].long()
+        q_lens = qsl[1:] - qsl[:-1]
+        if int(q_lens.sum()) != t:
+            raise RuntimeError(f"MLA decode got {t} query tokens, but the decode requests' query "
+                               f"lengths sum to {int(q_lens.sum())}")
+        req = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens)
+        pos = torch.arange(t, device=q.device) - qsl[:-1][req]
+        total = dec.dcp_tot_seq_lens if self.dcp_world_size > 1 else dec.seq_lens
+        visible = total.long()[req] - (q_lens[req] - 1 - pos)
+        if self.dcp_world_size > 1:
+            visible = local_context_lens(visible, self.dcp_world_size, self.dcp_rank,
+                                         self.cp_kv_cache_interleave_size)
         nb, bs, dk = kv_c_and_k_pe_cache.shape
         pages = kv_c_and_k_pe_cache.view(nb, 1, bs * dk)
         layout = plain_layout(bs, dk, device=q.device)  # the MLA writer stores rows as-is
-        qsl = torch.arange(b + 1, device=q.device)
-        # dec.seq_lens are this rank's local lengths under DCP (MLA metadata builder).
         o, lse = paged_attention_lse(q, pages, pages, layout, layout[:, : self.kv_lora_rank],
-                                     dec.block_table, dec.seq_lens, qsl, self.scale)
+                                     dec.block_table[req], visible, torch.arange(t + 1, device=q.device),
+                                     self.scale)
         return o.to(q.dtype), lse
 
 
@@ -94,3 +125,7 @@ class DCPCPUMLABackend(CPUMLABackend):
     @staticmethod
     def get_impl_cls() -> type[DCPCPUMLAImpl]:
         return DCPCPUMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DCPCPUMLAMetadataBuilder]:
+        return DCPCPUMLAMetadataBuilder

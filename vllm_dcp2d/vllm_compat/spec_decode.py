@@ -32,7 +32,9 @@ pool); the runner side is what the patches below add. Each acts only when
    ``BlockTable`` computes its slot mapping at DCP size 1, rank 0 (vLLM's V1
    ``BlockTable`` reads the DCP group for every group).
 4. ``MLACommonMetadataBuilder.__init__``: a replicated MLA group's metadata
-   uses global sequence lengths (the builder reads the DCP group's size).
+   uses global sequence lengths. The builder reads the DCP group's size and
+   then asserts the layer has a DCP manager; for a replicated group it runs
+   with ``get_dcp_group`` raising, which it reads as "no DCP" (size 1).
 5. ``gpu_model_runner.check_attention_cp_compatibility``: the start-up check
    that every attention impl returns the LSE under DCP skips impls built at
    DCP size 1 (the draft's), as vLLM's own ``target_layer_names`` argument
@@ -240,21 +242,31 @@ def _install_runner() -> None:
 # ---- 4. MLACommonMetadataBuilder (vLLM 0.32.0) ----
 
 def _install_mla_builder() -> None:
-    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+    from vllm.model_executor.layers.attention import mla_attention
 
-    stock = MLACommonMetadataBuilder.__init__
+    cls = mla_attention.MLACommonMetadataBuilder
+    stock = cls.__init__
     if getattr(stock, "_dcp2d", False):
         return
 
+    def no_dcp_group():
+        raise AssertionError("a replicated KV cache group has no DCP group")  # read as DCP size 1
+
     @functools.wraps(stock)
     def __init__(self, kv_cache_spec, *args, **kwargs):
-        stock(self, kv_cache_spec, *args, **kwargs)
-        if not getattr(kv_cache_spec, "dcp_sharded", True):
-            self.dcp_world_size = 1
-            self.dcp_virtual_block_size = self.dcp_local_block_size
+        if getattr(kv_cache_spec, "dcp_sharded", True):
+            return stock(self, kv_cache_spec, *args, **kwargs)
+        # The builder asks get_dcp_group() for its size (and then wants the layer's
+        # DCP manager, which a DCP=1 draft layer has not): let it find no group.
+        found = mla_attention.get_dcp_group
+        mla_attention.get_dcp_group = no_dcp_group
+        try:
+            stock(self, kv_cache_spec, *args, **kwargs)
+        finally:
+            mla_attention.get_dcp_group = found
 
     __init__._dcp2d = True
-    MLACommonMetadataBuilder.__init__ = __init__
+    cls.__init__ = __init__
 
 # ---- end of fenced pieces ----
 
