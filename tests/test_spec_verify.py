@@ -142,3 +142,25 @@ def test_non_tensor_input_still_joins_and_raises():
     results, errors, calls = run_ranks(agree_accepted_prefix, [torch.tensor([1]), [1]])
     assert all(isinstance(e, ValueError) for e in errors) and "torch.Tensor" in str(errors[1])
     assert calls == [1, 1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(1, 4), st.integers(0, 5), st.integers(1, 4))
+def test_rejection_sampler_output_is_cut_to_the_agreed_count(data, n, b, k):
+    """``vllm_compat.spec_decode.agree_sampled`` on vLLM's ``[B, K + 1]`` sampler
+    output (tokens, then -1): every rank keeps the target's first MIN + 1 tokens."""
+    from vllm_dcp2d.vllm_compat.spec_decode import agree_sampled
+
+    target = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 511), min_size=k + 1, max_size=k + 1),
+                                             min_size=b, max_size=b)), dtype=torch.int64).view(b, k + 1)
+    accepted = [data.draw(st.lists(st.integers(0, k), min_size=b, max_size=b)) for _ in range(n)]
+    keep = torch.arange(k + 1)[None, :]
+
+    def sampled(acc):
+        return target.masked_fill(keep > torch.tensor(acc, dtype=torch.int64).view(b, 1), -1)
+
+    results, errors, _ = run_ranks(agree_sampled, [sampled(a) for a in accepted])
+    assert errors == [None] * n
+    mins = np.array(accepted, dtype=np.int64).reshape(n, b).min(0) if b else []
+    for res in results:
+        assert torch.equal(res, sampled(list(mins)))
