@@ -56,7 +56,7 @@ def test_consumer_load_spec_and_one_shot():
     meta = s.build_connector_meta(sched_out())
     spec = meta.loads["r"]
     assert (spec.transfer_key, spec.bootstrap_addr, spec.remote_engine_id) == ("p-1", "tcp://h:1", "pe")
-    assert spec.block_ids == [7, 3, 9, 1] and spec.first_page == 2 and spec.num_tokens == 100
+    assert spec.block_ids == ([7, 3, 9, 1],) and spec.first_page == 2 and spec.num_tokens == 100
     assert spec.remote_num_tokens is None
     assert spec.timeout_s == 60.0
     assert params["do_remote_prefill"] is False          # a preempted request recomputes locally
@@ -86,16 +86,16 @@ def test_producer_holds_blocks_and_answers_params():
     m1 = s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 64}))
     assert m1.computing == {}
     m2 = s.build_connector_meta(sched_out(cached=[("r", 64)], tokens={"r": 36}))
-    assert m2.computing["r"].block_ids == [10, 11, 12, 13] and m2.computing["r"].num_tokens == 100
+    assert m2.computing["r"].block_ids == ([10, 11, 12, 13],) and m2.computing["r"].num_tokens == 100
     assert m2.computing["r"].transfer_key == "t"  # decode ranks fetch it by the client's transfer_id
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    delay, params = s.request_finished(req, [10, 11, 12, 13])
+    delay, params = s.request_finished(req, ([10, 11, 12, 13],))
     assert delay is True
     assert params == {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": "t",
                       "remote_bootstrap_addr": "tcp://127.0.0.1:4242", "remote_engine_id": "eng",
                       "remote_num_tokens": 100, "transfer_id": "t"}
     meta = s.build_connector_meta(sched_out())
-    assert meta.ready["r"].block_ids == [10, 11, 12, 13] and meta.ready["r"].transfer_key == "t"
+    assert meta.ready["r"].block_ids == ([10, 11, 12, 13],) and meta.ready["r"].transfer_key == "t"
 
 
 def test_producer_transfer_keys_unique_while_in_flight():
@@ -109,12 +109,12 @@ def test_producer_transfer_keys_unique_while_in_flight():
                    status=RequestStatus.FINISHED_STOPPED)
     for r in (a, b, long):
         s.update_state_after_alloc(r, None, 0)
-    assert s.request_finished(a, [1])[1]["remote_request_id"] == "t"
-    assert s.request_finished(b, [2])[1]["remote_request_id"] == "b"
-    assert s.request_finished(long, [3])[1]["remote_request_id"] == "d"
+    assert s.request_finished(a, ([1],))[1]["remote_request_id"] == "t"
+    assert s.request_finished(b, ([2],))[1]["remote_request_id"] == "b"
+    assert s.request_finished(long, ([3],))[1]["remote_request_id"] == "d"
     s.update_connector_output(NS(finished_sending={"a"}, kv_connector_worker_meta=None))
     s.update_state_after_alloc(c, None, 0)
-    assert s.request_finished(c, [4])[1]["remote_request_id"] == "t"
+    assert s.request_finished(c, ([4],))[1]["remote_request_id"] == "t"
 
 
 def test_producer_aborted_before_its_prompt_completed_frees_at_once():
@@ -122,7 +122,7 @@ def test_producer_aborted_before_its_prompt_completed_frees_at_once():
     req = request(params={"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
     s.update_state_after_alloc(req, None, 0)
     s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 64}))  # first chunk only
-    assert s.request_finished(req, [1, 2]) == (False, None)
+    assert s.request_finished(req, ([1, 2],)) == (False, None)
     meta = s.build_connector_meta(sched_out())
     assert meta.aborted == {} and meta.ready == {}
 
@@ -134,7 +134,7 @@ def test_producer_aborted_after_its_prompt_completed_keeps_blocks():
     req = request(params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_ABORTED)
     s.update_state_after_alloc(req, None, 0)
     assert "r" in s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 100})).computing
-    assert s.request_finished(req, [10, 11, 12, 13]) == (True, None)
+    assert s.request_finished(req, ([10, 11, 12, 13],)) == (True, None)
     assert s.build_connector_meta(sched_out()).aborted == {"r": "t"}
 
 
@@ -178,7 +178,7 @@ def test_plain_requests_untouched():
     s = side(producer=True, consumer=True)
     req = request(status=RequestStatus.FINISHED_STOPPED)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert s.request_finished(req, [1]) == (False, None)
+    assert s.request_finished(req, ([1],)) == (False, None)
 
 
 def test_layer_split_context_blocks_cover_every_earlier_token():
@@ -193,3 +193,20 @@ def test_layer_split_context_blocks_cover_every_earlier_token():
     assert s.build_connector_meta(out).context_blocks == [10, 11, 12, 30]
     assert s.build_connector_meta(sched_out(new=[("d", 0)], tokens={"d": 8})).context_blocks == []
     assert side(producer=True).build_connector_meta(out).context_blocks is None  # without layer-split
+
+
+def test_consumer_keeps_every_groups_block_table():
+    """A decode with a speculative draft has two KV cache groups: the draft's
+    (replicated, a block per page) and the target's (DCP-sharded)."""
+    s = side(consumer=True)
+    s.update_state_after_alloc(request(params=dict(REMOTE)), NS(get_block_ids=lambda: ([4, 8, 1, 2], [5, 3])), 36)
+    spec = s.build_connector_meta(sched_out()).loads["r"]
+    assert spec.block_ids == ([4, 8, 1, 2], [5, 3]) and spec.first_page == 2
+
+
+def test_producer_sends_every_groups_pages():
+    s = side(producer=True)
+    req = request(params={"do_remote_decode": True}, status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    s.update_state_after_alloc(req, None, 0)
+    assert s.request_finished(req, ([1, 2, 3, 4, 5], [6, 7, 8, 9]))[0] is True
+    assert s.build_connector_meta(sched_out()).ready["r"].block_ids == ([1, 2, 3, 4], [6, 7, 8, 9])

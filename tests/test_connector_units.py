@@ -19,16 +19,18 @@ from vllm_dcp2d.vllm_compat import connector as compat  # noqa: E402
 
 def test_stats_aggregate_reduce_pickle():
     a, b = DCP2DStats(), DCP2DStats()
-    a.record_path(0, 1, 100, 2, 0.5)
+    a.record_path(0, 1, 100, 2, 0.5, replicated_bytes=40)
     b.record_path(0, 1, 50, 1, 0.25)
     b.record_path(1, 0, 7, 1, 0.0)
     b.count("failed")
     b.count("expired", 2)
     a.aggregate(pickle.loads(pickle.dumps(b)))
-    assert a.data["paths"]["0,1"] == {"transfers": 2, "bytes": 150, "descriptors": 3, "seconds": 0.75}
+    assert a.data["paths"]["0,1"] == {"transfers": 2, "bytes": 150, "replicated_bytes": 40, "descriptors": 3,
+                                      "seconds": 0.75}
     r = a.reduce()
     assert (r["bytes"], r["transfers"], r["failed"], r["expired"]) == (157, 3, 1, 2)
     assert r["path(0,1) bytes"] == 150 and r["path(1,0) ms"] == 0.0
+    assert r["replicated_bytes"] == r["path(0,1) replicated bytes"] == 40 and "path(1,0) replicated bytes" not in r
     snap = a.clone_and_reset()
     assert a.is_empty() and not snap.is_empty() and snap.data["paths"]["1,0"]["bytes"] == 7
     assert DCP2DStats(data=snap.to_dict()).reduce() == r
@@ -176,28 +178,23 @@ def test_model_config_id_ignores_the_path_not_the_config():
     assert compat.model_config_id(vc("/models/a", revision="v2")).endswith("@v2")
 
 
-def _spec_config(method: str):
-    """vLLM's own ``SpeculativeConfig`` predicates on a bare object (building a real
-    one needs a model)."""
-    import types
-
-    from vllm.config import SpeculativeConfig
-
-    ns = NS(method=method)
-    for name in ("use_eagle", "uses_draft_model", "uses_extract_hidden_states", "uses_draft_kv_cache"):
-        setattr(ns, name, types.MethodType(getattr(SpeculativeConfig, name), ns))
-    return ns
-
-
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model"])
-def test_a_draft_with_kv_stops_start_up(method):
-    from vllm_dcp2d.connector.config import ConfigError
-
-    with pytest.raises(ConfigError, match=f"method='{method}'.*without --speculative-config"):
-        compat.check_no_draft_kv(NS(speculative_config=_spec_config(method)))
+def test_kv_layer_ids_number_a_draft_after_the_target():
+    spec = NS(speculative_config=object(), model_config=NS(get_total_num_hidden_layers=lambda: 4))
+    target = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    draft = [f"draft_model.model.layers.{i}.self_attn.attn" for i in range(2)]  # vLLM's draft_model
+    ids = compat.kv_layer_ids(spec, (target + draft)[::-1])
+    assert [ids[n] for n in target + draft] == list(range(6))
+    eagle = "model.layers.4.self_attn.attn"  # EAGLE/MTP: numbered after the target's layers
+    assert compat.kv_layer_ids(spec, [eagle] + target) == {**{n: i for i, n in enumerate(target)}, eagle: 4}
+    assert [compat.is_draft_layer(spec, n) for n in (target[3], draft[0], eagle)] == [False, True, True]
+    plain = NS(speculative_config=None, model_config=spec.model_config)
+    assert compat.kv_layer_ids(plain, target[::-1]) == {n: i for i, n in enumerate(target)}
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_a_draft_without_kv_passes(method):
-    compat.check_no_draft_kv(NS(speculative_config=_spec_config(method)))
-    compat.check_no_draft_kv(NS(speculative_config=None))
+def test_regions_carry_each_layer_group_and_its_sharding():
+    kv = {n: torch.zeros(4, 1, 16, 64) for n in ("draft_model.model.layers.0.attn", "model.layers.0.attn")}
+    spec = NS(speculative_config=object(), model_config=NS(get_total_num_hidden_layers=lambda: 1))
+    groups = {"draft_model.model.layers.0.attn": 0, "model.layers.0.attn": 1}
+    regions, _ = compat.kv_regions(kv, 4, compat.kv_layer_ids(spec, kv), groups, [False, True])
+    assert regions.layer_ids.tolist() == [1, 0] and regions.layer_group.tolist() == [0, 1]
+    assert regions.group_sharded.tolist() == [False, True]

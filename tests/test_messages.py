@@ -38,6 +38,13 @@ def _outcome(**kw):
 
 SAMPLES = [
     _request(),
+    # Two KV cache groups: a replicated draft (layers 6-7) and the DCP-sharded target.
+    TransferRequest.build(
+        regions=KVRegions(np.arange(8), np.arange(16).reshape(8, 2) * (1 << 20) + 4096, np.array([1024, 2048]),
+                          np.array([512, 2048]), np.array([1] * 6 + [0] * 2), np.array([False, True])),
+        transfer_key="req-2", attempt_id=8, engine_id="decode-0", consumer_rank=0, consumer_size=2,
+        session="127.0.0.1:15001", dcp_size=2, dcp_rank=0, block_ids=([4, 8, 1, 2, 6], [5, 3, 9]),
+        num_tokens=300, first_page=0, fingerprint=dataclasses.replace(FP, draft_layers=2), wait_s=0.5),
     _outcome(),
     _outcome(ok=True, reason="", num_tokens=130, nbytes=1 << 40, descriptors=3, batches=1, naive_bytes=1 << 41),
     _outcome(settled=False),
@@ -98,7 +105,8 @@ def _pack(d) -> bytes:
 
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d.update(v=1), "unsupported protocol version 1"),
-    (lambda d: d.update(v=3), "unsupported protocol version 3"),
+    (lambda d: d.update(v=2), "unsupported protocol version 2"),
+    (lambda d: d.update(v=4), "unsupported protocol version 4"),
     (lambda d: d.update(v=True), "unsupported protocol version True"),
     (lambda d: d.pop("v"), "unsupported protocol version None"),
     (lambda d: d.update(type="Nope"), "unknown message type 'Nope'"),
@@ -115,6 +123,10 @@ def _pack(d) -> bytes:
     (lambda d: d.update(block_ids=np.array([1, -3]).tobytes()), "block_ids entries must be in"),
     (lambda d: d.update(block_ids=b"\x01\x02\x03"), "not a multiple of 8"),
     (lambda d: d.update(block_ids=[1, 2]), "block_ids must be bin"),
+    (lambda d: d.update(group_sizes=np.array([2]).tobytes()), "group_sizes sum to 2, block_ids has 3 entries"),
+    (lambda d: d.update(group_sharded=np.array([1, 0]).tobytes()), "group_sharded has 2 groups, group_sizes 1"),
+    (lambda d: d.update(group_sharded=np.array([2]).tobytes()), "group_sharded entries must be in"),
+    (lambda d: d.update(layer_group=np.array([0] * 7 + [1]).tobytes()), r"layer_group must be in \[0, 1\)"),
     (lambda d: d.update(base=b"\x00" * 8), "base has 1 entries, expected layers x regions = 8 x 2"),
     (lambda d: d.update(layer_ids=np.array([0, 0, 1, 2, 3, 4, 5, 6]).tobytes()), "layer_ids must be distinct"),
     (lambda d: d.update(page_bytes=np.array([4096, 1]).tobytes()), "page_bytes <= page_stride"),
@@ -219,3 +231,16 @@ def test_fuzz_random_maps(d):
     d.setdefault("type", "TransferRequest")
     with pytest.raises(MessageError):
         decode(_pack(d))
+
+
+def test_a_draft_on_one_side_only_is_a_fingerprint_mismatch():
+    """A decode with a speculative draft needs the draft's KV from its prefill."""
+    with pytest.raises(FingerprintMismatch, match="draft_layers: ours 0, peer 4"):
+        FP.check(dataclasses.replace(FP, num_layers=12, draft_layers=4))
+
+
+def test_request_tables_split_per_group():
+    req = decode(encode(SAMPLES[1]), TransferRequest)
+    assert [t.tolist() for t in req.tables()] == [[4, 8, 1, 2, 6], [5, 3, 9]]
+    r = req.regions()
+    assert r.layer_group.tolist() == [1] * 6 + [0] * 2 and r.group_sharded.tolist() == [False, True]

@@ -20,16 +20,23 @@ class World:
     the first ``page_size * token_bytes_j`` of its block, token-major.
     """
 
-    def __init__(self, rng, num_layers, cp_size, dcp_size, page_size, token_bytes, pad, num_pages):
+    def __init__(self, rng, num_layers, cp_size, dcp_size, page_size, token_bytes, pad, num_pages,
+                 layer_group=None, sharded=None):
+        """layer_group [L], sharded [G]: the consumer's KV cache groups (default: one
+        DCP-sharded group); each group gets its own block table."""
         self.L, self.cp, self.dcp, self.ps = num_layers, cp_size, dcp_size, page_size
+        self.layer_group = np.zeros(num_layers, dtype=np.int64) if layer_group is None else np.array(layer_group)
+        self.sharded = np.array([True] if sharded is None else sharded, dtype=bool)
         self.tb = np.array(token_bytes)                      # [R] bytes per token per region
         self.page_bytes = self.tb * page_size                # [R]
         self.stride = self.page_bytes + np.array(pad)        # [R]
         self.P = num_pages
         self.src_pool = num_pages + 3
-        self.dst_pool = cdiv(num_pages, dcp_size) + 2
+        self.dst_pool = num_pages + 2
         self.src_ids = rng.permutation(self.src_pool)[:num_pages]
-        self.dst_ids = rng.permutation(self.dst_pool)[:cdiv(num_pages, dcp_size)]
+        self.tables = [rng.permutation(self.dst_pool)[:cdiv(num_pages, dcp_size) if sh else num_pages]
+                       for sh in self.sharded]
+        self.dst_ids = self.tables[0] if len(self.tables) == 1 else tuple(self.tables)
         self.arenas, self.src, self.dst = [], [], []
         for r in range(cp_size):  # a prefill rank holds only its own layers
             layers = np.array(list(cp_layer_range(num_layers, cp_size, r)), dtype=np.int64)
@@ -46,7 +53,9 @@ class World:
         reg_off = np.concatenate(([0], np.cumsum(pool * self.stride)[:-1]))      # [R]
         layer_off = np.arange(len(layers))[:, None] * pool * self.stride.sum()  # [Lh, 1]
         base = k * ARENA + layer_off + reg_off[None, :]
-        return KVRegions(layers, base, self.stride, self.page_bytes)
+        if fill:
+            return KVRegions(layers, base, self.stride, self.page_bytes)
+        return KVRegions(layers, base, self.stride, self.page_bytes, self.layer_group[layers], self.sharded)
 
     def addr(self, regions, layer, region, block, token):
         row = int(np.flatnonzero(regions.layer_ids == layer)[0])
@@ -65,13 +74,17 @@ class World:
         out = [a.copy() for a in self.arenas]
         for layer in range(self.L):
             src = self.src[cp_layer_owner(layer, self.L, self.cp)]
+            g = self.layer_group[layer]
             for i in range(first_page, self.P):
-                dst = self.dst[i % self.dcp]
-                for j in range(len(self.tb)):
-                    for t in range(self.ps):
-                        s = self.addr(src, layer, j, self.src_ids[i], t)
-                        d = self.addr(dst, layer, j, self.dst_ids[i // self.dcp], t)
-                        out[d // ARENA][d % ARENA: d % ARENA + self.tb[j]] = self.read(s, self.tb[j])
+                # sharded: page i on rank i % dcp in block [i // dcp]; replicated: on every rank in [i]
+                dests = ([(self.dst[i % self.dcp], self.tables[g][i // self.dcp])] if self.sharded[g]
+                         else [(dst, self.tables[g][i]) for dst in self.dst])
+                for dst, block in dests:
+                    for j in range(len(self.tb)):
+                        for t in range(self.ps):
+                            s = self.addr(src, layer, j, self.src_ids[i], t)
+                            d = self.addr(dst, layer, j, block, t)
+                            out[d // ARENA][d % ARENA: d % ARENA + self.tb[j]] = self.read(s, self.tb[j])
         return out
 
 
@@ -88,12 +101,12 @@ worlds = st.builds(
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(worlds)
-def test_all_paths_rebuild_the_dcp_layout_exactly(w):
-    rng = np.random.default_rng(w["seed"])
-    world = World(rng, w["num_layers"], w["cp_size"], w["dcp_size"], w["page_size"],
-                  [tb for tb, _ in w["regions"]], [pad for _, pad in w["regions"]], w["num_pages"])
+def _rebuild(w: dict, layer_group=None, sharded=None):
+    """Apply every path's plan of world ``w``; the consumer arenas must equal the
+    per-token reference. Returns (world, first page, plans, per-byte coverage)."""
+    world = World(np.random.default_rng(w["seed"]), w["num_layers"], w["cp_size"], w["dcp_size"],
+                  w["page_size"], [tb for tb, _ in w["regions"]], [pad for _, pad in w["regions"]],
+                  w["num_pages"], layer_group, sharded)
     first = min(w["first_page"], w["num_pages"])
     want = world.reference(first)
     plans = plan_request(world.L, world.cp, world.src, world.src_ids, world.dst, world.dst_ids, first)
@@ -102,6 +115,13 @@ def test_all_paths_rebuild_the_dcp_layout_exactly(w):
         world.apply(desc, coverage)
     for got, exp in zip(world.arenas, want):
         assert np.array_equal(got, exp)
+    return world, first, plans, coverage
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds)
+def test_all_paths_rebuild_the_dcp_layout_exactly(w):
+    world, first, plans, coverage = _rebuild(w)
     # every byte of every sent (layer, page) lands exactly once; nothing else is touched
     sent_pages = world.P - first
     kv_bytes = world.L * sent_pages * int(world.page_bytes.sum())
@@ -115,6 +135,23 @@ def test_all_paths_rebuild_the_dcp_layout_exactly(w):
         pages_d = len(range(first + (d - first) % world.dcp, world.P, world.dcp))
         layers_r = len(cp_layer_range(world.L, world.cp, r))
         assert desc.nbytes == layers_r * pages_d * int(world.page_bytes.sum())
+
+
+@settings(max_examples=100, deadline=None)
+@given(worlds, st.data())
+def test_replicated_groups_get_every_page_on_every_rank(w, data):
+    """A decode with several KV cache groups (a replicated draft beside the sharded
+    target): sharded layers land as above, replicated layers whole on every rank."""
+    num_groups = data.draw(st.integers(1, 3))
+    layer_group = data.draw(st.lists(st.integers(0, num_groups - 1), min_size=w["num_layers"],
+                                     max_size=w["num_layers"]))
+    sharded = data.draw(st.lists(st.booleans(), min_size=num_groups, max_size=num_groups))
+    world, first, plans, coverage = _rebuild(w, layer_group, sharded)
+    assert max((int(c.max()) for c in coverage if c.size), default=0) <= 1
+    replicated = int((~world.sharded[world.layer_group]).sum())
+    sent = (world.P - first) * int(world.page_bytes.sum())
+    # The target's KV once (1.0x); each replicated layer once per decode rank.
+    assert sum(p.nbytes for p in plans.values()) == (world.L - replicated) * sent + replicated * sent * world.dcp
 
 
 def test_contiguous_blocks_merge_into_one_run_per_layer():

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import Reply, TransferOutcome, TransferRequest, decode, encode
+from vllm_dcp2d.connector.messages import PROTOCOL_VERSION, Reply, TransferOutcome, TransferRequest, decode, encode
 from vllm_dcp2d.layout import cdiv
 
 from xfer_procs import PAGE_BYTES, DecodeRank, PrefillRank, Proc, expect_fetch, fingerprint, full_kv
@@ -189,8 +189,8 @@ def _fake_regions():
 def test_malformed_and_version_mismatch(cluster):
     address = cluster.prefill[0].call("info")["address"]
     good = encode(Reply(True, ""))
-    v3 = good.replace(b"\xa1v\x02", b"\xa1v\x03")
-    for junk, match in [(b"\x00\xffjunk", "not a valid msgpack"), (v3, "unsupported protocol version 3"),
+    other = good.replace(bytes([0xA1, ord("v"), PROTOCOL_VERSION]), bytes([0xA1, ord("v"), PROTOCOL_VERSION + 1]))
+    for junk, match in [(b"\x00\xffjunk", "not a valid msgpack"), (other, f"unsupported protocol version {PROTOCOL_VERSION + 1}"),
                         (good, "expected TransferRequest/CancelTransfer, got Reply")]:
         sock = bs.socket(zmq.DEALER)
         sock.connect(address)

@@ -67,8 +67,10 @@ class DCPCPUMLAImpl(CPUMLAImpl):
         self.dcp_world_size, self.dcp_rank = dcp_size, dcp_rank
         self.total_cp_world_size, self.total_cp_rank = dcp_size, dcp_rank
         self.need_to_return_lse_for_decode = True
-        self.cp_kv_cache_interleave_size = (
-            get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size)
+        # Read at each forward: a KV connector may set the interleave after the model
+        # is built (vllm_compat/config.py, resolve_interleave).
+        self._parallel_config = get_current_vllm_config().parallel_config
+        self.cp_kv_cache_interleave_size = self._parallel_config.cp_kv_cache_interleave_size
         install_mla_dcp_combine()
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
@@ -109,7 +111,7 @@ class DCPCPUMLAImpl(CPUMLAImpl):
         visible = total.long()[req] - (q_lens[req] - 1 - pos)
         if self.dcp_world_size > 1:
             visible = local_context_lens(visible, self.dcp_world_size, self.dcp_rank,
-                                         self.cp_kv_cache_interleave_size)
+                                         self._parallel_config.cp_kv_cache_interleave_size)
         nb, bs, dk = kv_c_and_k_pe_cache.shape
         pages = kv_c_and_k_pe_cache.view(nb, 1, bs * dk)
         layout = plain_layout(bs, dk, device=q.device)  # the MLA writer stores rows as-is

@@ -68,7 +68,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "local_hostname": ("both", "Host name or IP this instance's Mooncake engine listens on and "
                        "advertises to its peers."),
     "stats_file": ("both", "If set, every worker appends one JSON line per transfer path and request "
-                   "(`cp_rank`, `dcp_rank`, `bytes`, `descriptors`, `seconds`, `ok`) to this file; the "
+                   "(`cp_rank`, `dcp_rank`, `bytes` and of them `replicated_bytes`, a draft's, `descriptors`, "
+                   "`seconds`, `ok`) to this file; the "
                    "same figures also go to vLLM's periodic `KV Transfer metrics` log."),
     "cpu_poll_sleep_us": ("both", "CPU hosts only: microseconds vLLM's shared-memory queues sleep between "
                           "polls instead of spinning (their latency grows by at most this). Without it, "

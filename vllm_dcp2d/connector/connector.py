@@ -32,7 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["DCP2DConnector"]
 
 
-class DCP2DConnector(compat.KVConnectorBase_V1):
+class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
+    """Declares ``SupportsHMA``: it moves any number of KV cache groups (a
+    speculative draft's replicated group beside the target's), so vLLM keeps
+    its hybrid allocator and calls ``request_finished_all_groups``."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         compat.base_init(self, vllm_config, role, kv_cache_config)
@@ -42,7 +45,6 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
         is_consumer = kv.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._worker = None
-        compat.check_no_draft_kv(vllm_config)
         compat.sleep_between_shm_polls(cfg.cpu_poll_sleep_us)
         if role == compat.KVConnectorRole.SCHEDULER:
             if is_consumer:
@@ -51,8 +53,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
                                             layer_split=compat.layer_split_applies(vllm_config, kv_cache_config))
         else:
             from vllm_dcp2d.connector.worker import WorkerSide  # Mooncake/ZMQ only in workers
-            num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
-            self._worker = WorkerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, num_blocks)
+            self._worker = WorkerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, kv_cache_config)
 
     # ---- scheduler side (engine core process) ----
 
@@ -70,6 +71,10 @@ class DCP2DConnector(compat.KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output) -> None:

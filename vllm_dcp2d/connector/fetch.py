@@ -40,7 +40,7 @@ class Fetch:
 
     transfer_key: str
     bootstrap: str
-    block_ids: np.ndarray
+    block_ids: tuple  # int64 arrays: this rank's block table of each KV cache group
     num_tokens: int
     first_page: int
     deadline: float
@@ -68,6 +68,10 @@ class Fetch:
     @property
     def naive_bytes(self) -> int:
         return sum(o.naive_bytes for o in self.outcomes.values())
+
+    @property
+    def replicated_bytes(self) -> int:
+        return sum(o.replicated_bytes for o in self.outcomes.values())
 
 
 class Rank:

@@ -13,7 +13,7 @@ Public API
 ``PROTOCOL_VERSION: int``, ``MAX_MESSAGE_BYTES: int``
 ``class MessageError(ValueError)``: malformed input or unsupported version.
 ``class FingerprintMismatch(MessageError)``: both sides' values named.
-``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout, model_config)``
+``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout, model_config, draft_layers=0)``
     ``.check(other: Fingerprint) -> None``: raises ``FingerprintMismatch``.
 ``TransferRequest(...)``: decode rank -> prefill rank, one per request and rank;
     ``.regions() -> plan.KVRegions`` (the consumer's KV).
@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import msgpack
 import numpy as np
 
-from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.connector.plan import KVRegions, block_tables
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
@@ -42,12 +42,16 @@ __all__ = [
 # History: 1 = first release. 2 = the transfer key and the per-attempt id are
 # ``transfer_key`` / ``attempt_id`` (were request_id / transfer_id);
 # TransferRequest/TransferOutcome carry num_tokens (a length mismatch fails the
-# fetch); TransferOutcome.settled; Fingerprint.model_config.
-PROTOCOL_VERSION = 2
+# fetch); TransferOutcome.settled; Fingerprint.model_config. 3 = KV cache
+# groups: TransferRequest.block_ids holds one table per group (group_sizes),
+# layer_group and group_sharded say which table and sharding each layer uses;
+# Fingerprint.draft_layers; TransferOutcome.replicated_bytes.
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_ADDR = (1 << 63) - 1
 MAX_COUNT = 1 << 48        # pages, bytes, descriptors
+MAX_GROUPS = 256           # KV cache groups of one request
 
 
 class MessageError(ValueError):
@@ -202,6 +206,8 @@ class Fingerprint(_Message):
                   element order of vLLM's cache writer (CPU: per-ISA packing), e.g.
                   "cpu:[1, 32, 128]:vec".
     model_config: hash of the model's config plus its revision, e.g. "sha256:1f2e...@main".
+    draft_layers: KV layers of a speculative draft (EAGLE, MTP, draft model), numbered
+                  after the target's; ``num_layers`` counts them too.
     """
 
     model: str
@@ -211,10 +217,11 @@ class Fingerprint(_Message):
     page_bytes: int
     layout: str
     model_config: str
+    draft_layers: int = 0
 
     SCHEMA = {"model": _NAME, "num_layers": _Int(1, 1 << 16), "page_size": _Int(1, 1 << 24),
               "kv_dtype": _Str(64), "page_bytes": _Int(1, 1 << 40), "layout": _Str(256),
-              "model_config": _Str(256)}
+              "model_config": _Str(256), "draft_layers": _Int(0, 1 << 16)}
 
     def check(self, other: Fingerprint) -> None:
         """Raise ``FingerprintMismatch`` naming every differing field with both values."""
@@ -237,13 +244,17 @@ class TransferRequest(_Message):
                    request once all of them got their pages.
     session:       consumer's Mooncake session id ``host:rpc_port``.
     dcp_size, dcp_rank: the consumer's DCP topology, per request (design §6.7).
-    block_ids:     int64 ``[n]`` the consumer's block table; page ``i`` lands in
-                   ``block_ids[i // dcp_size]`` on rank ``i % dcp_size``.
+    block_ids:     int64 ``[n]`` the consumer's block tables, one per KV cache group,
+                   concatenated (``group_sizes``). In a DCP-sharded group page ``i``
+                   lands in ``[i // dcp_size]`` on rank ``i % dcp_size``; in a
+                   replicated group (``group_sharded`` 0) in ``[i]`` on every rank.
+    group_sizes:   int64 ``[G]`` entries of each group's table in ``block_ids``.
     num_tokens:    prompt tokens the consumer expects; the producer fails the
                    fetch if its request holds another count.
     first_page:    first sequence page to send (earlier ones are cached on decode).
     layer_ids:     int64 ``[L]``; base: int64 ``[L*R]`` row-major ``[L, R]``;
-    page_stride, page_bytes: int64 ``[R]``: the consumer's ``KVRegions``.
+    page_stride, page_bytes: int64 ``[R]``; layer_group: int64 ``[L]``;
+    group_sharded: int64 ``[G]`` (1 or 0): the consumer's ``KVRegions``.
     fingerprint:   the consumer's KV format.
     wait_s:        how long the producer may hold the request if it does not know
                    ``request_id`` yet (prefill still running); 0 = answer at once.
@@ -258,12 +269,15 @@ class TransferRequest(_Message):
     dcp_size: int
     dcp_rank: int
     block_ids: np.ndarray
+    group_sizes: np.ndarray
     num_tokens: int
     first_page: int
     layer_ids: np.ndarray
     base: np.ndarray
     page_stride: np.ndarray
     page_bytes: np.ndarray
+    layer_group: np.ndarray
+    group_sharded: np.ndarray
     fingerprint: Fingerprint
     wait_s: float
 
@@ -273,17 +287,27 @@ class TransferRequest(_Message):
               "num_tokens": _Int(0, MAX_COUNT), "first_page": _Int(0, MAX_COUNT), "layer_ids": _Ids(1 << 16, hi=1 << 16, min_n=1),
               "base": _Ids(1 << 20, min_n=1), "page_stride": _Ids(64, lo=1, min_n=1),
               "page_bytes": _Ids(64, lo=1, min_n=1), "fingerprint": _Nested(Fingerprint),
-              "wait_s": _Float(3600.0)}
+              "wait_s": _Float(3600.0), "group_sizes": _Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),
+              "layer_group": _Ids(1 << 16, hi=MAX_GROUPS - 1, min_n=1), "group_sharded": _Ids(MAX_GROUPS, hi=1, min_n=1)}
 
     @classmethod
-    def build(cls, *, regions: KVRegions, **kw) -> TransferRequest:
-        """Fill ``layer_ids``/``base``/``page_stride``/``page_bytes`` from ``regions``."""
-        return cls(layer_ids=regions.layer_ids, base=regions.base.reshape(-1),
-                   page_stride=regions.page_stride, page_bytes=regions.page_bytes, **kw)
+    def build(cls, *, regions: KVRegions, block_ids, **kw) -> TransferRequest:
+        """Fill the KV fields from ``regions``; ``block_ids``: an int sequence (one
+        group) or a tuple of them, one per group of ``regions``."""
+        tables = block_tables("block_ids", block_ids, regions.num_groups)
+        return cls(layer_ids=regions.layer_ids, base=regions.base.reshape(-1), page_stride=regions.page_stride,
+                   page_bytes=regions.page_bytes, layer_group=regions.layer_group,
+                   group_sharded=regions.group_sharded.astype(np.int64),
+                   block_ids=np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64),
+                   group_sizes=np.array([t.size for t in tables], dtype=np.int64), **kw)
 
     def regions(self) -> KVRegions:
         return KVRegions(self.layer_ids, self.base.reshape(self.layer_ids.size, self.page_stride.size),
-                         self.page_stride, self.page_bytes)
+                         self.page_stride, self.page_bytes, self.layer_group, self.group_sharded.astype(bool))
+
+    def tables(self) -> tuple[np.ndarray, ...]:
+        """The consumer's block table of each group (views into ``block_ids``)."""
+        return tuple(np.split(self.block_ids, np.cumsum(self.group_sizes)[:-1]))
 
     def validate(self) -> None:
         if self.consumer_rank >= self.consumer_size:
@@ -297,6 +321,12 @@ class TransferRequest(_Message):
         if self.base.size != self.layer_ids.size * self.page_stride.size:
             raise MessageError(f"base has {self.base.size} entries, expected layers x regions = "
                                f"{self.layer_ids.size} x {self.page_stride.size}")
+        if int(self.group_sizes.sum()) != self.block_ids.size:
+            raise MessageError(f"group_sizes sum to {int(self.group_sizes.sum())}, block_ids has "
+                               f"{self.block_ids.size} entries")
+        if self.group_sharded.size != self.group_sizes.size:
+            raise MessageError(f"group_sharded has {self.group_sharded.size} groups, group_sizes "
+                               f"{self.group_sizes.size}")
         try:
             self.regions()
         except ValueError as e:
@@ -315,6 +345,8 @@ class TransferOutcome(_Message):
     naive_bytes:       what a full-sequence send to this rank would have moved.
     plan_s, write_s:   seconds spent planning and in Mooncake writes.
     early_layers:      layers written while the prefill was still running (layer pipelining).
+    replicated_bytes:  the part of ``nbytes`` that went to replicated groups (a
+                       draft's KV: every page, to every decode rank).
     settled:           no write of this fetch can still land. False when a write
                        timed out: Mooncake may deliver its queued bytes later, so
                        the consumer must keep those blocks out of use (quarantine).
@@ -338,6 +370,7 @@ class TransferOutcome(_Message):
     write_s: float
     early_layers: int
     settled: bool
+    replicated_bytes: int = 0
 
     SCHEMA = {"transfer_key": _NAME, "attempt_id": _Int(0, MAX_ADDR), "cp_rank": _Int(0, 1 << 12),
               "cp_size": _Int(1, 1 << 12), "ok": _Bool(), "reason": _Str(4096, min_len=0),
@@ -345,7 +378,7 @@ class TransferOutcome(_Message):
               "num_tokens": _Int(0, MAX_COUNT), "num_pages": _Int(0, MAX_COUNT), "nbytes": _Int(0, MAX_COUNT),
               "descriptors": _Int(0, MAX_COUNT), "batches": _Int(0, MAX_COUNT),
               "naive_bytes": _Int(0, MAX_COUNT), "plan_s": _SECONDS, "write_s": _SECONDS,
-              "early_layers": _Int(0, 1 << 16), "settled": _Bool()}
+              "early_layers": _Int(0, 1 << 16), "settled": _Bool(), "replicated_bytes": _Int(0, MAX_COUNT)}
 
     def validate(self) -> None:
         if self.early_layers > self.layer_end - self.layer_start:
@@ -355,6 +388,8 @@ class TransferOutcome(_Message):
             raise MessageError(f"cp_rank must be in [0, cp_size={self.cp_size}), got {self.cp_rank}")
         if self.layer_end < self.layer_start:
             raise MessageError(f"layer_end {self.layer_end} < layer_start {self.layer_start}")
+        if self.replicated_bytes > self.nbytes:
+            raise MessageError(f"replicated_bytes {self.replicated_bytes} > nbytes {self.nbytes}")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,13 @@ region
     is where a page starts and ``page_bytes`` of it are moved. vLLM's CPU
     layout ``[blocks, heads, block_size, 2*head]`` is one region per layer;
     a ``[2, blocks, ...]`` layout is two (K and V).
+group
+    One of vLLM's KV cache groups: layers that share a block table. Each has
+    its own sharding on a decode instance: DCP-sharded as above, or
+    replicated: every DCP rank holds every page, page ``i`` in its block
+    ``block_ids[i]`` (a speculative draft's KV runs with DCP disabled; a DSA
+    indexer cache is the next such group). A request then has one block
+    table per group: a tuple of int sequences, in group order.
 """
 
 from __future__ import annotations
@@ -28,23 +35,28 @@ import numpy as np
 
 from vllm_dcp2d.layout import _check_rank, _check_size, cdiv, cp_layer_range, dcp_pages_for_rank
 
-__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request"]
+__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request", "block_tables"]
 
 
 @dataclass(frozen=True)
 class KVRegions:
     """Where one rank's paged KV lives in its address space.
 
-    layer_ids:   int64 ``[Lh]``    model layer index of each held layer (distinct).
-    base:        int64 ``[Lh, R]`` address of block 0 of region ``j`` of layer ``layer_ids[k]``.
-    page_stride: int64 ``[R]``     bytes from one block to the next, per region.
-    page_bytes:  int64 ``[R]``     bytes of one page to move, per region (<= page_stride).
+    layer_ids:     int64 ``[Lh]``    KV layer id of each held layer (distinct).
+    base:          int64 ``[Lh, R]`` address of block 0 of region ``j`` of layer ``layer_ids[k]``.
+    page_stride:   int64 ``[R]``     bytes from one block to the next, per region.
+    page_bytes:    int64 ``[R]``     bytes of one page to move, per region (<= page_stride).
+    layer_group:   int64 ``[Lh]``    KV cache group of each layer (default: all 0).
+    group_sharded: bool ``[G]``      whether each group's pages are DCP-sharded on this
+                                     rank's instance (default: one sharded group).
     """
 
     layer_ids: np.ndarray
     base: np.ndarray
     page_stride: np.ndarray
     page_bytes: np.ndarray
+    layer_group: np.ndarray | None = None
+    group_sharded: np.ndarray | None = None
 
     def __post_init__(self):
         ids = np.asarray(self.layer_ids, dtype=np.int64).reshape(-1)
@@ -66,10 +78,19 @@ class KVRegions:
                              f"page_stride {stride.tolist()}")
         if ids.size and ids.min() < 0:
             raise ValueError(f"layer_ids must be >= 0, got {ids.tolist()}")
+        group = (np.zeros(ids.size, dtype=np.int64) if self.layer_group is None
+                 else np.asarray(self.layer_group, dtype=np.int64).reshape(-1))
+        sharded = (np.ones(int(group.max()) + 1 if group.size else 1, dtype=bool) if self.group_sharded is None
+                   else np.asarray(self.group_sharded).reshape(-1).astype(bool))
+        if group.size != ids.size:
+            raise ValueError(f"layer_group has {group.size} entries but layer_ids has {ids.size}")
+        if group.size and (group.min() < 0 or group.max() >= sharded.size):
+            raise ValueError(f"layer_group must be in [0, {sharded.size}) (one entry of group_sharded per "
+                             f"group), got {group.tolist()}")
         row_of = np.full(int(ids.max()) + 1 if ids.size else 0, -1, dtype=np.int64)
         row_of[ids] = np.arange(ids.size)
         for name, val in (("layer_ids", ids), ("base", base), ("page_stride", stride), ("page_bytes", nbytes),
-                          ("_row_of", row_of)):
+                          ("layer_group", group), ("group_sharded", sharded), ("_row_of", row_of)):
             object.__setattr__(self, name, val)
 
     @classmethod
@@ -82,8 +103,20 @@ class KVRegions:
     def num_regions(self) -> int:
         return int(self.page_stride.size)
 
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_sharded.size)
+
+    def groups_of(self, layers: np.ndarray, side: str) -> np.ndarray:
+        """Group of each of ``layers`` (int64 ``[n]``); raises if a layer is not held."""
+        rows = self._rows_index(layers, side)
+        return self.layer_group[rows]
+
     def rows(self, layers: np.ndarray, side: str) -> np.ndarray:
         """``base`` rows of ``layers`` (int64 ``[n]``); raises if a layer is not held."""
+        return self.base[self._rows_index(layers, side)]
+
+    def _rows_index(self, layers: np.ndarray, side: str) -> np.ndarray:
         known = (layers >= 0) & (layers < self._row_of.size)
         idx = np.full(layers.shape, -1, dtype=np.int64)
         idx[known] = self._row_of[layers[known]]
@@ -91,7 +124,7 @@ class KVRegions:
         if missing.any():
             raise ValueError(f"{side} holds no KV for layers {layers[missing].tolist()} "
                              f"(it holds {self.layer_ids.tolist()})")
-        return self.base[idx]
+        return idx
 
 
 @dataclass(frozen=True)
@@ -117,6 +150,14 @@ class Descriptors:
         z = np.zeros(0, dtype=np.int64)
         return cls(z, z, z)
 
+    @classmethod
+    def concat(cls, parts: list[Descriptors]) -> Descriptors:
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return cls.empty()
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length")))
+
     def batches(self, max_entries: int):
         """Consecutive slices of at most ``max_entries`` descriptors."""
         max_entries = _check_size("max_entries", max_entries)
@@ -140,37 +181,71 @@ def _block_ids(name: str, ids) -> np.ndarray:
     return arr
 
 
+def block_tables(name: str, ids, num_groups: int) -> list[np.ndarray]:
+    """A request's block tables, one int64 array per group: ``ids`` is an int
+    sequence (one group) or a tuple of them (one per group). Raises ValueError."""
+    tables = list(ids) if isinstance(ids, tuple) else [ids]
+    if len(tables) != num_groups:
+        raise ValueError(f"{name} has {len(tables)} block tables, the KV has {num_groups} cache groups")
+    return [_block_ids(name, t) for t in tables]
+
+
 def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_ids,
               dcp_size: int, dcp_rank: int, first_page: int = 0,
               num_pages: int | None = None) -> Descriptors:
     """Descriptors that move ``layers x pages(dcp_rank)`` of one request.
 
     src:           producer KV regions (must hold every layer in ``layers``).
-    src_block_ids: int ``[P]`` producer block of each sequence page, in sequence order.
+    src_block_ids: producer block of each sequence page, in sequence order: int ``[P]``,
+                   or a tuple of them, one per producer group (``src.layer_group``).
     layers:        the producer rank's layers to send (its ``cp_layer_range``).
     dst:           consumer DCP rank's KV regions (all layers).
-    dst_block_ids: int ``[>= cdiv(P, dcp_size)]`` consumer block table; page ``i``
-                   lands in ``dst_block_ids[i // dcp_size]`` on rank ``i % dcp_size``.
+    dst_block_ids: the consumer's block table(s), one per consumer group. In a
+                   DCP-sharded group page ``i`` lands in ``[i // dcp_size]`` on rank
+                   ``i % dcp_size`` (``>= cdiv(P, dcp_size)`` entries); in a replicated
+                   group every rank gets page ``i`` in ``[i]`` (``>= P`` entries).
     first_page:    first sequence page to send (earlier ones are cached on decode).
-    num_pages:     pages of the request, default ``len(src_block_ids)``.
+    num_pages:     pages of the request, default the producer table's length.
 
-    Order: layer-major, then region, then page; runs contiguous on both
-    sides are merged. Returns int64 arrays; no Python loop per page or layer.
+    Order: per (producer group, consumer group), layer-major, then region, then
+    page; runs contiguous on both sides are merged. Returns int64 arrays; no
+    Python loop per page or layer.
     """
     dcp_size = _check_size("dcp_size", dcp_size)
     dcp_rank = _check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
     _check_compatible(src, dst)
-    src_ids = _block_ids("src_block_ids", src_block_ids)
-    dst_ids = _block_ids("dst_block_ids", dst_block_ids)
-    num_pages = src_ids.size if num_pages is None else int(num_pages)
-    if not 0 <= num_pages <= src_ids.size:
-        raise ValueError(f"num_pages must be in [0, len(src_block_ids)={src_ids.size}], got {num_pages}")
-    if dst_ids.size < cdiv(num_pages, dcp_size):
-        raise ValueError(f"dst_block_ids has {dst_ids.size} blocks, need cdiv(num_pages={num_pages}, "
-                         f"dcp_size={dcp_size}) = {cdiv(num_pages, dcp_size)}")
+    src_tables = block_tables("src_block_ids", src_block_ids, src.num_groups)
+    dst_tables = block_tables("dst_block_ids", dst_block_ids, dst.num_groups)
+    sizes = {t.size for t in src_tables}
+    if num_pages is None:
+        if len(sizes) != 1:
+            raise ValueError(f"the producer's block tables differ in length {sorted(sizes)}: pass num_pages")
+        num_pages = sizes.pop()
+    num_pages = int(num_pages)
+    if not 0 <= num_pages <= min(t.size for t in src_tables):
+        raise ValueError(f"num_pages must be in [0, len(src_block_ids)={min(t.size for t in src_tables)}], "
+                         f"got {num_pages}")
     if first_page < 0:
         raise ValueError(f"first_page must be >= 0, got {first_page}")
     layers = np.asarray(layers, dtype=np.int64).reshape(-1)
+    if layers.size == 0:
+        return Descriptors.empty()
+    pair = src.groups_of(layers, "producer") * dst.num_groups + dst.groups_of(layers, "consumer")
+    parts = []
+    for p in np.unique(pair):  # one per (producer group, consumer group): a handful, not per page
+        sg, dg = divmod(int(p), dst.num_groups)
+        size, rank = (dcp_size, dcp_rank) if dst.group_sharded[dg] else (1, 0)
+        parts.append(_plan_group(src, src_tables[sg], layers[pair == p], dst, dst_tables[dg], size, rank,
+                                 first_page, num_pages))
+    return Descriptors.concat(parts)
+
+
+def _plan_group(src: KVRegions, src_ids: np.ndarray, layers: np.ndarray, dst: KVRegions, dst_ids: np.ndarray,
+                dcp_size: int, dcp_rank: int, first_page: int, num_pages: int) -> Descriptors:
+    """``layers`` (one block table on each side) x pages(dcp_rank)."""
+    if dst_ids.size < cdiv(num_pages, dcp_size):
+        raise ValueError(f"dst_block_ids has {dst_ids.size} blocks, need cdiv(num_pages={num_pages}, "
+                         f"dcp_size={dcp_size}) = {cdiv(num_pages, dcp_size)}")
     pages = dcp_pages_for_rank(num_pages, dcp_size, dcp_rank, first_page)
     if layers.size == 0 or pages.size == 0:
         return Descriptors.empty()

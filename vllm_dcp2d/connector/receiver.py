@@ -55,7 +55,7 @@ from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, Reply,
                                            TransferOutcome, TransferRequest, decode)
-from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.connector.plan import KVRegions, block_tables
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError"]
@@ -115,11 +115,13 @@ class Receiver:
 
         block_ids:  int ``[n]`` this rank's block table of the request; sequence
                     page ``i`` (with ``i % dcp_size == dcp_rank``) lands in ``block_ids[i // dcp_size]``.
+                    With several KV cache groups (``regions.group_sharded``), a tuple of
+                    tables, one per group; a replicated group gets page ``i`` in ``[i]``.
         num_tokens: the prompt tokens this side expects; every CP rank must hold exactly as many.
         """
         if self._stop.is_set():
             raise RuntimeError("receiver is closed")
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
+        ids = tuple(t.copy() for t in block_tables("block_ids", block_ids, self.regions.num_groups))
         t = self.timeout_s if timeout_s is None else timeout_s
         w = self.wait_s if wait_s is None else wait_s
         self._new.put(Fetch(transfer_key, bootstrap, ids, int(num_tokens), int(first_page),

@@ -59,14 +59,15 @@ __all__ = ["LoadSpec", "SendSpec", "DCP2DMetadata", "DCP2DWorkerMeta", "Schedule
 
 @dataclass
 class SendSpec:
-    """A producer request's KV: ``block_ids`` int ``[cdiv(num_tokens, page_size)]``.
+    """A producer request's KV: ``block_ids``, one list per KV cache group, each
+    int ``[cdiv(num_tokens, page_size)]``.
 
     transfer_key: the id decode ranks fetch it by (``remote_request_id``): the client's
     ``transfer_id`` when it gave one, so a router can send the decode request
     before the prefill finished (layer pipelining), else vLLM's request id.
     """
 
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_tokens: int
     transfer_key: str
 
@@ -78,8 +79,9 @@ class LoadSpec:
     transfer_key:      what the producer knows the request by (``remote_request_id``).
     bootstrap_addr:    producer's bootstrap server, "tcp://host:port".
     remote_engine_id:  producer's engine id (checked by the bootstrap).
-    block_ids:         int ``[n]`` the request's block table on this instance
-                       (with DCP, one block per ``dcp_size`` pages).
+    block_ids:         the request's block tables on this instance, one list per KV
+                       cache group (in a DCP-sharded group one block per ``dcp_size``
+                       pages, in a replicated one a block per page).
     first_page:        first page to fetch (earlier ones are cached locally).
     num_tokens:        prompt tokens of the request here; each prefill rank must hold as many.
     remote_num_tokens: what the producer said it computed (``kv_transfer_params``), None if absent.
@@ -90,7 +92,7 @@ class LoadSpec:
     transfer_key: str
     bootstrap_addr: str
     remote_engine_id: str
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     first_page: int
     num_tokens: int
     remote_num_tokens: int | None
@@ -196,7 +198,7 @@ class SchedulerSide:
             transfer_key=str(params["remote_request_id"]),
             bootstrap_addr=str(params["remote_bootstrap_addr"]),
             remote_engine_id=str(params["remote_engine_id"]),
-            block_ids=list(compat.block_ids(blocks)),
+            block_ids=compat.block_ids(blocks),
             first_page=(num_tokens - num_external_tokens) // self.page_size,
             num_tokens=num_tokens, timeout_s=float(timeout),
             remote_num_tokens=None if remote is None else remote if type(remote) is int else -1)
@@ -268,15 +270,21 @@ class SchedulerSide:
         return meta
 
     def _context_blocks(self, scheduler_output) -> list[int]:
-        ids = [self._block_ids(req_id, n) for req_id, n in compat.scheduled_context(scheduler_output) if n > 0]
+        # Layer-split storage applies to one KV cache group only (vllm_compat.kv_cache).
+        ids = [self._block_ids(req_id, n)[0] for req_id, n in compat.scheduled_context(scheduler_output) if n > 0]
         return np.unique(np.concatenate(ids)).tolist() if ids else []
 
-    def _block_ids(self, req_id: str, num_tokens: int) -> list[int]:
-        ids = compat.request_block_ids(self.kv_cache_manager, req_id)
-        return ids[:cdiv(num_tokens, self.page_size)]
+    def _block_ids(self, req_id: str, num_tokens: int) -> tuple[list[int], ...]:
+        return self._pages(compat.request_block_ids(self.kv_cache_manager, req_id), num_tokens)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Called once when a request finishes, before its blocks are freed.
+    def _pages(self, block_ids: tuple[list[int], ...], num_tokens: int) -> tuple[list[int], ...]:
+        """The blocks holding ``num_tokens`` tokens in each group (a producer's blocks
+        are pages: it runs without DCP)."""
+        return tuple(list(ids[:cdiv(num_tokens, self.page_size)]) for ids in block_ids)
+
+    def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes, before its blocks are freed
+        (``block_ids``: one list per KV cache group).
 
         Producer: returns ``(True, params for decode)`` to keep the blocks until the
         workers report ``finished_sending``. Consumer: nothing to keep."""
@@ -286,16 +294,16 @@ class SchedulerSide:
         params = transfer_params(request.kv_transfer_params)
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
-        if not compat.finished_normally(request) or not block_ids:
-            if computed and block_ids:  # layer writes may read the blocks: free them once none can
+        has_blocks = any(block_ids)
+        if not compat.finished_normally(request) or not has_blocks:
+            if computed and has_blocks:  # layer writes may read the blocks: free them once none can
                 self._aborted[request.request_id] = self._keys.get(request.request_id, request.request_id)
                 return True, None
             self._unbind_key(request.request_id)
             return False, None
         num_tokens = request.num_prompt_tokens
         key = self._keys.get(request.request_id, request.request_id)
-        self._ready[request.request_id] = SendSpec(list(block_ids[:cdiv(num_tokens, self.page_size)]), num_tokens,
-                                                   key)
+        self._ready[request.request_id] = SendSpec(self._pages(block_ids, num_tokens), num_tokens, key)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

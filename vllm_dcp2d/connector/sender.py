@@ -66,7 +66,7 @@ import zmq
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank, Reply,
                                            TransferOutcome, TransferRequest, decode, encode)
-from vllm_dcp2d.connector.plan import KVRegions, plan_path
+from vllm_dcp2d.connector.plan import KVRegions, block_tables, plan_path
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 
@@ -88,6 +88,7 @@ class _Held:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one write of this fetch at a time
     sent: set = field(default_factory=set)  # layers written
     nbytes: int = 0
+    replicated_bytes: int = 0  # the part of nbytes written to the consumer's replicated groups
     descriptors: int = 0
     plan_s: float = 0.0
     write_s: float = 0.0
@@ -100,7 +101,7 @@ class _Held:
 
 @dataclass(eq=False)
 class _Request:
-    block_ids: np.ndarray
+    block_ids: tuple  # int64 arrays, one per KV cache group of this rank
     num_tokens: int
     num_pages: int
     expires: float
@@ -171,7 +172,8 @@ class Sender:
     def add_request(self, transfer_key: str, block_ids, num_tokens: int) -> None:
         """The KV of ``transfer_key``'s ``num_tokens`` prompt tokens is complete in
         ``block_ids`` (int ``[P]``, this rank's block of each sequence page,
-        ``P >= cdiv(num_tokens, page_size)``); serves fetches already waiting."""
+        ``P >= cdiv(num_tokens, page_size)``; a tuple of them, one per KV cache
+        group, when ``regions`` has several); serves fetches already waiting."""
         ids, pages = self._blocks(block_ids, num_tokens)
         with self._lock:
             self._requests[transfer_key] = _Request(ids, int(num_tokens), pages, time.monotonic() + self.expiry_s)
@@ -237,13 +239,14 @@ class Sender:
             t.join(timeout_s)
         self._waker.close()
 
-    def _blocks(self, block_ids, num_tokens: int) -> tuple[np.ndarray, int]:
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).copy()
+    def _blocks(self, block_ids, num_tokens: int) -> tuple[tuple, int]:
+        tables = tuple(t.copy() for t in block_tables("block_ids", block_ids, self.regions.num_groups))
         pages = cdiv(int(num_tokens), self.fingerprint.page_size)
-        if not 0 <= pages <= ids.size or (ids.size and ids.min() < 0):
-            raise ValueError(f"need block ids >= 0 covering num_tokens={num_tokens} ({pages} pages of "
-                             f"{self.fingerprint.page_size}), got {ids.size} block ids")
-        return ids, pages
+        for ids in tables:
+            if not 0 <= pages <= ids.size:
+                raise ValueError(f"need block ids >= 0 covering num_tokens={num_tokens} ({pages} pages of "
+                                 f"{self.fingerprint.page_size}), got {ids.size} block ids")
+        return tables, pages
 
     # ---- answers: exactly one per fetch, only once none of its writes can run ----
 
@@ -410,8 +413,11 @@ class Sender:
         Raises ValueError (cannot plan) or TransportError."""
         req = h.req
         t0 = time.perf_counter()
-        desc = plan_path(self.regions, block_ids, layers, req.regions(), req.block_ids,
+        dst = req.regions()
+        desc = plan_path(self.regions, block_ids, layers, dst, req.tables(),
                          req.dcp_size, req.dcp_rank, req.first_page, num_pages)
+        layers = np.asarray(layers, dtype=np.int64)
+        replicated = int((~dst.group_sharded[dst.groups_of(layers, "consumer")]).sum()) if layers.size else 0
         t1 = time.perf_counter()
         stalls: list[int] = []
         try:
@@ -421,6 +427,7 @@ class Sender:
                 h.settled = False
             raise
         h.nbytes += nbytes
+        h.replicated_bytes += replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
         h.descriptors += len(desc)
         h.plan_s += t1 - t0
         h.write_s += time.perf_counter() - t1
@@ -487,7 +494,7 @@ class Sender:
             cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
             num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=h.nbytes, descriptors=n,
             batches=-(-n // self.transport.max_batch), naive_bytes=naive, plan_s=h.plan_s, write_s=h.write_s,
-            early_layers=len(h.sent), settled=h.settled)
+            early_layers=len(h.sent), settled=h.settled, replicated_bytes=h.replicated_bytes)
 
     def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0,
                 settled: bool = True) -> TransferOutcome:

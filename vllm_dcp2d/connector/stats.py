@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 __all__ = ["DCP2DStats", "path_key", "StatsFile"]
 
 _COUNTERS = ("failed", "expired", "quarantined", "released", "prefix_broadcast_bytes")
-_PATH_FIELDS = ("transfers", "bytes", "descriptors", "seconds")
+_PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
 
 
 def path_key(cp_rank: int, dcp_rank: int) -> str:
@@ -35,8 +35,12 @@ def path_key(cp_rank: int, dcp_rank: int) -> str:
 
 @dataclass
 class DCP2DStats(KVConnectorStats):
-    """``data = {"paths": {"r,d": {"transfers", "bytes", "descriptors", "seconds"}},
+    """``data = {"paths": {"r,d": {"transfers", "bytes", "replicated_bytes", "descriptors", "seconds"}},
     "failed": int, "expired": int, "quarantined": int, "released": int, "prefix_broadcast_bytes": int}``.
+
+    bytes:       everything the path moved; replicated_bytes: the part that went to
+                 replicated KV cache groups (a speculative draft's KV, every page to
+                 every decode rank); the target's bytes are the difference.
 
     failed:      fetches that ended with an error (decode), length mismatches included.
     expired:     requests given up on: decode KV that never arrived in
@@ -65,12 +69,14 @@ class DCP2DStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {"paths": {}, **dict.fromkeys(_COUNTERS, 0)}
 
-    def record_path(self, cp_rank: int, dcp_rank: int, nbytes: int, descriptors: int, seconds: float) -> None:
+    def record_path(self, cp_rank: int, dcp_rank: int, nbytes: int, descriptors: int, seconds: float,
+                    replicated_bytes: int = 0) -> None:
         """Called by the worker when one path of one request completed."""
         with self._lock:
             p = self.data["paths"].setdefault(path_key(cp_rank, dcp_rank), dict.fromkeys(_PATH_FIELDS, 0))
             p["transfers"] += 1
             p["bytes"] += int(nbytes)
+            p["replicated_bytes"] += int(replicated_bytes)
             p["descriptors"] += int(descriptors)
             p["seconds"] += float(seconds)
 
@@ -97,7 +103,7 @@ class DCP2DStats(KVConnectorStats):
             for key, q in other.data["paths"].items():
                 p = self.data["paths"].setdefault(key, dict.fromkeys(_PATH_FIELDS, 0))
                 for f in _PATH_FIELDS:
-                    p[f] += q[f]
+                    p[f] += q.get(f, 0)
             for k in _COUNTERS:
                 self.data[k] += other.data[k]
         return self
@@ -108,12 +114,15 @@ class DCP2DStats(KVConnectorStats):
         out: dict[str, int | float] = {
             "transfers": sum(p["transfers"] for p in paths.values()),
             "bytes": sum(p["bytes"] for p in paths.values()),
+            "replicated_bytes": sum(p["replicated_bytes"] for p in paths.values()),
             "descriptors": sum(p["descriptors"] for p in paths.values()),
             **{k: self.data[k] for k in _COUNTERS},
         }
         for key in sorted(paths):
             p = paths[key]
             out[f"path({key}) bytes"] = p["bytes"]
+            if p["replicated_bytes"]:
+                out[f"path({key}) replicated bytes"] = p["replicated_bytes"]
             out[f"path({key}) ms"] = round(1e3 * p["seconds"], 3)
         return out
 

@@ -61,10 +61,12 @@ class WorkerSide:
     """The worker-role half of DCP2DConnector (see module doc)."""
 
     def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool,
-                 num_blocks: int):
+                 kv_cache_config=None):
         self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
-        self.num_blocks = num_blocks
+        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+        self.groups = compat.layer_groups(kv_cache_config)  # layer name -> KV cache group
+        self.group_sharded = compat.group_sharded(kv_cache_config)
         self.page_size = compat.page_size(vllm_config)
         self.tp_rank, self.tp_size = compat.tp_rank_size()
         self.dcp_rank, self.dcp_size = compat.dcp_rank_size()
@@ -104,13 +106,16 @@ class WorkerSide:
         """Called once by the model runner after it allocated the paged KV
         (``{layer_name: tensor}``, see ``compat.kv_regions`` for the layouts).
         Registers the memory with Mooncake and starts this rank's sender/receiver."""
-        regions, memory = compat.kv_regions(kv_caches, self.num_blocks)
+        self.layer_ids = compat.kv_layer_ids(self.vllm_config, kv_caches)
+        regions, memory = compat.kv_regions(kv_caches, self.num_blocks, self.layer_ids, self.groups,
+                                            self.group_sharded)
         self._kv_ptrs = {name: t.data_ptr() for name, t in kv_caches.items()}
         layers = np.sort(regions.layer_ids)
         if not np.array_equal(layers, np.arange(layers.size)):
             raise ValueError(f"KV layers must be 0..L-1, got {layers.tolist()}")
         name, first = next(iter(kv_caches.items()))
         fingerprint = Fingerprint(
+            draft_layers=sum(compat.is_draft_layer(self.vllm_config, n) for n in kv_caches),
             model=str(self.vllm_config.model_config.model), num_layers=int(layers.size),
             page_size=self.page_size, kv_dtype=str(first.dtype).removeprefix("torch."),
             page_bytes=int(regions.page_bytes.sum()),
@@ -128,8 +133,8 @@ class WorkerSide:
         plan = storage_plan(self.vllm_config, num_layers)
         if plan is None:
             return
-        owned = [n for n in kv_caches if plan.owner(compat.layer_index(n)) == self.tp_rank]
-        others = [n for n in kv_caches if plan.owner(compat.layer_index(n)) != self.tp_rank]
+        owned = [n for n in kv_caches if plan.owner(self.layer_ids[n]) == self.tp_rank]
+        others = [n for n in kv_caches if plan.owner(self.layer_ids[n]) != self.tp_rank]
         ptrs = {n: t.data_ptr() for n, t in kv_caches.items()}
         transient = {ptrs[n] for n in others}
         if len(transient) != 1 or len({ptrs[n] for n in owned} | transient) != len(owned) + 1:
@@ -143,7 +148,7 @@ class WorkerSide:
                                f"the transient slot; {unhooked[0]} uses another backend. Start with "
                                f"--attention-backend CPU_MLA (MLA) or layer_split='off'.")
         bound = compat.bound_kv_caches(self.vllm_config)
-        owners = {id(t): (n, plan.owner(compat.layer_index(n))) for n, t in bound.items() if n in kv_caches}
+        owners = {id(t): (n, plan.owner(self.layer_ids[n])) for n, t in bound.items() if n in kv_caches}
         if len(owners) != len(kv_caches):
             raise RuntimeError(f"layer-split storage: {len(kv_caches)} KV caches registered but {len(owners)} "
                                f"bound to attention layers")
@@ -280,8 +285,9 @@ class WorkerSide:
 
     def _record(self, f) -> None:
         for cp_rank, o in sorted(f.outcomes.items()):
-            self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s)
+            self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s, o.replicated_bytes)
             self.stats_file.write(transfer_key=f.transfer_key, cp_rank=cp_rank, cp_size=o.cp_size,
+                                  replicated_bytes=o.replicated_bytes,
                                   tp_rank=self.tp_rank, dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
                                   pages=o.num_pages, page_size=self.page_size, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
                                   descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
@@ -292,7 +298,9 @@ class WorkerSide:
         fails or recomputes it (``kv_load_failure_policy``)."""
         expired = f is not None and f.error.timed_out
         self.stats.count("expired" if expired else "failed")
-        blocks = list(block_ids[first_page // self.dcp_size:])  # undefined from the first fetched page on
+        # Undefined from the first fetched page on, in every group.
+        blocks = [b for ids, sharded in zip(block_ids, self.group_sharded)
+                  for b in ids[first_page // (self.dcp_size if sharded else 1):]]
         reason = why or str(f.error)
         if f is not None and f.quarantined:
             # A prefill rank may still write into these blocks: recompute the whole
@@ -302,6 +310,12 @@ class WorkerSide:
             self._holds[id(f)] = (f, req_id, len(blocks))
             self.stats.count("quarantined", len(blocks))
             what = f"{len(blocks)} blocks quarantined until cp ranks {sorted(f.quarantined)} settle"
+        elif len(self.group_sharded) > 1:
+            # vLLM 0.32 takes no block-level load errors with several KV cache groups
+            # (its engine core stops): report the request, which kv_load_failure_policy
+            # then fails or recomputes from scratch.
+            self._failed_recving.add(req_id)
+            what = "reporting the request as failed (several KV cache groups: no block-level load errors)"
         else:
             self._load_errors.update(blocks)
             what = f"reporting {len(blocks)} blocks as load errors"
@@ -325,7 +339,7 @@ class WorkerSide:
         waiting = [spec for spec in meta.computing.values() if self.sender.held(spec.transfer_key)]
         if not waiting:  # the usual case: nobody asked before the prefill finished
             return
-        layer = compat.layer_index(layer_name)
+        layer = self.layer_ids[layer_name]
         # On GPU the KV write is queued on the compute stream: the sender waits for it.
         event = compat.record_event(kv_layer)
         for spec in waiting:

@@ -122,7 +122,8 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
                 kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024, failure_policy: str = "fail",
                 dtype: str | None = None, host: str = "127.0.0.1", netns: str | None = None,
                 args: tuple[str, ...] = ()) -> Process:
-    """``vllm serve MODEL ...`` running DCP2DConnector on ``host:port``.
+    """``vllm serve MODEL ...`` running DCP2DConnector on ``host:port`` (``role=""``:
+    a plain instance without the connector, e.g. a colocated reference).
 
     On another host than loopback, the connector's advertised addresses follow
     ``host`` unless ``extra_config`` names them: the bootstrap server
@@ -135,7 +136,7 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
           "kv_connector_extra_config": extra_config}
     cmd = [bin_path("vllm"), "serve", model, "--port", str(port), "--host", host,
            "--tensor-parallel-size", str(tp), "--max-model-len", str(max_model_len),
-           "--kv-transfer-config", json.dumps(kv), "--disable-uvicorn-access-log"]
+           "--disable-uvicorn-access-log"] + (["--kv-transfer-config", json.dumps(kv)] if role else [])
     if dcp > 1:
         cmd += ["--decode-context-parallel-size", str(dcp)]
     if dtype:

@@ -30,16 +30,16 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorTransferResults,
-                                                               KVConnectorWorkerMetadata)
+                                                               KVConnectorWorkerMetadata, SupportsHMA)
 from vllm.v1.request import RequestStatus
 
 from vllm_dcp2d.connector.plan import KVRegions
 
-__all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",
+__all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
            "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
-           "check_interleave", "check_no_draft_kv", "record_event", "scheduled_context", "bound_kv_caches", "tp_cp_group",
+           "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids", "scheduled_context", "bound_kv_caches", "tp_cp_group",
            "fills_transient_slot", "layer_split_applies", "hold_blocks", "release_blocks", "sleep_between_shm_polls"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -63,19 +63,64 @@ def page_size(vllm_config) -> int:
     return int(vllm_config.cache_config.block_size)
 
 
-def block_ids(blocks) -> list[int]:
-    """Block ids of the only KV cache group of a ``KVCacheBlocks``."""
-    groups = blocks.get_block_ids()
-    if len(groups) != 1:
-        raise RuntimeError(f"DCP2DConnector supports one KV cache group, got {len(groups)}")
-    return list(groups[0])
+def block_ids(blocks) -> tuple[list[int], ...]:
+    """Block ids of a ``KVCacheBlocks``, one list per KV cache group."""
+    return tuple(list(g) for g in blocks.get_block_ids())
 
 
-def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
-    groups = kv_cache_manager.get_block_ids(req_id)
-    if len(groups) != 1:
-        raise RuntimeError(f"DCP2DConnector supports one KV cache group, got {len(groups)}")
-    return list(groups[0])
+def request_block_ids(kv_cache_manager, req_id: str) -> tuple[list[int], ...]:
+    """A request's block ids, one list per KV cache group."""
+    return tuple(list(g) for g in kv_cache_manager.get_block_ids(req_id))
+
+
+def group_sharded(kv_cache_config) -> list[bool]:
+    """Per KV cache group: DCP-sharded (vLLM's ``dcp_sharded``; True without DCP) or
+    replicated on every DCP rank (a draft run with DCP disabled). One sharded group
+    when the config is unknown.
+
+    Raises ``ConfigError`` for a group that is not full attention (sliding window,
+    Mamba, ...): its block table skips pages, which a page transfer cannot follow.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    from vllm_dcp2d.connector.config import ConfigError
+
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return [True]
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        bad = [type(s).__name__ for s in specs if not isinstance(s, FullAttentionSpec)]
+        if bad:
+            raise ConfigError(f"DCP2DConnector moves full-attention KV cache groups only; group {g} "
+                              f"({group.layer_names[0]}, ...) is {bad[0]}. Start vLLM with "
+                              f"--disable-hybrid-kv-cache-manager so that it stores such layers as full attention.")
+    return [bool(getattr(g.kv_cache_spec, "dcp_sharded", True)) for g in kv_cache_config.kv_cache_groups]
+
+
+def layer_groups(kv_cache_config) -> dict[str, int]:
+    """Layer name -> index of its KV cache group (empty when the config is unknown)."""
+    if kv_cache_config is None:
+        return {}
+    return {n: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for n in grp.layer_names}
+
+
+def is_draft_layer(vllm_config, layer_name: str) -> bool:
+    """Whether ``layer_name`` belongs to a speculative draft: vLLM names a draft
+    model's layers ``draft_model.*`` and numbers EAGLE/MTP layers after the target's."""
+    if vllm_config.speculative_config is None:
+        return False
+    return (layer_name.startswith("draft_model.")
+            or layer_index(layer_name) >= vllm_config.model_config.get_total_num_hidden_layers())
+
+
+def kv_layer_ids(vllm_config, layer_names) -> dict[str, int]:
+    """Layer name -> KV layer id, the layer numbering both sides of a transfer share:
+    the target's layers by model index (0..L-1), then the draft's in their order."""
+    draft = {n for n in layer_names if is_draft_layer(vllm_config, n)}
+    target = sorted((layer_index(n), n) for n in layer_names if n not in draft)
+    drafts = sorted((layer_index(n), n) for n in draft)
+    return {n: i for i, (_, n) in enumerate(target + drafts)}
 
 
 def scheduled_tokens(scheduler_output):
@@ -160,22 +205,6 @@ def kv_replicated(vllm_config) -> bool:
     return bool(mc.use_mla) or mc.get_total_num_kv_heads() == 1
 
 
-def check_no_draft_kv(vllm_config) -> None:
-    """Refuse a speculative draft that keeps its own KV cache (EAGLE, MTP,
-    draft_model): the connector moves one KV cache group, the target's, so the
-    draft's KV for the prompt would be missing on the decode. Drafts without KV
-    (ngram, suffix) pass."""
-    from vllm_dcp2d.connector.config import ConfigError
-
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.uses_draft_kv_cache():
-        raise ConfigError(
-            f"DCP2DConnector does not transfer a speculative draft's KV cache yet "
-            f"(--speculative-config method={spec.method!r}): serve this instance without "
-            f"--speculative-config, or use a draft without KV (ngram). Speculation with "
-            f"DCP runs on an instance without the connector (README, 'Speculative decoding').")
-
-
 def check_interleave(vllm_config, resolved: bool = True) -> None:
     """Decode with DCP must keep whole pages per rank: interleave == block_size.
 
@@ -211,7 +240,9 @@ def record_event(kv_layer: torch.Tensor):
     return event
 
 
-def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[KVRegions, list[tuple[int, int]]]:
+def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: dict[str, int] | None = None,
+               groups: dict[str, int] | None = None, sharded: list[bool] | None = None,
+               ) -> tuple[KVRegions, list[tuple[int, int]]]:
     """The ``KVRegions`` of a worker's paged KV, and the memory ranges to register.
 
     kv_caches:  layer name -> KV tensor, as ``register_kv_caches`` gets it:
@@ -219,9 +250,12 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[KVR
                 (one region per layer: K and V of a page are contiguous), or GPU
                 ``[2, num_blocks, ...]`` (two regions, K and V).
     num_blocks: blocks per layer (``kv_cache_config.num_blocks``).
-    Returns (regions over model layer indices, [(addr, nbytes)] of distinct tensors).
+    layer_ids:  layer name -> KV layer id (:func:`kv_layer_ids`); default the model index.
+    groups, sharded: layer name -> KV cache group, and each group's sharding
+                (:func:`layer_groups`, :func:`group_sharded`); default one sharded group.
+    Returns (regions over KV layer ids, [(addr, nbytes)] of distinct tensors).
     """
-    layers, bases, strides, nbytes, mem = [], [], None, None, {}
+    layers, bases, strides, nbytes, mem, group_of = [], [], None, None, {}, []
     for name, t in kv_caches.items():
         item = t.element_size()
         if t.shape[0] == num_blocks:
@@ -240,13 +274,15 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[KVR
         elif stride != strides or page != nbytes:
             raise ValueError(f"KV cache of {name}: page stride/bytes {stride}/{page} differ from other layers "
                              f"({strides}/{nbytes}); DCP2DConnector needs one format for all layers")
-        layers.append(layer_index(name))
+        layers.append(layer_ids[name] if layer_ids else layer_index(name))
+        group_of.append(groups.get(name, 0) if groups else 0)
         bases.append(base)
         storage = t.untyped_storage()
         mem[storage.data_ptr()] = storage.nbytes()
     if not layers:
         raise ValueError("register_kv_caches got no KV cache tensors")
-    regions = KVRegions(np.array(layers), np.array(bases), np.array(strides), np.array(nbytes))
+    regions = KVRegions(np.array(layers), np.array(bases), np.array(strides), np.array(nbytes),
+                        np.array(group_of), np.array(sharded if sharded else [True]))
     return regions, sorted(mem.items())
 
 

@@ -95,6 +95,9 @@ def storage_plan(vllm_config, num_layers: int) -> StoragePlan | None:
                             "CPU_MLA) only; on GPU every rank stores every layer")
     elif cp > num_layers:
         _fail_or_skip(mode, f"cp_size={cp} exceeds the model's {num_layers} layers")
+    elif vllm_config.speculative_config is not None and vllm_config.speculative_config.uses_draft_kv_cache():
+        _fail_or_skip(mode, f"a speculative draft (method={vllm_config.speculative_config.method!r}) keeps its own "
+                            f"KV, computed outside the target's forward; every rank stores every layer")
     else:
         return StoragePlan(num_layers, cp)
     return None
