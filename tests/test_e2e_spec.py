@@ -1,14 +1,19 @@
 """End to end with speculative decoding: a prefill ``vllm serve`` (tiny
 ``llama-mqa``, TP=2 = 2 CP ranks) and a decode (TP=2, DCP=2), both with the
-target as its own draft (``draft_model``, 3 tokens), through the PD proxy.
+same draft (3 tokens), through the PD proxy. Two drafts, one cluster each:
 
-The draft's KV for the prompt is transferred, not recomputed: the decode's draft
-KV cache group is replicated (every DCP rank holds every page), the target's is
-DCP-sharded. KV layer ids: the target's 0-3, the draft's 4-7, so CP rank 0
-sends the target's layers (filtered per DCP rank) and CP rank 1 the draft's
-(every page, to every DCP rank). Checked against the plan per path, target and
-draft bytes apart, and the greedy tokens against a colocated instance without
-speculation or connector.
+- ``draft_model``: the target as its own draft. KV layer ids: the target's
+  0-3, the draft's 4-7; the decode has 2 KV cache groups (draft replicated,
+  target DCP-sharded). CP rank 0 sends target layers, CP rank 1 draft layers.
+- ``eagle``: a one-layer EAGLE head (layer id 4). The decode has 5 groups
+  (vLLM gives each target layer its own, the same size as the draft's):
+  CP rank 1 sends target layer 3 and the draft layer.
+
+The draft's KV for the prompt is transferred, not recomputed (an EAGLE draft
+needs the target's hidden states): every DCP rank gets every draft page,
+target pages stay filtered per DCP rank. Checked against the plan per path,
+target and draft bytes apart, and the greedy tokens against a colocated
+instance without speculation or connector.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import json
 import pytest
 from _pd_cluster import stalled
 
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.layout import cdiv, cp_layer_range
 from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
 PAGE = 32
-LAYERS, DRAFT = 4, 4                   # tiny llama-mqa, and itself as the draft
+LAYERS = 4                             # tiny llama-mqa
+DRAFT_LAYERS = {"draft_model": 4, "eagle": 1}
 PAGE_BYTES = PAGE * 2 * 32 * 4         # 1 KV head x (K+V) x head_dim 32 x fp32
 MAX_TOKENS = 12
 DCP = 2
@@ -35,30 +41,47 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def work(tmp_path_factory):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
-    work = tmp_path_factory.mktemp("e2e_spec")
-    model = build_tiny_model("llama-mqa", work / "model")
-    stats = work / "stats.jsonl"
-    spec = ("--speculative-config", json.dumps({"method": "draft_model", "model": model,
+    root = tmp_path_factory.mktemp("e2e_spec")
+    return {"root": root, "model": build_tiny_model("llama-mqa", root / "model"),
+            "eagle": build_tiny_model("llama-mqa-eagle", root / "eagle")}
+
+
+@pytest.fixture(scope="module")
+def plain(work):
+    """The colocated reference: no speculation, no connector."""
+    p = vllm_server("plain", work["model"], free_port(), work["root"], role="", tp=2, block_size=PAGE,
+                    dtype="float32", extra_config={})
+    try:
+        p.start()
+        wait_all([p], timeout_s=600)
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module", params=["draft_model", "eagle"])
+def cluster(request, work, plain):
+    kind, model, root = request.param, work["model"], work["root"] / f"pd-{request.param}"
+    root.mkdir()
+    stats = root / "stats.jsonl"
+    spec = ("--speculative-config", json.dumps({"method": kind, "model": work["eagle"] if kind == "eagle" else model,
                                                  "num_speculative_tokens": 3}))
-    prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE,
+    prefill = vllm_server("prefill", model, free_port(), root, role="kv_producer", tp=2, block_size=PAGE,
                           dtype="float32", args=spec,
                           extra_config={"stats_file": str(stats), "bootstrap_port": free_port()})
-    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, block_size=PAGE,
+    decode = vllm_server("decode", model, free_port(), root, role="kv_consumer", tp=2, dcp=DCP, block_size=PAGE,
                          dtype="float32", args=spec,
                          extra_config={"stats_file": str(stats), "transfer_timeout_s": 300.0})
-    plain = vllm_server("plain", model, free_port(), work, role="", tp=2, block_size=PAGE, dtype="float32",
-                        extra_config={})
-    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work)
-    procs = [prefill, decode, plain, proxy]
+    proxy = proxy_server(free_port(), [prefill.url], [decode.url], root)
+    procs = [prefill, decode, proxy]
     try:
         for p in procs:
             p.start()
         wait_all(procs, timeout_s=600)
-        yield {"model": model, "stats": stats, "proxy": proxy, "plain": plain, "prefill": prefill,
-               "decode": decode}
+        yield {"kind": kind, "model": model, "stats": stats, "proxy": proxy, "plain": plain, "decode": decode}
     finally:
         for p in procs:
             p.stop()
@@ -88,15 +111,13 @@ def test_draft_kv_travels_with_the_target(cluster, n):
     ok = [r for r in recs if r.get("ok")]
     assert len(ok) == 2 * 2, recs  # each decode DCP rank got both CP ranks' layers
     pages = cdiv(n, PAGE)
+    num_layers = LAYERS + DRAFT_LAYERS[c["kind"]]
     for r in ok:
-        d = r["dcp_rank"]
-        target_pages = len(range(d, pages, DCP))
-        if r["cp_rank"] == 0:  # layers 0-3: the target's, this rank's pages only
-            assert r["layers"] == [0, 4] and r["replicated_bytes"] == 0
-            assert r["bytes"] == LAYERS * target_pages * PAGE_BYTES, r
-        else:                  # layers 4-7: the draft's, every page to every rank
-            assert r["layers"] == [4, 8]
-            assert r["bytes"] == r["replicated_bytes"] == DRAFT * pages * PAGE_BYTES, r
+        layers = cp_layer_range(num_layers, 2, r["cp_rank"])
+        target = len([x for x in layers if x < LAYERS])  # ids >= LAYERS are the draft's
+        assert r["layers"] == [layers.start, layers.stop]
+        assert r["replicated_bytes"] == (len(layers) - target) * pages * PAGE_BYTES, r   # every page
+        assert r["bytes"] - r["replicated_bytes"] == target * len(range(r["dcp_rank"], pages, DCP)) * PAGE_BYTES
 
 
 @pytest.mark.timeout(600)
@@ -126,6 +147,7 @@ def _counter(url: str, name: str) -> float:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("cluster", ["draft_model"], indirect=True)
 def test_the_decode_drafts_from_the_transferred_draft_kv(cluster):
     """The target as its own draft accepts nearly every draft only if the draft KV of
     the prompt is right: the decode computes none of it, it all came over the wire

@@ -17,8 +17,10 @@ from vllm_dcp2d.vllm_compat.kv_cache import StoragePlan, split_tensors, storage_
 
 
 def _vc(role="kv_consumer", dcp=1, tp=2, mla=True, backend=None, extra=None, connector="DCP2DConnector",
-        heads=1, interleave=1, auto=True):
+        heads=1, interleave=1, auto=True, draft=None):
+    spec = None if draft is None else NS(method=draft, uses_draft_kv_cache=lambda: draft != "ngram")
     return NS(kv_transfer_config=NS(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {}),
+              speculative_config=spec,
               model_config=NS(use_mla=mla, model="m", get_total_num_kv_heads=lambda: heads),
               attention_config=NS(backend=backend),
               parallel_config=NS(decode_context_parallel_size=dcp, tensor_parallel_size=tp, pipeline_parallel_size=1,
@@ -69,6 +71,11 @@ def test_storage_plan_decisions(monkeypatch):
         storage_plan(_vc(extra={"layer_split": "on"}), 8)
     with pytest.raises(ConfigError, match="expected one of"):
         storage_plan(_vc(role="kv_producer", extra={"layer_split": "yes"}), 8)
+    # A draft's KV is written outside the target's forward: every rank stores every layer.
+    assert storage_plan(_vc(role="kv_producer", draft="eagle"), 9) is None
+    assert storage_plan(_vc(role="kv_producer", draft="ngram"), 8) == StoragePlan(8, 2)  # no draft KV
+    with pytest.raises(ConfigError, match="speculative draft \\(method='draft_model'\\) keeps its own KV"):
+        storage_plan(_vc(role="kv_producer", draft="draft_model", extra={"layer_split": "on"}), 8)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda *a: False)
     with pytest.raises(ConfigError, match="CPU attention backends"):
         storage_plan(_vc(role="kv_producer", extra={"layer_split": "on"}), 8)

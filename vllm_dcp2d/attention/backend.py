@@ -24,7 +24,6 @@ before the step) plus "new" (the step's tokens), so one path serves them all.
 
 from __future__ import annotations
 
-import torch
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_dcp_group
 from vllm.v1.attention.backend import AttentionType

@@ -10,7 +10,6 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 

@@ -48,7 +48,6 @@ import threading
 import time
 import uuid
 
-import numpy as np
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs

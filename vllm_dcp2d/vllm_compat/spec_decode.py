@@ -14,9 +14,8 @@ pool); the runner side is what the patches below add. Each acts only when
 ``decode_context_parallel_size > 1`` and a draft is configured:
 
 0. ``kv_cache_utils.get_kv_cache_groups``: replicated groups come first. The
-   V1 runner gives a ``draft_model`` drafter the metadata of group 0, and a
-   KV connector finds the draft group in one place (``connector/worker.py``).
-
+   V1 runner gives a ``draft_model`` drafter the metadata of group 0 (with
+   the target's group first, the draft wrote into the target's blocks).
 1. The drafter's ``load_model``, ``dummy_run`` and ``propose`` run inside
    :func:`~vllm_dcp2d.spec_decode.draft.dcp_disabled`, and
    ``_create_draft_vllm_config`` asks
@@ -61,7 +60,7 @@ from vllm_dcp2d.spec_decode.verify import agree_accepted_prefix
 
 log = logging.getLogger(__name__)
 
-__all__ = ["install", "replicated_group_ids", "agree_sampled"]
+__all__ = ["install", "agree_sampled"]
 
 _PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: a rejected position in sampled_token_ids
 
@@ -74,12 +73,6 @@ def _draft_layers(runner) -> set[str]:
     """Attention layer names of the runner's draft model (empty without one)."""
     drafter = getattr(runner, "drafter", None)
     return set(getattr(drafter, "_draft_attn_layer_names", ()) or ())
-
-
-def replicated_group_ids(kv_cache_config) -> list[int]:
-    """Indices of the KV cache groups whose pages are not DCP-sharded."""
-    return [i for i, g in enumerate(kv_cache_config.kv_cache_groups)
-            if not getattr(g.kv_cache_spec, "dcp_sharded", True)]
 
 
 def agree_sampled(sampled: torch.Tensor, group) -> torch.Tensor:
