@@ -1,4 +1,7 @@
-"""Speculative decoding (EAGLE / MTP) under DCP (design §8), usable without vLLM.
+"""Speculative decoding (EAGLE / MTP) under DCP (design §8): the pure pieces,
+importing nothing from vLLM. ``vllm_compat/spec_decode.py`` wires them into
+vLLM's V1 runner (the drafter under ``dcp_disabled()``, the MIN agreement
+after rejection sampling).
 
 draft   dcp_disabled() for the draft forward, draft pool sizing, memory figure
 verify  greedy acceptance, MIN agreement of the accepted prefix across the DCP group
