@@ -68,10 +68,6 @@ class Fetch:
     def naive_bytes(self) -> int:
         return sum(o.naive_bytes for o in self.outcomes.values())
 
-    @property
-    def replicated_bytes(self) -> int:
-        return sum(o.replicated_bytes for o in self.outcomes.values())
-
 
 class Rank:
     """A DEALER to one prefill CP rank's side channel, with its link monitor and

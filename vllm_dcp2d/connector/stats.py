@@ -103,7 +103,7 @@ class DCP2DStats(KVConnectorStats):
             for key, q in other.data["paths"].items():
                 p = self.data["paths"].setdefault(key, dict.fromkeys(_PATH_FIELDS, 0))
                 for f in _PATH_FIELDS:
-                    p[f] += q.get(f, 0)
+                    p[f] += q[f]
             for k in _COUNTERS:
                 self.data[k] += other.data[k]
         return self

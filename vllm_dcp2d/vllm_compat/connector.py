@@ -39,7 +39,8 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
            "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
-           "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids", "scheduled_context", "bound_kv_caches", "tp_cp_group",
+           "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
+           "scheduled_context", "bound_kv_caches", "tp_cp_group",
            "fills_transient_slot", "layer_split_applies", "hold_blocks", "release_blocks", "sleep_between_shm_polls"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
