@@ -26,7 +26,7 @@ def test_stats_aggregate_reduce_pickle():
     b.count("expired", 2)
     a.aggregate(pickle.loads(pickle.dumps(b)))
     assert a.data["paths"]["0,1"] == {"transfers": 2, "bytes": 150, "replicated_bytes": 40, "descriptors": 3,
-                                      "seconds": 0.75}
+                                      "seconds": 0.75, "write_seconds": [0.5, 0.25]}
     r = a.reduce()
     assert (r["bytes"], r["transfers"], r["failed"], r["expired"]) == (157, 3, 1, 2)
     assert r["path(0,1) bytes"] == 150 and r["path(1,0) ms"] == 0.0

@@ -17,9 +17,9 @@ import time
 import pytest
 
 from _pd_cluster import (DCP, EXPIRY_S, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
-                         complete, ids, pd_cluster, tokens)
+                         complete, expected_bytes, ids, pd_cluster, stalled, tokens)
 
-from vllm_dcp2d.testing.harness import read_stats
+from vllm_dcp2d.testing.harness import post_json, read_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -123,3 +123,76 @@ def test_layers_sent_while_prefill_runs(cluster):
     recs = [r for r in read_stats(c["stats"]) if r.get("transfer_key") == tid and r["side"] == "consumer"]
     check_paths(recs, len(prompt), DCP, 2, 0)
     assert [r["early_layers"] for r in recs] == [2] * 4, recs  # every layer of every path, early
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` of ``url``: (sample name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def path_deltas(before: dict, after: dict, name: str) -> dict[tuple[str, str, str], float]:
+    """Growth of per-path sample ``name``: (cp_rank, dcp_rank, dcp_size) -> delta, where it grew."""
+    out = {}
+    for (n, labels), v in after.items():
+        if n == name and (d := v - before.get((n, labels), 0.0)):
+            lab = dict(labels)
+            out[(lab["cp_rank"], lab["dcp_rank"], lab["dcp_size"])] = d
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_metrics(cluster):
+    """Both instances' live ``/metrics`` carry the documented metrics (``prom.METRICS``):
+    after one request through the proxy, the decode's (DCP=2) per-path figures grew on
+    exactly the plan's (cp_rank, dcp_rank) paths, each by the plan's bytes, one
+    transfer and one write observation whose seconds equal the stats file's. vLLM feeds
+    Prometheus after each engine step (not per log interval): wait with a timeout."""
+    from vllm_dcp2d.connector.prom import METRICS, exposed_names
+
+    c = cluster
+    for salt in (70, 71):  # a second prompt if the first hit the known Mooncake stall (issue 14)
+        prompt = ids(3 * PAGE + 5, salt)  # not cached by the decode: every page is fetched
+        before, n_recs = scrape(c["decode"].url), len(read_stats(c["stats"]))
+        body = {"model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True}
+        status, out = post_json(c["proxy"].url + "/v1/completions", body, timeout_s=300)
+        recs = [r for r in read_stats(c["stats"])[n_recs:] if r["side"] == "consumer" and r.get("ok")]
+        if not stalled(read_stats(c["stats"])[n_recs:]):
+            break
+    assert status == 200, out
+    want = {(str(r), str(d), str(DCP)): b for (r, d), b in expected_bytes(len(prompt), DCP, 0).items()}
+    assert len(want) == 4 and len(recs) == 4
+    deadline = time.monotonic() + 30
+    while path_deltas(before, after := scrape(c["decode"].url), "vllm:dcp2d_path_transfers_total") != \
+            dict.fromkeys(want, 1.0):
+        assert time.monotonic() < deadline, path_deltas(before, after, "vllm:dcp2d_path_transfers_total")
+        time.sleep(0.5)
+    assert path_deltas(before, after, "vllm:dcp2d_path_bytes_total") == want
+    assert path_deltas(before, after, "vllm:dcp2d_path_write_seconds_count") == dict.fromkeys(want, 1.0)
+    assert path_deltas(before, after, "vllm:dcp2d_path_replicated_bytes_total") == {}  # no draft
+    assert set(path_deltas(before, after, "vllm:dcp2d_path_descriptors_total")) == set(want)
+    secs = {(str(r["cp_rank"]), str(r["dcp_rank"]), str(DCP)): r["seconds"] for r in recs}
+    got = path_deltas(before, after, "vllm:dcp2d_path_write_seconds_sum")
+    assert set(got) <= set(want) and all(got.get(k, 0.0) == pytest.approx(s) for k, s in secs.items())
+    # every path series of this DCP=2 instance lies in the 2 x 2 matrix
+    assert {k for k in path_deltas({}, after, "vllm:dcp2d_path_bytes_total")} == set(want)
+
+    model = {("engine", "0"), ("model_name", c["model"])}
+    for name, url in (("decode", c["decode"].url), ("prefill", c["prefill"].url)):
+        got = scrape(url) if name == "prefill" else after
+        names = {n for n, labels in got if n.startswith("vllm:dcp2d_") and model <= set(labels)}
+        for m in METRICS:
+            present = set(exposed_names(m)) <= names
+            # the paths are recorded where KV arrives: the decode (docs/metrics.md)
+            assert present == (not m.per_path or name == "decode"), (name, m.name, sorted(names))
+        value = {n: v for (n, labels), v in got.items() if set(labels) == model}
+        assert all(v >= 0 for n, v in value.items() if n.startswith("vllm:dcp2d_")), value
+        assert value["vllm:dcp2d_quarantined_blocks_held"] == \
+            value["vllm:dcp2d_quarantined_blocks_total"] - value["vllm:dcp2d_released_blocks_total"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp2d.connector.config import parse_extra_config
+from vllm_dcp2d.connector.prom import DCP2DPromMetrics
 from vllm_dcp2d.connector.scheduler import DCP2DMetadata, SchedulerSide
 from vllm_dcp2d.connector.stats import DCP2DStats
 from vllm_dcp2d.vllm_compat import connector as compat
@@ -135,6 +136,11 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DCP2DStats:
         return DCP2DStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """Called by vLLM's Prometheus logger in the front-end (``connector/prom.py``)."""
+        return DCP2DPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -1,15 +1,18 @@
 """Transfer statistics of DCP2DConnector, per 2D-reshard path.
 
 A path is ``(cp_rank, dcp_rank)``: prefill layer-split rank ``cp_rank``
-writing its layers of the pages of decode DCP rank ``dcp_rank``. Both sides
-record: the producer what it wrote, the consumer what it received (from the
-producer's ``TransferOutcome``), so the figures exist on either side.
+writing its layers of the pages of decode DCP rank ``dcp_rank``. The consumer
+records paths, from each producer rank's ``TransferOutcome`` (bytes,
+descriptors, and the producer's write seconds); the producer records expiries
+and, with layer-split storage, prefix-broadcast bytes.
 
-vLLM moves ``KVConnectorStats`` from workers to the logger (``aggregate`` over
-TP ranks, then ``reduce`` per logging interval); ``data`` holds only str keys,
-ints and floats so it serializes anywhere. Also written, one JSON line per
-path per request, to ``stats_file`` when that key is set (the demo and the
-end-to-end tests read it).
+vLLM moves ``KVConnectorStats`` from workers to the engine's front-end after
+every step (``aggregate`` over TP ranks). There ``connector/prom.py`` turns
+each step's data into Prometheus metrics, and the periodic log line
+``aggregate``s the steps of one logging interval and ``reduce``s them.
+``data`` holds only str keys, ints, floats and lists of floats so it
+serializes anywhere. Also written, one JSON line per path per request, to
+``stats_file`` when that key is set (the demo and the end-to-end tests read it).
 """
 
 from __future__ import annotations
@@ -23,24 +26,44 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["DCP2DStats", "path_key", "StatsFile"]
+__all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVATIONS"]
 
-_COUNTERS = ("failed", "expired", "quarantined", "released", "prefix_broadcast_bytes")
+_COUNTERS = ("failed", "expired", "quarantined", "released", "prefix_broadcast_bytes", "stalls", "retries")
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
+# Write durations kept per path between two snapshots, for the histogram. A
+# snapshot covers one engine step, so a path sees at most one write per request
+# per TP rank in it; past this bound the oldest are dropped (the log line's
+# interval may drop some; the sums above stay exact).
+MAX_OBSERVATIONS = 1024
 
 
 def path_key(cp_rank: int, dcp_rank: int) -> str:
     return f"{cp_rank},{dcp_rank}"
 
 
+def parse_path_key(key: str) -> tuple[int, int]:
+    """``"r,d"`` -> ``(r, d)``; raises ``ValueError`` naming ``key`` otherwise."""
+    parts = key.split(",")
+    if len(parts) != 2 or not all(x.isdigit() for x in parts):
+        raise ValueError(f"path key {key!r}: expected 'cp_rank,dcp_rank' (two non-negative ints)")
+    return int(parts[0]), int(parts[1])
+
+
+def _new_path() -> dict[str, Any]:
+    return {**dict.fromkeys(_PATH_FIELDS, 0), "write_seconds": []}
+
+
 @dataclass
 class DCP2DStats(KVConnectorStats):
-    """``data = {"paths": {"r,d": {"transfers", "bytes", "replicated_bytes", "descriptors", "seconds"}},
-    "failed": int, "expired": int, "quarantined": int, "released": int, "prefix_broadcast_bytes": int}``.
+    """``data = {"paths": {"r,d": {"transfers", "bytes", "replicated_bytes", "descriptors", "seconds",
+    "write_seconds": [float]}}, "failed": int, "expired": int, "quarantined": int, "released": int,
+    "prefix_broadcast_bytes": int, "stalls": int, "retries": int}``.
 
     bytes:       everything the path moved; replicated_bytes: the part that went to
                  replicated KV cache groups (a speculative draft's KV, every page to
                  every decode rank); the target's bytes are the difference.
+    seconds:     the sum of the producer's write seconds; write_seconds: each
+                 write's, oldest first, at most ``MAX_OBSERVATIONS`` (the histogram).
 
     failed:      fetches that ended with an error (decode), length mismatches included.
     expired:     requests given up on: decode KV that never arrived in
@@ -50,6 +73,7 @@ class DCP2DStats(KVConnectorStats):
     released:    quarantined blocks given back once their rank settled.
     prefix_broadcast_bytes: prefill with layer-split storage: bytes this rank sent
                  or received filling transient slots (``prefill/layer_split.py``).
+    stalls:      Mooncake writes that stalled (issue 14); retries: writes retried.
     """
 
     def __post_init__(self):
@@ -73,15 +97,20 @@ class DCP2DStats(KVConnectorStats):
                     replicated_bytes: int = 0) -> None:
         """Called by the worker when one path of one request completed."""
         with self._lock:
-            p = self.data["paths"].setdefault(path_key(cp_rank, dcp_rank), dict.fromkeys(_PATH_FIELDS, 0))
+            p = self.data["paths"].setdefault(path_key(cp_rank, dcp_rank), _new_path())
             p["transfers"] += 1
             p["bytes"] += int(nbytes)
             p["replicated_bytes"] += int(replicated_bytes)
             p["descriptors"] += int(descriptors)
             p["seconds"] += float(seconds)
+            obs = p["write_seconds"]
+            obs.append(float(seconds))
+            del obs[:-MAX_OBSERVATIONS]
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to counter ``name`` (one of failed, expired, quarantined, released)."""
+        """Add ``n`` to counter ``name`` (one of ``_COUNTERS``)."""
+        if name not in _COUNTERS:
+            raise KeyError(f"stats counter {name!r}: expected one of {_COUNTERS}")
         with self._lock:
             self.data[name] += n
 
@@ -101,9 +130,10 @@ class DCP2DStats(KVConnectorStats):
             raise TypeError(f"cannot aggregate DCP2DStats with {type(other).__name__}")
         with self._lock:
             for key, q in other.data["paths"].items():
-                p = self.data["paths"].setdefault(key, dict.fromkeys(_PATH_FIELDS, 0))
+                p = self.data["paths"].setdefault(key, _new_path())
                 for f in _PATH_FIELDS:
                     p[f] += q[f]
+                p["write_seconds"] = (p["write_seconds"] + q["write_seconds"])[-MAX_OBSERVATIONS:]
             for k in _COUNTERS:
                 self.data[k] += other.data[k]
         return self

@@ -1,0 +1,145 @@
+"""Prometheus metrics of DCP2DConnector on each instance's ``/metrics``.
+
+vLLM's KV-connector convention (0.32, ``kv_connector/v1/metrics.py``): the
+front-end's ``PrometheusStatLogger`` builds one ``KVConnectorPromMetrics`` via
+``DCP2DConnector.build_prom_metrics`` and hands it, after every engine step
+that carried connector stats, that step's ``DCP2DStats.data`` (the workers'
+snapshots, aggregated over TP ranks). So the metrics lag the transfers by one
+step, not by the log interval (``--log-stats-interval`` paces only the log
+line). Counters grow by each step's figures; the histogram gets every write.
+
+Every metric carries vLLM's ``model_name`` and ``engine`` labels; the per-path
+ones add ``cp_rank`` (prefill layer-split rank), ``dcp_rank`` (decode DCP
+rank) and ``dcp_size`` (this decode instance's DCP size), the 2D reshard
+matrix. ``METRICS`` is the one list: it builds the metrics, the table in
+docs/metrics.md (``markdown_table``) and the names the Grafana dashboard may use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from vllm_dcp2d.connector.stats import parse_path_key
+
+__all__ = ["METRICS", "Metric", "DCP2DPromMetrics", "WRITE_SECONDS_BUCKETS", "exposed_names", "markdown_table"]
+
+# From 1 ms (a page of a tiny model) to the 10-30 s of a Mooncake stall and its
+# retry (issue 14), which the dashboard must tell apart from a slow write.
+WRITE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                         30.0, 60.0)
+PATH_LABELS = ("cp_rank", "dcp_rank", "dcp_size")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """``name`` as registered (a counter is exposed as ``name + "_total"``);
+    ``source``: the ``DCP2DStats.data`` field it is fed from."""
+
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    per_path: bool
+    side: str  # which instance records it: "decode", "prefill" or "both"
+    source: str
+    doc: str
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("vllm:dcp2d_path_transfers", "counter", True, "decode", "transfers",
+           "Completed path writes: one per request, prefill CP rank and decode TP rank."),
+    Metric("vllm:dcp2d_path_bytes", "counter", True, "decode", "bytes",
+           "KV bytes written into this decode instance per path (target and replicated groups)."),
+    Metric("vllm:dcp2d_path_replicated_bytes", "counter", True, "decode", "replicated_bytes",
+           "The part of `vllm:dcp2d_path_bytes_total` that went to replicated KV cache groups (a speculative "
+           "draft's KV, every page to every DCP rank); the target's bytes are the difference."),
+    Metric("vllm:dcp2d_path_descriptors", "counter", True, "decode", "descriptors",
+           "Mooncake write descriptors (contiguous runs) per path."),
+    Metric("vllm:dcp2d_path_write_seconds", "histogram", True, "decode", "write_seconds",
+           "Seconds the prefill CP rank spent in Mooncake writes for one request's path (summed over "
+           "its writes when layers go early; from its transfer outcome)."),
+    Metric("vllm:dcp2d_failed_fetches", "counter", False, "decode", "failed",
+           "Fetches that ended with an error (length mismatches included); expiries are counted apart."),
+    Metric("vllm:dcp2d_expired_requests", "counter", False, "both", "expired",
+           "Decode: KV that did not arrive within `transfer_timeout_s`. Prefill: blocks freed after "
+           "`send_timeout_s` without every decode rank served."),
+    Metric("vllm:dcp2d_quarantined_blocks", "counter", False, "decode", "quarantined",
+           "Blocks put in quarantine: a failed fetch whose prefill rank may still write into them."),
+    Metric("vllm:dcp2d_released_blocks", "counter", False, "decode", "released",
+           "Quarantined blocks given back once their prefill rank settled."),
+    Metric("vllm:dcp2d_quarantined_blocks_held", "gauge", False, "decode", "quarantined - released",
+           "Blocks in quarantine now (out of use): quarantined minus released since start."),
+    Metric("vllm:dcp2d_prefix_broadcast_bytes", "counter", False, "prefill", "prefix_broadcast_bytes",
+           "Layer-split storage: bytes sent or received over the TP group filling transient layer slots."),
+    Metric("vllm:dcp2d_stalls", "counter", False, "both", "stalls",
+           "Mooncake writes that stalled (made no progress within the stall bound; issue 14)."),
+    Metric("vllm:dcp2d_retries", "counter", False, "both", "retries",
+           "Mooncake writes retried after a failure or stall."),
+)
+
+
+def exposed_names(m: Metric) -> tuple[str, ...]:
+    """The sample names ``m`` appears under on ``/metrics`` (what PromQL selects)."""
+    if m.kind == "counter":
+        return (m.name + "_total",)
+    if m.kind == "histogram":
+        return (m.name + "_bucket", m.name + "_sum", m.name + "_count")
+    return (m.name,)
+
+
+def markdown_table() -> str:
+    """The table of docs/metrics.md: every metric, its type, labels, side and meaning."""
+    rows = ["| metric | type | labels | recorded by | meaning |", "|---|---|---|---|---|"]
+    for m in METRICS:
+        labels = ", ".join(("model_name", "engine") + (PATH_LABELS if m.per_path else ()))
+        rows.append(f"| `{' / '.join(exposed_names(m))}` | {m.kind} | {labels} | {m.side} | {m.doc} |")
+    return "\n".join(rows)
+
+
+class DCP2DPromMetrics(KVConnectorPromMetrics):
+    """Registers ``METRICS`` with the metric classes vLLM passes (plain
+    prometheus_client, or Ray's wrappers) and records each step's stats."""
+
+    def __init__(self, vllm_config, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._dcp_size = str(vllm_config.parallel_config.decode_context_parallel_size)
+        self._path: dict[str, Any] = {}   # source -> metric labelled by engine and path
+        self._inst: dict[str, dict] = {}  # source -> {engine_idx: child}
+        for m in METRICS:
+            if m.per_path:
+                names = list(labelnames) + list(PATH_LABELS)
+                if m.kind == "histogram":
+                    self._path[m.source] = self._histogram_cls(name=m.name, documentation=m.doc,
+                                                               labelnames=names, buckets=list(WRITE_SECONDS_BUCKETS))
+                else:
+                    self._path[m.source] = self._counter_cls(name=m.name, documentation=m.doc, labelnames=names)
+                continue
+            if m.kind == "gauge":
+                # Each front-end process holds the deltas it was sent: their sum is the level.
+                metric = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
+                                         multiprocess_mode="livesum")
+            else:
+                metric = self._counter_cls(name=m.name, documentation=m.doc, labelnames=labelnames)
+            # Children created now, so every instance metric shows (at 0) from start-up.
+            self._inst[m.source] = {i: metric.labels(*lv) for i, lv in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one step's ``DCP2DStats.data`` for engine ``engine_idx``."""
+        data = transfer_stats_data
+        engine = self.per_engine_labelvalues[engine_idx]
+        for key, p in data["paths"].items():
+            cp_rank, dcp_rank = parse_path_key(key)
+            labels = (*engine, str(cp_rank), str(dcp_rank), self._dcp_size)
+            for source in ("transfers", "bytes", "replicated_bytes", "descriptors"):
+                self._path[source].labels(*labels).inc(p[source])  # also at 0: the path's series exist
+            hist = self._path["write_seconds"].labels(*labels)
+            for s in p["write_seconds"]:
+                hist.observe(s)
+        for m in METRICS:
+            if not m.per_path and m.kind == "counter" and data[m.source]:
+                self._inst[m.source][engine_idx].inc(data[m.source])
+        held = data["quarantined"] - data["released"]
+        if held:
+            self._inst["quarantined - released"][engine_idx].inc(held)
