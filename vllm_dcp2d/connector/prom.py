@@ -31,6 +31,7 @@ __all__ = ["METRICS", "Metric", "DCP2DPromMetrics", "WRITE_SECONDS_BUCKETS", "ex
 WRITE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                          30.0, 60.0)
 PATH_LABELS = ("cp_rank", "dcp_rank", "dcp_size")
+_PATH_COUNTERS = ("transfers", "bytes", "replicated_bytes", "descriptors")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
         self._dcp_size = str(vllm_config.parallel_config.decode_context_parallel_size)
         self._path: dict[str, Any] = {}   # source -> metric labelled by engine and path
         self._inst: dict[str, dict] = {}  # source -> {engine_idx: child}
+        self._children: dict[tuple[int, str], dict[str, Any]] = {}  # (engine_idx, path key) -> source -> child
         for m in METRICS:
             if m.per_path:
                 names = list(labelnames) + list(PATH_LABELS)
@@ -130,11 +132,15 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
         data = transfer_stats_data
         engine = self.per_engine_labelvalues[engine_idx]
         for key, p in data["paths"].items():
-            cp_rank, dcp_rank = parse_path_key(key)
-            labels = (*engine, str(cp_rank), str(dcp_rank), self._dcp_size)
-            for source in ("transfers", "bytes", "replicated_bytes", "descriptors"):
-                self._path[source].labels(*labels).inc(p[source])  # also at 0: the path's series exist
-            hist = self._path["write_seconds"].labels(*labels)
+            children = self._children.get((engine_idx, key))
+            if children is None:  # a path's first transfer: its series appear, all of them
+                cp_rank, dcp_rank = parse_path_key(key)
+                labels = (*engine, str(cp_rank), str(dcp_rank), self._dcp_size)
+                children = self._children[(engine_idx, key)] = {
+                    source: metric.labels(*labels) for source, metric in self._path.items()}
+            for source in _PATH_COUNTERS:
+                children[source].inc(p[source])
+            hist = children["write_seconds"]
             for s in p["write_seconds"]:
                 hist.observe(s)
         for m in METRICS:
