@@ -147,7 +147,7 @@ def path_deltas(before: dict, after: dict, name: str) -> dict[tuple[str, str, st
     return out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)  # run alone, it pays the cluster's start-up (minutes on a loaded machine)
 def test_metrics(cluster):
     """Both instances' live ``/metrics`` carry the documented metrics (``prom.METRICS``):
     after one request through the proxy, the decode's (DCP=2) per-path figures grew on
@@ -181,6 +181,9 @@ def test_metrics(cluster):
     secs = {(str(r["cp_rank"]), str(r["dcp_rank"]), str(DCP)): r["seconds"] for r in recs}
     got = path_deltas(before, after, "vllm:dcp2d_path_write_seconds_sum")
     assert set(got) <= set(want) and all(got.get(k, 0.0) == pytest.approx(s) for k, s in secs.items())
+    for name in ("failed_fetches", "expired_requests", "quarantined_blocks"):  # a clean fetch failed nothing
+        key = (f"vllm:dcp2d_{name}_total", tuple(sorted({"engine": "0", "model_name": c["model"]}.items())))
+        assert after[key] == before[key], name
     # every path series of this DCP=2 instance lies in the 2 x 2 matrix
     assert {k for k in path_deltas({}, after, "vllm:dcp2d_path_bytes_total")} == set(want)
 

@@ -5,7 +5,7 @@ front-end's ``PrometheusStatLogger`` builds one ``KVConnectorPromMetrics`` via
 ``DCP2DConnector.build_prom_metrics`` and hands it, after every engine step
 that carried connector stats, that step's ``DCP2DStats.data`` (the workers'
 snapshots, aggregated over TP ranks). So the metrics lag the transfers by one
-step, not by the log interval (``--log-stats-interval`` paces only the log
+step, not by the log interval (``VLLM_LOG_STATS_INTERVAL`` paces only the log
 line). Counters grow by each step's figures; the histogram gets every write.
 
 Every metric carries vLLM's ``model_name`` and ``engine`` labels; the per-path
