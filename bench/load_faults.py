@@ -14,7 +14,8 @@ each. Prints one row per fault run and a total:
   / ``hung up`` (clients that left on purpose), over the load and the load after it;
 * ``in flight``: a decode fetch was seen in flight when the fault hit;
 * ``survived``: every check passed (answers, errors, bound, restart, KV usage back to 0);
-* p50 / p99 / max seconds of the completed requests.
+* p50 / p99 / max seconds of the completed requests; ``max any s``: the longest request
+  of any outcome, to compare with the bound per request printed first.
 
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/load_faults.py [--requests 60] [--repeat 3]
 
@@ -36,7 +37,7 @@ os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 HEAD = (f"{'fault':<15}{'req/s':>7}{'ok':>5}{'lost':>6}{'wrong':>7}{'hung up':>9}{'in flight':>11}"
-        f"{'survived':>10}{'p50 s':>8}{'p99 s':>8}{'max s':>8}")
+        f"{'survived':>10}{'p50 s':>8}{'p99 s':>8}{'max s':>8}{'max any s':>11}")
 
 
 def row(name: str, results: list) -> str:
@@ -49,7 +50,8 @@ def row(name: str, results: list) -> str:
     flight = f"{sum(r.in_flight for r in results)}/{len(results)}"
     survived = f"{sum(not r.violations for r in results)}/{len(results)}"
     return (f"{name:<15}{rate:>7.2f}{n['ok']:>5}{n['error']:>6}{n['wrong']:>7}{n['disconnected']:>9}"
-            f"{flight:>11}{survived:>10}{lat['p50']:>8.2f}{lat['p99']:>8.2f}{lat['max']:>8.2f}")
+            f"{flight:>11}{survived:>10}{lat['p50']:>8.2f}{lat['p99']:>8.2f}{lat['max']:>8.2f}"
+            f"{max((o.seconds for o in outs), default=0.0):>11.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:

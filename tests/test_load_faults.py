@@ -29,7 +29,9 @@ def cluster(tmp_path_factory):
 def report(r) -> str:
     kinds = {k: r.count(k) for k in ("ok", "error", "disconnected", "wrong")}
     errors = sorted({(o.status, o.message[:160]) for o in r.outcomes + r.after if o.kind == "error"})
+    longest = max(o.seconds for o in r.outcomes + r.after)
     return (f"{r.fault}: {r.seconds:.0f} s, fetch in flight at the fault: {r.in_flight}, {kinds}, "
+            f"longest request {longest:.1f} s, "
             f"KV usage {r.usage}, errors {errors}")
 
 
@@ -38,4 +40,6 @@ def report(r) -> str:
 def test_fault(cluster, fault):
     r = cluster.run_fault(fault, REQUESTS)
     print(report(r))
+    # the fault must hit a decode fetch in flight (seen on the decode's /metrics before it)
+    assert r.in_flight or fault == "hang_up", f"{fault} was injected with no fetch in flight: {report(r)}"
     assert not r.violations, "\n".join([report(r), *r.violations])
