@@ -111,8 +111,16 @@ class FaultCluster:
         self.work, self.cfg = Path(work), cfg
         self.model = build_tiny_model("llama-mqa", self.work / "model")
         self.stats = self.work / "stats.jsonl"
-        common = {"stats_file": str(self.stats)}
-        self.procs: dict[str, Process] = {
+        self.procs = self._processes()
+        self.prompts = [prompt_ids(i) for i in range(cfg.prompts)]
+        self.refs: list[str] = []
+        self._frozen: set[str] = set()
+        self._starts: dict[str, int] = {}
+
+    def _processes(self) -> dict[str, Process]:
+        """The servers, on ports free right now."""
+        cfg, common = self.cfg, {"stats_file": str(self.stats)}
+        procs = {
             "prefill": vllm_server("prefill", self.model, free_port(), self.work, role="kv_producer", tp=2,
                                    block_size=PAGE, dtype=DTYPE,
                                    extra_config={**common, "bootstrap_port": free_port(),
@@ -124,24 +132,27 @@ class FaultCluster:
                                                 "prefill_wait_s": cfg.prefill_wait_s,
                                                 "cancel_grace_s": cfg.cancel_grace_s}),
         }
-        self.procs["proxy"] = proxy_server(free_port(), [self.procs["prefill"].url], [self.procs["decode"].url],
-                                           self.work)
-        self.procs["proxy"].cmd += ["--timeout", str(cfg.proxy_timeout_s)]
-        self.prompts = [prompt_ids(i) for i in range(cfg.prompts)]
-        self.refs: list[str] = []
-        self._frozen: set[str] = set()
-        self._starts: dict[str, int] = {}
+        procs["proxy"] = proxy_server(free_port(), [procs["prefill"].url], [procs["decode"].url], self.work)
+        procs["proxy"].cmd += ["--timeout", str(cfg.proxy_timeout_s)]
+        return procs
 
     def __enter__(self) -> FaultCluster:
-        try:
-            for p in self.procs.values():
-                p.start()
-            wait_all(list(self.procs.values()), self.cfg.start_s)
-            self.refs = [self.reference(ids) for ids in self.prompts]
-        except BaseException:
-            self.close()
-            raise
-        return self
+        for attempt in (1, 2):
+            try:
+                for p in self.procs.values():
+                    p.start()
+                wait_all(list(self.procs.values()), self.cfg.start_s)
+                self.refs = [self.reference(ids) for ids in self.prompts]
+                return self
+            except BaseException as e:
+                self.close()
+                # free_port() only says a port was free when asked; on a shared host another
+                # process may bind it first (seen: the bootstrap port). Once, with new ports.
+                if attempt == 1 and isinstance(e, RuntimeError) and any(
+                        "Address already in use" in p.log_tail(400) for p in self.procs.values()):
+                    self.procs = self._processes()
+                    continue
+                raise
 
     def __exit__(self, *exc) -> None:
         self.close()
