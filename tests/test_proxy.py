@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 import pytest
@@ -171,3 +172,51 @@ def test_pipelined_prefill_failure_cancels_decode():
     assert out[1][0] == 400 and b"bad prompt" in out[1][1]
     out, _ = asyncio.run(run_pipelined([{"prompt": "a"}, {"prompt": "b"}], prefill_key="other"))
     assert out[1][0] == 502 and b"transfer key" in out[1][1]
+
+
+@pytest.mark.timeout(30)
+def test_client_hang_up_mid_stream_aborts_decode(caplog):
+    """A client leaving mid-stream is not a decode failure: the proxy closes the decode
+    call (vLLM aborts the request) without blaming the decode or erroring on the dead
+    client (tests/test_load_faults.py hangs clients up against real vLLM)."""
+    closed = asyncio.Event()
+
+    async def decode(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(200):
+                await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+                await asyncio.sleep(0.02)
+        except (ConnectionResetError, asyncio.CancelledError):  # the proxy closed the call
+            closed.set()
+            raise
+        return resp
+
+    async def go():
+        p_app = fake_upstreams([])[0]
+        d_app = web.Application()
+        d_app.router.add_post("/v1/completions", decode)
+        async with TestServer(p_app) as p, TestServer(d_app) as d:
+            proxy = Proxy([str(p.make_url(""))], [str(d.make_url(""))], timeout_s=10)
+            # as ``web.run_app`` serves it: no handler cancellation (TestServer turns it on)
+            runner = web.AppRunner(proxy.app(), handler_cancellation=False)
+            await runner.setup()
+            sock = socket.create_server(("127.0.0.1", 0))
+            await web.SockSite(runner, sock).start()
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+            try:
+                async with aiohttp.ClientSession() as s:
+                    resp = await s.post(url, json={"prompt": "hi", "stream": True})
+                    assert resp.status == 200 and (await resp.content.readline()).startswith(b"data: ")
+                    resp.close()  # drops the connection to the proxy
+                    await asyncio.wait_for(closed.wait(), 10)
+                    await asyncio.sleep(0.2)  # the proxy's handler has finished
+            finally:
+                await runner.cleanup()
+
+    with caplog.at_level("INFO"):
+        asyncio.run(go())
+    errors = [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert errors == [], errors
+    assert any("client disconnected mid-stream" in r.getMessage() for r in caplog.records)

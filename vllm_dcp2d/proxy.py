@@ -202,7 +202,13 @@ class Proxy:
                 await out.prepare(request)
                 started.append(out)
                 async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
+                    try:
+                        await out.write(chunk)
+                    except ConnectionResetError:
+                        # The client hung up: not a decode failure. Leaving this block closes the
+                        # upstream connection, so vLLM aborts the request and frees its blocks.
+                        log.info("%s: client disconnected mid-stream; decode %s aborted", path, url)
+                        return out
                 await out.write_eof()
                 return out
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
