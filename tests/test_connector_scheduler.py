@@ -210,3 +210,44 @@ def test_producer_sends_every_groups_pages():
     s.update_state_after_alloc(req, None, 0)
     assert s.request_finished(req, ([1, 2, 3, 4, 5], [6, 7, 8, 9]))[0] is True
     assert s.build_connector_meta(sched_out()).ready["r"].block_ids == ([1, 2, 3, 4], [6, 7, 8, 9])
+
+
+def test_consumer_releases_a_fully_cached_request():
+    """Nothing left to fetch: the producer is told to free it (no load)."""
+    s = side(consumer=True)
+    params = dict(REMOTE)
+    s.update_state_after_alloc(request(params=params), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 0)
+    meta = s.build_connector_meta(sched_out())
+    assert meta.loads == {}
+    spec = meta.releases["r"]
+    assert (spec.transfer_key, spec.bootstrap_addr, spec.num_tokens) == ("p-1", "tcp://h:1", 100)
+    assert s.build_connector_meta(sched_out()).releases == {}  # handed over once
+    assert s.request_finished(request(params=params, status=RequestStatus.FINISHED_STOPPED), ([1],)) == (False, None)
+    assert s.build_connector_meta(sched_out()).releases == {}  # admitted: not released again
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED])
+def test_consumer_releases_a_request_finished_before_admission(status):
+    """Aborted while waiting for admission (client gone, proxy gave up): no blocks
+    were allocated, no fetch began; the producer frees it now."""
+    s = side(consumer=True)
+    req = request(params=dict(REMOTE), status=status)
+    assert s.request_finished(req, ([],)) == (False, None)
+    assert s.build_connector_meta(sched_out()).releases["r"].transfer_key == "p-1"
+    s.request_finished(req, ([],))  # a second call (vLLM does not, but harmless)
+    assert s.build_connector_meta(sched_out()).releases == {}
+
+
+def test_consumer_does_not_release_what_it_loads_or_cannot_address():
+    s = side(consumer=True)
+    s.update_state_after_alloc(request(params=dict(REMOTE)), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 36)
+    s.request_finished(request("q", params={"do_remote_prefill": True}, status=RequestStatus.FINISHED_ABORTED), ([],))
+    meta = s.build_connector_meta(sched_out())
+    assert set(meta.loads) == {"r"} and meta.releases == {}
+
+
+def test_release_can_be_turned_off():
+    s = side(consumer=True, release_unfetched=False)
+    s.update_state_after_alloc(request(params=dict(REMOTE)), NS(get_block_ids=lambda: ([1],)), 0)
+    s.request_finished(request("q", params=dict(REMOTE), status=RequestStatus.FINISHED_ABORTED), ([],))
+    assert s.build_connector_meta(sched_out()).releases == {}

@@ -19,7 +19,7 @@ import pytest
 from _pd_cluster import (DCP, EXPIRY_S, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
                          complete, expected_bytes, ids, pd_cluster, stalled, tokens)
 
-from vllm_dcp2d.testing.harness import post_json, read_stats
+from vllm_dcp2d.testing.harness import kv_cache_usage, post_json, read_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -199,3 +199,38 @@ def test_metrics(cluster):
         assert all(v >= 0 for n, v in value.items() if n.startswith("vllm:dcp2d_")), value
         assert value["vllm:dcp2d_quarantined_blocks_held"] == \
             value["vllm:dcp2d_quarantined_blocks_total"] - value["vllm:dcp2d_released_blocks_total"]
+
+
+def seconds_until(cond, timeout_s: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"{what} not within {timeout_s}s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(600)
+def test_prefill_frees_blocks_the_decode_will_not_fetch(cluster):
+    """The prefill (send_timeout_s=600) holds a finished request's blocks for the
+    decode. A repeated prompt (cached on decode1 but for its tail) and a request
+    decode1 refuses to fetch (the producer's token count does not match) both give
+    them back within seconds: the first once served, the second by the decode's
+    ReleaseTransfer, with the right tokens either way (decode1 recomputes)."""
+    c = cluster
+    url = c["prefill"].url
+    seconds_until(lambda: kv_cache_usage(url) == 0.0, 60, "prefill KV usage back to 0 before the test")
+    prompt = ids(3 * PAGE + 5, 21)
+    ref = complete(url, c["model"], prompt)
+    for _ in range(2):  # the second time decode1 has the prompt cached
+        assert tokens(complete(c["proxy1"].url, c["model"], prompt)) == tokens(ref)
+        print(f"repeated prompt: prefill KV usage 0 after "
+              f"{seconds_until(lambda: kv_cache_usage(url) == 0.0, 10, 'prefill KV usage 0'):.2f}s")
+    prompt = ids(2 * PAGE + 7, 22)
+    ref = complete(url, c["model"], prompt)
+    pre = complete(url, c["model"], prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    seconds_until(lambda: kv_cache_usage(url) > 0.0, 10, "prefill holding the request's blocks")
+    params = dict(pre["kv_transfer_params"], remote_num_tokens=len(prompt) + 1)
+    out = complete(c["decode1"].url, c["model"], prompt, kv_transfer_params=params)
+    assert tokens(out) == tokens(ref)  # refused, recomputed on decode1
+    freed = seconds_until(lambda: kv_cache_usage(url) == 0.0, 10, "prefill KV usage 0 after the release")
+    print(f"refused fetch: prefill KV usage 0 after {freed:.2f}s (send_timeout_s=600)")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from vllm_dcp2d.connector import messages as m
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, QueryRanks, RankTable,
-                                           RegisterRank, Reply, TransferOutcome, TransferRequest, decode, encode)
+                                           RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
+                                           decode, encode)
 from vllm_dcp2d.connector.plan import KVRegions
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,6 +52,8 @@ SAMPLES = [
     RegisterRank("prefill-0", 1, 2, "tcp://127.0.0.1:5555", FP),
     _outcome(ok=True, reason="", nbytes=5, descriptors=1, batches=1, naive_bytes=10, early_layers=4),
     CancelTransfer("req-1", 7),
+    ReleaseTransfer("req-1", "decode-0", 1, 2, 300),
+    ReleaseTransfer("k" * 512, "d" * 512, (1 << 16) - 1, 1 << 16, m.MAX_COUNT),
     QueryRanks("decode-0"),
     RankTable("prefill-0", 2, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), FP),
     Reply(True, ""),
@@ -106,7 +109,8 @@ def _pack(d) -> bytes:
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d.update(v=1), "unsupported protocol version 1"),
     (lambda d: d.update(v=2), "unsupported protocol version 2"),
-    (lambda d: d.update(v=4), "unsupported protocol version 4"),
+    (lambda d: d.update(v=3), "unsupported protocol version 3"),
+    (lambda d: d.update(v=5), "unsupported protocol version 5"),
     (lambda d: d.update(v=True), "unsupported protocol version True"),
     (lambda d: d.pop("v"), "unsupported protocol version None"),
     (lambda d: d.update(type="Nope"), "unknown message type 'Nope'"),
@@ -159,6 +163,32 @@ def test_hostile_bytes(data, match):
         decode(data)
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(v=3), r"unsupported protocol version 3 \(this side speaks 4\)"),
+    (lambda d: d.pop("num_tokens"), r"missing fields \['num_tokens'\]"),
+    (lambda d: d.update(attempt_id=1), r"unknown fields \[\"'attempt_id'\"\]"),
+    (lambda d: d.update(consumer_rank=2), r"consumer_rank must be in \[0, consumer_size=2\)"),
+    (lambda d: d.update(consumer_rank=-1), "consumer_rank must be in"),
+    (lambda d: d.update(consumer_size=0), "consumer_size must be in"),
+    (lambda d: d.update(num_tokens=-1), "num_tokens must be in"),
+    (lambda d: d.update(num_tokens=m.MAX_COUNT + 1), "num_tokens must be in"),
+    (lambda d: d.update(num_tokens=3.0), "num_tokens must be an int, got float"),
+    (lambda d: d.update(transfer_key=""), "transfer_key must have 1..512 characters"),
+    (lambda d: d.update(transfer_key="k" * 513), "transfer_key must have 1..512 characters"),
+    (lambda d: d.update(engine_id=None), "engine_id must be a string, got NoneType"),
+])
+def test_malformed_release(edit, match):
+    d = _wire(ReleaseTransfer("req-1", "decode-0", 1, 2, 300))
+    edit(d)
+    with pytest.raises(MessageError, match=match):
+        decode(_pack(d))
+
+
+def test_release_is_not_accepted_where_a_request_is_expected():
+    with pytest.raises(MessageError, match="expected TransferRequest/CancelTransfer, got ReleaseTransfer"):
+        decode(encode(ReleaseTransfer("req-1", "decode-0", 0, 1, 3)), (TransferRequest, CancelTransfer))
+
+
 def test_every_truncation_rejected():
     for msg in SAMPLES:
         data = encode(msg)
@@ -197,8 +227,8 @@ def test_fuzz_byte_flips(msg, data):
         out = decode(bytes(buf))
     except MessageError:
         return
-    assert type(out).__name__ in ("TransferRequest", "TransferOutcome", "CancelTransfer", "RegisterRank",
-                                  "QueryRanks", "RankTable", "Reply")
+    assert type(out).__name__ in ("TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer",
+                                  "RegisterRank", "QueryRanks", "RankTable", "Reply")
 
 
 _values = st.recursive(

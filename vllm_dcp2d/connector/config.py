@@ -27,6 +27,7 @@ class DCP2DConfig:
     send_timeout_s: float = 120.0
     prefill_wait_s: float = 30.0
     cancel_grace_s: float = 2.0
+    release_unfetched: bool = True
     protocol: str = "tcp"
     local_hostname: str = "127.0.0.1"
     stats_file: str = ""
@@ -54,8 +55,9 @@ KEYS: dict[str, tuple[str, str]] = {
                            "blocks are reported as load errors, so `kv_load_failure_policy` decides: "
                            "`\"fail\"` ends the request with an error, `\"recompute\"` prefills it locally. "
                            "A request's `kv_transfer_params` may carry its own `transfer_timeout_s`."),
-    "send_timeout_s": ("producer", "Prefill-side expiry: seconds a finished request's KV blocks are "
-                       "held for decode ranks that have not fetched their pages; then they are freed."),
+    "send_timeout_s": ("producer", "Prefill-side expiry, the backstop for a decode instance that vanished: "
+                       "seconds a finished request's KV blocks are held for decode ranks that have neither "
+                       "fetched their pages nor released them (`release_unfetched`); then they are freed."),
     "prefill_wait_s": ("consumer", "How long a prefill rank may hold a decode rank's transfer request "
                        "for a request it does not know yet (its prefill is still running)."),
     "cancel_grace_s": ("consumer", "After a fetch fails, seconds to wait for the prefill ranks still "
@@ -63,6 +65,11 @@ KEYS: dict[str, tuple[str, str]] = {
                        "into the request's blocks: the request is recomputed in fresh blocks and the old ones "
                        "stay quarantined (out of use) until that rank confirms or is seen restarted "
                        "(docs/connector.md, \"Block lifetime\")."),
+    "release_unfetched": ("consumer", "A decode instance that will not fetch a request's KV (its prompt is "
+                          "cached, it was aborted before its fetch began, its load was refused or its fetch "
+                          "failed) tells every prefill CP rank at once (`ReleaseTransfer`), so the prefill frees "
+                          "the blocks now instead of after `send_timeout_s`. `false` sends nothing (the "
+                          "previous behaviour; for comparison)."),
     "protocol": ("both", "Mooncake transport: `\"tcp\"` (default, any machine) or `\"rdma\"` "
                  "(the engine then discovers the NICs itself)."),
     "local_hostname": ("both", "Host name or IP this instance's Mooncake engine listens on and "
@@ -126,6 +133,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "layer_split" in extra:
         v = extra["layer_split"]
         _expect("layer_split", v, v in ("auto", "on", "off"), 'one of "auto", "on", "off"')
+    if "release_unfetched" in extra:
+        v = extra["release_unfetched"]
+        _expect("release_unfetched", v, isinstance(v, bool), "a bool (true or false)")
     if "protocol" in extra:
         v = extra["protocol"]
         _expect("protocol", v, v in ("tcp", "rdma"), 'one of "tcp", "rdma"')

@@ -18,6 +18,8 @@ Public API
 ``TransferRequest(...)``: decode rank -> prefill rank, one per request and rank;
     ``.regions() -> plan.KVRegions`` (the consumer's KV).
 ``TransferOutcome(...)``: prefill rank -> decode rank, the answer to one request.
+``CancelTransfer``: decode rank -> prefill rank, stop one fetch; ``ReleaseTransfer``: decode rank ->
+    prefill rank, this consumer rank will never fetch the request (free it).
 ``RegisterRank``, ``QueryRanks``, ``RankTable``, ``Reply``: bootstrap messages.
 ``encode(msg) -> bytes``; ``decode(data: bytes, expect=None) -> message``:
     ``expect`` is a message class (or tuple of them) the caller accepts.
@@ -35,7 +37,7 @@ from vllm_dcp2d.connector.plan import KVRegions, block_tables
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
-    "TransferRequest", "TransferOutcome", "CancelTransfer", "RegisterRank", "QueryRanks", "RankTable", "Reply",
+    "TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer", "RegisterRank", "QueryRanks", "RankTable", "Reply",
     "encode", "decode",
 ]
 
@@ -45,8 +47,9 @@ __all__ = [
 # fetch); TransferOutcome.settled; Fingerprint.model_config. 3 = KV cache
 # groups: TransferRequest.block_ids holds one table per group (group_sizes),
 # layer_group and group_sharded say which table and sharding each layer uses;
-# Fingerprint.draft_layers; TransferOutcome.replicated_bytes.
-PROTOCOL_VERSION = 3
+# Fingerprint.draft_layers; TransferOutcome.replicated_bytes. 4 = ReleaseTransfer
+# (a decode rank that will not fetch a request tells the prefill to free it).
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_ADDR = (1 << 63) - 1
@@ -424,6 +427,33 @@ class CancelTransfer(_Message):
 
 
 @dataclass(frozen=True)
+class ReleaseTransfer(_Message):
+    """Decode rank -> every prefill CP rank of a request: consumer rank
+    ``consumer_rank`` of ``consumer_size`` (engine ``engine_id``) will never fetch
+    ``transfer_key`` (its prompt was cached, it was aborted before fetching, or its
+    fetch failed). Not answered. The rank counts it like a served consumer rank;
+    once every rank of that engine is served or released (and no other engine has
+    a fetch of it open) the request is freed, when no write reads its blocks any
+    more. Idempotent; one for a request the rank does not hold (any more) is
+    ignored. ``num_tokens``: the decode's prompt length; a release naming another
+    count than the request has is ignored (the key was reused by another request)."""
+
+    transfer_key: str
+    engine_id: str
+    consumer_rank: int
+    consumer_size: int
+    num_tokens: int
+
+    SCHEMA = {"transfer_key": _NAME, "engine_id": _NAME, "consumer_rank": _Int(0, 1 << 16),
+              "consumer_size": _Int(1, 1 << 16), "num_tokens": _Int(0, MAX_COUNT)}
+
+    def validate(self) -> None:
+        if self.consumer_rank >= self.consumer_size:
+            raise MessageError(f"consumer_rank must be in [0, consumer_size={self.consumer_size}), "
+                               f"got {self.consumer_rank}")
+
+
+@dataclass(frozen=True)
 class QueryRanks(_Message):
     """Decode rank -> bootstrap server: "where are your CP ranks?"."""
 
@@ -459,8 +489,8 @@ class Reply(_Message):
     SCHEMA = {"ok": _Bool(), "reason": _Str(4096, min_len=0)}
 
 
-_TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, CancelTransfer, RegisterRank, QueryRanks,
-                                   RankTable, Reply)}
+_TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, CancelTransfer, ReleaseTransfer, RegisterRank,
+                                   QueryRanks, RankTable, Reply)}
 
 
 def encode(msg) -> bytes:

@@ -33,6 +33,7 @@ Public API
 ``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
            dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0)``
     ``.start(transfer_key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens)``
+    ``.release(transfer_key, bootstrap, num_tokens)``  this rank will never fetch it: tell every CP rank.
     ``.poll() -> list[Fetch]``           finished fetches since the last call (any thread).
     ``.poll_released() -> list[Fetch]``  quarantined fetches whose ranks all settled since.
     ``.wait(transfer_key, timeout_s) -> Fetch``  blocking helper (tests, benches).
@@ -52,8 +53,8 @@ import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_events
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, Reply,
-                                           TransferOutcome, TransferRequest, decode)
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, ReleaseTransfer,
+                                           Reply, TransferOutcome, TransferRequest, decode)
 from vllm_dcp2d.connector.plan import KVRegions, block_tables
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
@@ -93,6 +94,7 @@ class Receiver:
         self._attempts = itertools.count(1)
         self._identity = b"dcp2d-" + uuid.uuid4().bytes
         self._new: queue.Queue = queue.Queue()
+        self._releases: queue.Queue = queue.Queue()  # (transfer key, bootstrap, num_tokens) to announce
         self._done: queue.Queue = queue.Queue()
         self._released: queue.Queue = queue.Queue()
         self._active: dict[str, Fetch] = {}
@@ -125,6 +127,18 @@ class Receiver:
         w = self.wait_s if wait_s is None else wait_s
         self._new.put(Fetch(transfer_key, bootstrap, ids, int(num_tokens), int(first_page),
                             time.monotonic() + t, w))
+        self._waker.wake()
+
+    def release(self, transfer_key: str, bootstrap: str, num_tokens: int) -> None:
+        """This rank will never fetch ``transfer_key`` (``num_tokens`` prompt tokens)
+        from the prefill instance at ``bootstrap``: send every CP rank a
+        ``ReleaseTransfer`` so it frees the request now instead of at its
+        ``send_timeout_s``. Fire and forget: if the rank table cannot be had within
+        ``timeout_s``, the prefill's timeout frees it. The caller must not release
+        a key it is still fetching."""
+        if self._stop.is_set():
+            return
+        self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.timeout_s))
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
@@ -169,6 +183,7 @@ class Receiver:
         self._ranks: dict[str, Rank] = {}
         self._queries: dict[str, bs.TableQuery] = {}
         self._waiting: dict[str, list[Fetch]] = {}  # bootstrap -> fetches waiting for its table
+        self._unsent: dict[str, list[tuple]] = {}  # bootstrap -> releases waiting for its table
         try:
             while not self._stop.is_set():
                 events = dict(self._poller.poll(int(bs.POLL_S * 1000)))
@@ -176,6 +191,10 @@ class Receiver:
                     self._waker.drain()
                 while not self._new.empty():
                     self._begin(self._new.get())
+                for rel in drain(self._releases):
+                    self._unsent.setdefault(rel[1], []).append(rel)
+                    self._query(rel[1])
+                self._send_releases()
                 for q in list(self._queries.values()):
                     if q.monitor in events and link_events(q.monitor)[0]:
                         self._no_table(q, "connection lost")
@@ -203,22 +222,52 @@ class Receiver:
                          track=False)
             return
         self._active[f.transfer_key] = f
-        q = self._queries.get(f.bootstrap)
-        if q is None:
-            q = self._queries[f.bootstrap] = bs.TableQuery(f.bootstrap, self.engine_id, self.fingerprint)
-            for s in (q.sock, q.monitor):
-                self._poller.register(s, zmq.POLLIN)
+        q = self._query(f.bootstrap)
         if q.table is not None:
             self._dispatch(f, q.table)
         else:
             self._waiting.setdefault(f.bootstrap, []).append(f)
 
+    def _query(self, bootstrap: str) -> bs.TableQuery:
+        q = self._queries.get(bootstrap)
+        if q is None:
+            q = self._queries[bootstrap] = bs.TableQuery(bootstrap, self.engine_id, self.fingerprint)
+            for s in (q.sock, q.monitor):
+                self._poller.register(s, zmq.POLLIN)
+        return q
+
+    def _rank(self, addr: str) -> Rank:
+        rank = self._ranks.get(addr)
+        if rank is None:
+            rank = self._ranks[addr] = Rank(addr, self._poller, self._identity)
+        return rank
+
+    def _send_releases(self):
+        """Send the releases whose prefill's rank table is known; drop those whose
+        table did not come in time (the prefill's ``send_timeout_s`` frees them)."""
+        now = time.monotonic()
+        for bootstrap, items in list(self._unsent.items()):
+            table = self._queries[bootstrap].table
+            keep = []
+            for key, _, num_tokens, deadline in items:
+                if table is not None:
+                    msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self.consumer_size, num_tokens)
+                    for addr in table.addresses:
+                        self._rank(addr).send(msg)
+                elif deadline <= now:
+                    log.info("release of %r not sent: no rank table from %s (%s)", key, bootstrap,
+                             self._queries[bootstrap].last_reason)
+                else:
+                    keep.append((key, bootstrap, num_tokens, deadline))
+            if keep:
+                self._unsent[bootstrap] = keep
+            else:
+                del self._unsent[bootstrap]
+
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
         for cp_rank, addr in enumerate(table.addresses):
-            rank = self._ranks.get(addr)
-            if rank is None:
-                rank = self._ranks[addr] = Rank(addr, self._poller, self._identity)
+            rank = self._rank(addr)
             attempt = next(self._attempts)
             rank.inflight[attempt] = f
             f.inflight[cp_rank] = (addr, attempt)
@@ -242,6 +291,7 @@ class Receiver:
         for f in self._waiting.pop(q.address, []):
             if self._active.get(f.transfer_key) is f:
                 self._dispatch(f, table)
+        self._send_releases()
 
     def _no_table(self, q: bs.TableQuery, why: str):
         q.forget()
@@ -324,6 +374,9 @@ class Receiver:
             self._waiting[bootstrap] = [f for f in waiting if self._active.get(f.transfer_key) is f]
             if self._waiting[bootstrap]:
                 self._queries[bootstrap].ask(now)
+        for bootstrap in self._unsent:
+            self._queries[bootstrap].ask(now)
+        self._send_releases()
         for rank in self._ranks.values():  # ask quarantining ranks again, less and less often
             if rank.limbo and now >= rank.cancel_at:
                 for attempt, f in rank.limbo.items():

@@ -28,7 +28,13 @@ Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
     reported in ``failed_recving`` (vLLM frees the blocks and recomputes the
     request in fresh ones) and its blocks in ``DCP2DWorkerMeta.hold``: this side
     holds them out of the free queue until the worker reports them in
-    ``release`` (docs/connector.md, "Block lifetime").
+    ``release`` (docs/connector.md, "Block lifetime");
+  * a request this instance will not fetch (nothing left to load after its
+    prefix-cache hit, or finished before it was admitted: an abort while it
+    waited, the proxy giving up) is listed in ``releases``: each worker tells
+    every prefill CP rank (``ReleaseTransfer``), which frees its blocks now
+    rather than at ``send_timeout_s``. Workers also release failed and refused
+    fetches themselves (``worker``).
 
 Producer abort: a request aborted after its prompt completed may have layer
 writes in flight (layer pipelining), so its blocks are kept (``request_finished``
@@ -54,7 +60,7 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # engine steps with no tokens to compute: poll transfers at <= 50 Hz
 KEY_MAX_LEN = 256   # a client's transfer_id longer than this is not used as the transfer key
 
-__all__ = ["LoadSpec", "SendSpec", "DCP2DMetadata", "DCP2DWorkerMeta", "SchedulerSide", "transfer_params"]
+__all__ = ["LoadSpec", "ReleaseSpec", "SendSpec", "DCP2DMetadata", "DCP2DWorkerMeta", "SchedulerSide", "transfer_params"]
 
 
 @dataclass
@@ -100,13 +106,25 @@ class LoadSpec:
 
 
 @dataclass
+class ReleaseSpec:
+    """A producer request this consumer will never fetch: ``transfer_key``
+    (``remote_request_id``) of ``num_tokens`` prompt tokens at ``bootstrap_addr``."""
+
+    transfer_key: str
+    bootstrap_addr: str
+    num_tokens: int
+
+
+@dataclass
 class DCP2DMetadata(compat.KVConnectorMetadata):
     """Scheduler -> workers, once per step. aborted: request id -> transfer key of
     producer requests aborted after their prompt completed. context_blocks: sorted
     ids of the blocks that hold the scheduled requests' tokens computed before this
-    step (producer with layer-split storage: the owners broadcast them; else None)."""
+    step (producer with layer-split storage: the owners broadcast them; else None).
+    releases: request id -> what to release on the producer (consumer)."""
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
+    releases: dict[str, ReleaseSpec] = field(default_factory=dict)
     computing: dict[str, SendSpec] = field(default_factory=dict)
     ready: dict[str, SendSpec] = field(default_factory=dict)
     aborted: dict[str, str] = field(default_factory=dict)
@@ -146,6 +164,7 @@ class SchedulerSide:
         self.bootstrap_addr = f"tcp://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
         self.kv_cache_manager = None
         self._loads: dict[str, LoadSpec] = {}
+        self._releases: dict[str, ReleaseSpec] = {}
         self._ready: dict[str, SendSpec] = {}
         self._aborted: dict[str, str] = {}
         self._computed: set[str] = set()  # producer: prompt completed (layer writes possible), not finished
@@ -184,8 +203,8 @@ class SchedulerSide:
                         request.request_id, missing, sorted(params))
             return
         if num_external_tokens == 0:
-            # Fully cached here; the producer still holds blocks until its
-            # send_timeout_s, since nobody will fetch them.
+            # Fully cached here: nothing to fetch, so the producer may free it now.
+            self._release(request, params)
             return
         timeout = params.get("transfer_timeout_s", self.cfg.transfer_timeout_s)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
@@ -202,6 +221,15 @@ class SchedulerSide:
             first_page=(num_tokens - num_external_tokens) // self.page_size,
             num_tokens=num_tokens, timeout_s=float(timeout),
             remote_num_tokens=None if remote is None else remote if type(remote) is int else -1)
+
+    def _release(self, request, params: dict) -> None:
+        """Consumer: this instance will not fetch ``request``'s KV from its producer."""
+        if not self.cfg.release_unfetched or "remote_bootstrap_addr" not in params:
+            return
+        key = params.get("remote_request_id")
+        if isinstance(key, str) and key:
+            self._releases[request.request_id] = ReleaseSpec(key, str(params["remote_bootstrap_addr"]),
+                                                             request.num_prompt_tokens)
 
     # -- producer ----------------------------------------------------------------------------
 
@@ -249,14 +277,15 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
         """Called by the scheduler at the end of ``schedule()``; resets the pending sets."""
-        if scheduler_output.total_num_scheduled_tokens == 0 and not (self._loads or self._ready or self._aborted):
+        if scheduler_output.total_num_scheduled_tokens == 0 and not (self._loads or self._ready or self._aborted
+                                                                    or self._releases):
             # Nothing to compute: vLLM keeps stepping only to poll transfers (held
             # blocks, remote KV). Unthrottled, that loop and the TP workers it drives
             # starve the API server on small machines (measured: new requests wait
             # ~10 s with TP=2 on 2 cores). A short sleep bounds the polling rate.
             time.sleep(IDLE_POLL_S)
-        meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted)
-        self._loads, self._ready, self._aborted = {}, {}, {}
+        meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted, releases=self._releases)
+        self._loads, self._ready, self._aborted, self._releases = {}, {}, {}, {}
         if self.layer_split:
             meta.context_blocks = self._context_blocks(scheduler_output)
         if self.is_producer and self._remote_decode:
@@ -287,11 +316,16 @@ class SchedulerSide:
         (``block_ids``: one list per KV cache group).
 
         Producer: returns ``(True, params for decode)`` to keep the blocks until the
-        workers report ``finished_sending``. Consumer: nothing to keep."""
+        workers report ``finished_sending``. Consumer: nothing to keep; a request
+        that finished before it was admitted (its load never started) is released
+        on the producer."""
         self._remote_decode.pop(request.request_id, None)
         computed = request.request_id in self._computed
         self._computed.discard(request.request_id)
         params = transfer_params(request.kv_transfer_params)
+        if self.is_consumer and params.get("do_remote_prefill"):  # still set: never admitted
+            params["do_remote_prefill"] = False
+            self._release(request, params)
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         has_blocks = any(block_ids)

@@ -14,8 +14,19 @@ prefill worker from ``save_kv_layer``, right after a layer's KV is computed)
 writes that layer to it at once: the layer-pipelined transfer. ``add_request``
 then writes the layers not written yet and answers; past ``wait_s`` the held
 request fails with "not ready". A request is finished when ``consumer_size``
-distinct consumer ranks of one consumer engine got their pages, or after
-``expiry_s``; ``abort`` ends a request that will never be added.
+distinct consumer ranks of one consumer engine got their pages or released it
+(``ReleaseTransfer``: that rank will never fetch it), or after ``expiry_s`` (the
+backstop for a decode that vanished); ``abort`` ends a request that will never
+be added.
+
+Releases (docs/connector.md, "Block lifetime"): a request is freed by releases
+only once some consumer engine is *covered* (each of its ``consumer_size`` ranks
+served or released) and no fetch of another engine is open (held or being
+written): a decode group with another DCP size that is fetching the same
+request keeps it. A release is idempotent; one for a request this rank does
+not hold is remembered for ``RELEASE_MEMORY_S`` (the decode may drop a request
+before ``add_request`` ran here) unless the key finished recently, and ignored
+if the decode's ``num_tokens`` differs from the request's (a reused key).
 
 Safety (docs/connector.md, "Block lifetime"): every write is counted while it
 runs, per request and per fetch.
@@ -64,8 +75,9 @@ import numpy as np
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank, Reply,
-                                           TransferOutcome, TransferRequest, decode, encode)
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
+                                           ReleaseTransfer, Reply, TransferOutcome, TransferRequest, decode,
+                                           encode)
 from vllm_dcp2d.connector.plan import KVRegions, block_tables, plan_path
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 from vllm_dcp2d.layout import cdiv, cp_layer_range
@@ -73,6 +85,9 @@ from vllm_dcp2d.layout import cdiv, cp_layer_range
 __all__ = ["Sender"]
 
 log = logging.getLogger(__name__)
+
+RELEASE_MEMORY_S = 30.0  # how long a release for a request not added yet (or just finished) is remembered
+MAX_EARLY_RELEASES = 4096  # releases remembered for requests not added yet (oldest dropped)
 
 
 @dataclass(eq=False)
@@ -106,8 +121,10 @@ class _Request:
     num_pages: int
     expires: float
     done: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks served
+    released: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks that will not fetch
+    sizes: dict = field(default_factory=dict)  # engine_id -> its consumer_size
     writes: int = 0     # writes reading block_ids in flight
-    closing: str = ""   # "done" | "expired": reported by pop_finished once writes == 0
+    closing: str = ""   # "done" | "released" | "expired": reported by pop_finished once writes == 0
 
 
 class Sender:
@@ -136,6 +153,9 @@ class Sender:
         self._finished: dict[str, str] = {}
         self._aborting: dict[str, list[_Held]] = {}  # key -> its fetches with a layer write in flight
         self._unsettled: dict[tuple, float] = {}  # (identity, attempt id) -> when its stalled write is dropped
+        self._early: dict[str, tuple[float, list[ReleaseTransfer]]] = {}  # key not added yet -> releases for it
+        self._gone: dict[str, float] = {}  # key -> until when releases for it are ignored (just finished)
+        self._releasing: set[str] = set()  # covered keys waiting for another engine's open fetches
         self._writes = 0
         self.errors: deque[str] = deque(maxlen=100)
         self.malformed = 0
@@ -176,8 +196,12 @@ class Sender:
         group, when ``regions`` has several); serves fetches already waiting."""
         ids, pages = self._blocks(block_ids, num_tokens)
         with self._lock:
-            self._requests[transfer_key] = _Request(ids, int(num_tokens), pages, time.monotonic() + self.expiry_s)
+            state = self._requests[transfer_key] = _Request(ids, int(num_tokens), pages,
+                                                            time.monotonic() + self.expiry_s)
             waiting = self._pending.pop(transfer_key, [])
+            self._gone.pop(transfer_key, None)
+            for msg in self._early.pop(transfer_key, (0.0, []))[1]:  # the decode dropped it before we had it
+                self._release(state, transfer_key, msg)
         for held in waiting:
             self._work.put(partial(self._answer, held))
 
@@ -223,8 +247,9 @@ class Sender:
 
     def pop_finished(self) -> dict[str, str]:
         """Requests the owner may free now: transfer key -> "done" (all consumer ranks
-        served), "expired" (nobody finished within ``expiry_s``) or "aborted";
-        none has a write in flight or can start one."""
+        of an engine served), "released" (every rank of an engine released it, some
+        without fetching), "expired" (nobody finished within ``expiry_s``) or
+        "aborted"; none has a write in flight or can start one."""
         with self._lock:
             out, self._finished = self._finished, {}
         return out
@@ -303,6 +328,57 @@ class Sender:
             if state.closing and state.writes == 0:
                 self._finished[key] = state.closing
 
+    # ---- releases: a consumer rank will never fetch a request ----
+
+    def _release(self, state: _Request, key: str, msg: ReleaseTransfer) -> None:
+        """Under ``_lock``: count ``msg`` for ``state`` (the request of ``key``)."""
+        if msg.num_tokens != state.num_tokens:
+            log.debug("cp rank %d: release of %r for %d tokens ignored: the request has %d (key reused?)",
+                      self.cp_rank, key, msg.num_tokens, state.num_tokens)
+            return
+        state.released.setdefault(msg.engine_id, set()).add(msg.consumer_rank)
+        state.sizes[msg.engine_id] = msg.consumer_size
+        self._try_close(key, state)
+
+    def _try_close(self, key: str, state: _Request) -> None:
+        """Under ``_lock``: stop serving ``state`` once some consumer engine is covered
+        (each of its ranks served or released) and no other engine has a fetch of it
+        open; it is reported finished once no write reads its blocks."""
+        if self._requests.get(key) is not state:
+            return
+        engines = state.done.keys() | state.released.keys()
+        covered = {e for e in engines
+                   if len(state.done.get(e, set()) | state.released.get(e, set())) >= state.sizes[e]}
+        if not covered:
+            return
+        if any(h.req.transfer_key == key and h.req.engine_id not in covered for h in self._fetches.values()):
+            self._releasing.add(key)  # another decode group is fetching it: it keeps the blocks
+            return
+        self._releasing.discard(key)
+        del self._requests[key]
+        served = any(len(state.done.get(e, ())) >= state.sizes[e] for e in covered)
+        state.closing = "done" if served else "released"
+        self._gone[key] = time.monotonic() + RELEASE_MEMORY_S
+        if state.writes == 0:
+            self._finished[key] = state.closing
+
+    def _on_release(self, msg: ReleaseTransfer) -> None:
+        """I/O thread: a decode rank will never fetch ``msg.transfer_key``."""
+        key = msg.transfer_key
+        with self._lock:
+            state = self._requests.get(key)
+            if state is not None:
+                return self._release(state, key, msg)
+            if key in self._gone:
+                log.debug("cp rank %d: release of %r ignored: already finished", self.cp_rank, key)
+                return
+            log.debug("cp rank %d: release of unknown %r remembered for %.0fs", self.cp_rank, key,
+                      RELEASE_MEMORY_S)
+            _, msgs = self._early.pop(key, (0.0, []))
+            self._early[key] = (time.monotonic() + RELEASE_MEMORY_S, [*msgs[-255:], msg])
+            while len(self._early) > MAX_EARLY_RELEASES:
+                del self._early[next(iter(self._early))]
+
     # ---- I/O thread: owns the ROUTER socket ----
 
     def _io_loop(self):
@@ -334,7 +410,7 @@ class Sender:
             return
         identity, payload = frames
         try:
-            req = decode(payload, (TransferRequest, CancelTransfer))
+            req = decode(payload, (TransferRequest, CancelTransfer, ReleaseTransfer))
         except MessageError as e:
             self.malformed += 1
             self.errors.append(f"rejected message: {e}")
@@ -343,6 +419,9 @@ class Sender:
             return
         if isinstance(req, CancelTransfer):
             return self._cancel(identity, req)
+        if isinstance(req, ReleaseTransfer):
+            self._on_release(req)
+            return self._flush()
         try:
             self.fingerprint.check(req.fingerprint)
         except MessageError as e:
@@ -383,8 +462,20 @@ class Sender:
         with self._lock:
             for k in [k for k, t in self._unsettled.items() if t <= now]:
                 del self._unsettled[k]
+            for k in [k for k, until in self._gone.items() if until <= now]:
+                del self._gone[k]
+            for k in [k for k, (until, _) in self._early.items() if until <= now]:
+                del self._early[k]
+            for key in list(self._releasing):
+                state = self._requests.get(key)
+                if state is None:
+                    self._releasing.discard(key)
+                else:
+                    self._try_close(key, state)
             for key in [k for k, v in self._requests.items() if v.expires <= now]:
                 state = self._requests.pop(key)
+                self._releasing.discard(key)
+                self._gone[key] = now + RELEASE_MEMORY_S
                 state.closing = "expired"
                 if state.writes == 0:
                     self._finished[key] = "expired"
@@ -479,11 +570,10 @@ class Sender:
                         self._reply(h, self._failed(req, error, state.num_pages, h.settled))
                     else:
                         self._reply(h, self._ok(h, state))
-                        served = state.done.setdefault(req.engine_id, set())
-                        served.add(req.consumer_rank)
-                        if len(served) >= req.consumer_size and self._requests.get(key) is state:
-                            del self._requests[key]
-                            state.closing = "done"
+                        state.done.setdefault(req.engine_id, set()).add(req.consumer_rank)
+                        state.sizes[req.engine_id] = req.consumer_size
+                if not state.closing:
+                    self._try_close(key, state)
                 self._end(h, state, key)
 
     def _ok(self, h: _Held, state: _Request) -> TransferOutcome:

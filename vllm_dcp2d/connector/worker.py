@@ -199,7 +199,7 @@ class WorkerSide:
     def start_load_kv(self, meta) -> None:
         """Called by the model runner every step with this step's metadata bound.
         Producer: hands finished prefills to the sender, aborts aborted ones.
-        Consumer: starts fetches."""
+        Consumer: starts fetches; tells the producers about requests it will not fetch."""
         for req_id, key in meta.aborted.items():
             if self.sender is None:  # TP rank beyond cp_size: owns no layers to send
                 self._finished_sending.add(req_id)
@@ -212,6 +212,8 @@ class WorkerSide:
             else:
                 self._sending[spec.transfer_key] = req_id
                 self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
+        for spec in meta.releases.values():
+            self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens)
         for req_id, spec in meta.loads.items():
             if self.receiver is None:
                 raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
@@ -228,6 +230,14 @@ class WorkerSide:
                                     timeout_s=spec.timeout_s, num_tokens=spec.num_tokens)
                 continue
             self._refused.append((req_id, spec, why))
+            self._release(key, spec.bootstrap_addr, spec.num_tokens)  # no-op for the duplicate key
+
+    def _release(self, key: str, bootstrap: str, num_tokens: int) -> None:
+        """Consumer: this rank will never fetch ``key``; the producer may free it
+        (``Receiver.release``). Not while this instance fetches the same key for
+        another request: that fetch still needs it."""
+        if self.cfg.release_unfetched and self.receiver is not None and key not in self._loading:
+            self.receiver.release(key, bootstrap, num_tokens)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Called by the model runner after every step (``get_transfer_results``).
@@ -245,6 +255,8 @@ class WorkerSide:
             for key, why in self.sender.pop_finished().items():
                 req_id = self._sending.pop(key, key)
                 sending.add(req_id)
+                if why == "released":
+                    log.debug("DCP2D: request %s released by its decode ranks on CP rank %d", req_id, self.tp_rank)
                 if why == "expired":
                     self.stats.count("expired")
                     self.stats_file.write(request_id=req_id, event="expired")
@@ -264,6 +276,7 @@ class WorkerSide:
                     self._record(f)
                 else:
                     self._fail(req_id, f.transfer_key, f, block_ids, first_page)
+                    self._release(f.transfer_key, f.bootstrap, f.num_tokens)
             for f in released:
                 _, req_id, n = self._holds.pop(id(f))
                 self._meta.release.add((req_id, self.tp_rank))

@@ -180,6 +180,15 @@ def post_json(url: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict
             return e.code, {"raw": raw.decode(errors="replace")}
 
 
+def kv_cache_usage(url: str) -> float:
+    """vLLM's ``vllm:kv_cache_usage_perc`` (a fraction, 0..1) from the instance's ``/metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:kv_cache_usage_perc"):
+                return float(line.rsplit(" ", 1)[1])
+    raise RuntimeError(f"no vllm:kv_cache_usage_perc in {url}/metrics")
+
+
 def read_stats(path: Path) -> list[dict]:
     """Records of a ``stats_file`` (one JSON object per line)."""
     path = Path(path)
