@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["DCP2DStats", "path_key", "StatsFile"]
 
-_COUNTERS = ("failed", "expired", "quarantined", "released", "prefix_broadcast_bytes")
+_COUNTERS = ("failed", "expired", "quarantined", "released", "prefix_broadcast_bytes", "stalls", "retries")
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
 
 
@@ -36,7 +36,8 @@ def path_key(cp_rank: int, dcp_rank: int) -> str:
 @dataclass
 class DCP2DStats(KVConnectorStats):
     """``data = {"paths": {"r,d": {"transfers", "bytes", "replicated_bytes", "descriptors", "seconds"}},
-    "failed": int, "expired": int, "quarantined": int, "released": int, "prefix_broadcast_bytes": int}``.
+    "failed": int, "expired": int, "quarantined": int, "released": int, "prefix_broadcast_bytes": int,
+    "stalls": int, "retries": int}``.
 
     bytes:       everything the path moved; replicated_bytes: the part that went to
                  replicated KV cache groups (a speculative draft's KV, every page to
@@ -50,6 +51,9 @@ class DCP2DStats(KVConnectorStats):
     released:    quarantined blocks given back once their rank settled.
     prefix_broadcast_bytes: prefill with layer-split storage: bytes this rank sent
                  or received filling transient slots (``prefill/layer_split.py``).
+    stalls:      Mooncake writes (batches) this rank gave up after ``STALL_S`` without
+                 progress (``connector/transport.py``), retried or not.
+    retries:     batches re-sent on a fresh Mooncake engine after a stall.
     """
 
     def __post_init__(self):
@@ -81,7 +85,7 @@ class DCP2DStats(KVConnectorStats):
             p["seconds"] += float(seconds)
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to counter ``name`` (one of failed, expired, quarantined, released)."""
+        """Add ``n`` to counter ``name`` (one of ``_COUNTERS``)."""
         with self._lock:
             self.data[name] += n
 
