@@ -76,8 +76,11 @@ def post(url: str, body: dict, timeout_s: float) -> tuple[int, str | None]:
 
 
 def prompt(i: int) -> list[int]:
-    n = 70 + 37 * (i % 20)  # 70..773 tokens, a different content per request: no prefix-cache hits
-    return [(i * 131 + k * 13) % 500 + 6 for k in range(n)]
+    """70..773 tokens, random content seeded by ``i``: no prefix-cache hits between requests
+    (the earlier ``(i * 131 + k * 13) % 500`` repeated every 500 requests, so the pipelined
+    case's prompts ``1000 + r`` were the sequential case's, cached on decode)."""
+    n = 70 + 37 * (i % 20)
+    return np.random.default_rng(i).integers(6, 506, n).tolist()
 
 
 def body(model: str, ids: list[int]) -> dict:
