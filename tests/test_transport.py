@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vllm_dcp2d.connector.plan import Descriptors
+from vllm_dcp2d.connector.stats import DCP2DStats
 from vllm_dcp2d.connector.transport import MooncakeTransport, TransferError, TransportError
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
@@ -148,7 +149,7 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
     (here: an unregistered destination, like a dead peer) is not retried."""
     from vllm_dcp2d.connector import transport as tr
 
-    monkeypatch.setattr(tr, "STALL_S", 0.2)
+    monkeypatch.setattr(tr, "STALL_S", 2.0)  # a write failing at once stays under STALL_S / 2 on a loaded host
     _, b, src, dst = pair
     a = MooncakeTransport(renew_on_failure=True)
     try:
@@ -158,11 +159,61 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
         with pytest.raises(TransferError, match="code -1"):
             a.write(b.session_id, bad)
         assert a.session_id == first  # failed at once: no new engine
-        stalled = a._engine = StallOnce(a._engine, 0.15)
+        assert a.take_counts() == {"stalls": 0, "retries": 0}
+        stalled = a._engine = StallOnce(a._engine, 1.5)
         good = Descriptors(np.array([src.ctypes.data + 8192]), np.array([dst.ctypes.data]), np.array([4096]))
         assert a.write(b.session_id, good) == 4096
         assert stalled.calls == 1 and a.session_id != first
+        stats = DCP2DStats()  # what the worker does in get_kv_connector_stats
+        for name, n in a.take_counts().items():
+            stats.count(name, n)
+        assert not stats.is_empty() and (stats.reduce()["stalls"], stats.reduce()["retries"]) == (1, 1)
+        assert a.take_counts() == {"stalls": 0, "retries": 0}  # taken: reset
         assert a.registered() == {src.ctypes.data: src.nbytes}
         assert np.array_equal(dst[:4096], src[8192:8192 + 4096])
     finally:
         a.close()
+
+
+def _thread_cpus() -> dict[int, set[int]]:
+    """Every thread of this process -> the CPUs it may run on."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+        cpus = set()
+        for part in line.split()[1].split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        out[int(tid)] = cpus
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell pinned from free")
+def test_engine_threads_are_not_pinned_to_the_creating_threads_core():
+    """vLLM's CPU worker pins its main thread to one core, and a thread inherits its
+    creator's affinity: the engine's threads (among them the one asio thread that
+    serves every TCP session) would share that core with the forward. Created from a
+    thread pinned to one CPU, every thread the engine starts may run on all CPUs
+    the process may use, and the creating thread keeps its pin."""
+    allowed = os.sched_getaffinity(0)
+    one = {min(allowed)}
+    seen: dict = {}
+
+    def create():
+        os.sched_setaffinity(0, one)  # like VLLM_CPU_OMP_THREADS_BIND on this thread
+        before = set(_thread_cpus())
+        t = MooncakeTransport()
+        seen["new"] = {tid: cpus for tid, cpus in _thread_cpus().items() if tid not in before}
+        seen["self"] = os.sched_getaffinity(0)
+        seen["transport"] = t
+
+    th = threading.Thread(target=create)
+    th.start()
+    th.join(30)
+    try:
+        assert seen["self"] == one
+        assert len(seen["new"]) >= 2  # at least the handshake and the TCP transport's threads
+        assert all(cpus == allowed for cpus in seen["new"].values()), seen["new"]
+    finally:
+        seen["transport"].close()

@@ -247,7 +247,7 @@ def test_decode_rank_killed_mid_transfer(cluster):
 
 @pytest.mark.timeout(120)
 def test_prefill_rank_killed(cluster):
-    src = cluster.add("orphan", 6, ranks=[0])  # rank 1 never gets it: the fetch waits on rank 1
+    cluster.add("orphan", 6, ranks=[0])  # rank 1 never gets it: the fetch waits on rank 1
     dst = cluster.table("decB", 6)
     dec = cluster.decode["decB", 0]
     dec.call("start", "orphan", cluster.bootstrap, dst, 0, 20.0, 15.0)

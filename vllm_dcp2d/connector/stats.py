@@ -73,7 +73,9 @@ class DCP2DStats(KVConnectorStats):
     released:    quarantined blocks given back once their rank settled.
     prefix_broadcast_bytes: prefill with layer-split storage: bytes this rank sent
                  or received filling transient slots (``prefill/layer_split.py``).
-    stalls:      Mooncake writes that stalled (issue 14); retries: writes retried.
+    stalls:      Mooncake writes (batches) this rank gave up after ``STALL_S`` without
+                 progress (``connector/transport.py``), retried or not.
+    retries:     batches re-sent on a fresh Mooncake engine after a stall.
     """
 
     def __post_init__(self):

@@ -27,6 +27,7 @@ Public API
     ``.unregister(addr: int)``              no-op if not registered.
     ``.registered() -> dict[int, int]``     addr -> nbytes currently registered.
     ``.write(peer: str, desc: Descriptors) -> int``  bytes written; raises TransferError.
+    ``.take_counts() -> {"stalls": int, "retries": int}``  since the last call.
     ``.close()``                            unregisters everything; idempotent.
 All methods are thread-safe; ``write`` releases the GIL while the engine works,
 and writes to one peer are serialized (they share the engine's per-peer queue).
@@ -34,6 +35,7 @@ and writes to one peer are serialized (they share the engine's per-peer queue).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -47,6 +49,32 @@ log = logging.getLogger(__name__)
 STALL_S = 10       # renew_on_failure: seconds without progress before a TCP write is given up
 STALL_RETRIES = 2  # renew_on_failure: fresh engines tried after stalls, per batch
 RETIRED_KEPT = 4   # replaced engines kept alive (>= 40 s: each renewal follows a STALL_S stall)
+
+
+@contextlib.contextmanager
+def _unpinned():
+    """Run the body with the calling thread allowed on every CPU, then restore its affinity.
+
+    ``initialize`` starts the engine's threads (the TCP transport's one asio
+    thread serves every session, as initiator and as target), and a new thread
+    inherits its creator's CPU affinity. vLLM's CPU worker pins its main thread
+    to one core (``VLLM_CPU_OMP_THREADS_BIND``), so without this the engine
+    would share that core with the model's forward and every other thread
+    pinned there, instead of running wherever the kernel finds a free one.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    pinned = os.sched_getaffinity(0)  # pid 0: the calling thread
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it within the cpuset
+    except OSError:
+        pinned = None
+    try:
+        yield
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
 
 
 class TransportError(RuntimeError):
@@ -97,13 +125,15 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._regs: dict[int, int] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
+        self._counts = {"stalls": 0, "retries": 0}
         self._closed = False
 
     def _new_engine(self):
-        from mooncake.engine import TransferEngine  # heavy native module: import on use
+        with _unpinned():  # importing the module, the constructor and initialize all start threads
+            from mooncake.engine import TransferEngine  # heavy native module: import on use
 
-        engine = TransferEngine()
-        rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
+            engine = TransferEngine()
+            rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
         if rc != 0:
             raise TransportError(f"Mooncake initialize({self.hostname!r}, P2PHANDSHAKE, {self.protocol!r}) "
                                  f"returned {rc}")
@@ -206,16 +236,30 @@ class MooncakeTransport:
                     # Only a stall (no progress for STALL_S) earns a fresh engine; a dead
                     # or refusing peer fails at once. Rewriting the same bytes is idempotent.
                     stalled = rc != 0 and time.monotonic() - t0 >= STALL_S / 2
-                    if stalled and stalls is not None:
-                        stalls.append(rc)
+                    if stalled:
+                        self._count("stalls")
+                        if stalls is not None:
+                            stalls.append(rc)
                     if rc == 0 or not (self.renew_on_failure and stalled) or attempt == STALL_RETRIES:
                         break
                     log.warning("Mooncake write to %s stalled (%d); retrying on a fresh engine", peer, rc)
                     self.renew()
+                    self._count("retries")
                 if rc != 0:
                     raise TransferError(peer, len(b), rc, done)
                 done += b.nbytes
         return done
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def take_counts(self) -> dict[str, int]:
+        """``{"stalls", "retries"}`` since the last call: writes given up after
+        ``STALL_S`` without progress, and batches re-sent on a fresh engine."""
+        with self._lock:
+            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        return counts
 
     def close(self) -> None:
         """Unregister every registered range; idempotent. The engine itself is

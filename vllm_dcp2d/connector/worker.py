@@ -366,6 +366,9 @@ class WorkerSide:
     def get_kv_connector_stats(self) -> DCP2DStats | None:
         if self.layer_split is not None:
             self.stats.count("prefix_broadcast_bytes", self.layer_split.take_bytes())
+        if self.transport is not None:
+            for name, n in self.transport.take_counts().items():
+                self.stats.count(name, n)
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
