@@ -69,7 +69,7 @@ def test_pool_rejects_bad_urls(urls, match):
 
 class Fake:
     """A fake vLLM instance. ``mode``: "ok", "refuse_5xx" (500), "die_before_body" (headers,
-    then the connection closes), "die_after_first" (one chunk, then closes); ``hold``:
+    then the connection closes), "die_after_first" (one chunk, then closes), "slow" (a second chunk 0.5 s after the first); ``hold``:
     an Event decode calls wait for; ``healthy``: what /health answers."""
 
     def __init__(self, kind: str, name: str):
@@ -87,8 +87,9 @@ class Fake:
     async def handle(self, request):
         body = await request.json()
         self.calls.append(body)
-        if self.kind == "prefill":
-            return web.json_response({"kv_transfer_params": PARAMS})
+        if self.kind == "prefill":  # like DCP2DConnector: the transfer_id becomes the transfer key
+            tid = body["kv_transfer_params"]["transfer_id"]
+            return web.json_response({"kv_transfer_params": {**PARAMS, "transfer_id": tid, "remote_request_id": tid}})
         if self.hold is not None:
             await self.hold.wait()
         if self.mode == "refuse_5xx":
@@ -104,6 +105,9 @@ class Fake:
             request.transport.close()
             return resp
         await resp.write(f"data: {json.dumps({'text': self.name})}\n\n".encode())
+        if self.mode == "slow":
+            await asyncio.sleep(0.5)
+            await resp.write(b"data: {}\n\n")
         if self.mode == "die_after_first":
             await asyncio.sleep(0.05)
             request.transport.close()
@@ -155,6 +159,14 @@ def sample(text: str, name: str, **labels) -> float:
     return 0.0
 
 
+async def until(cond, timeout_s: float = 10.0):
+    """Wait for the health poller (every 0.05 s) to have acted."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "the health poller did not act in time"
+        await asyncio.sleep(0.02)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
@@ -179,6 +191,7 @@ def test_load_spreads_by_outstanding_requests():
     assert [len(d.calls) for d in c.decode] == [2, 2] and [len(p.calls) for p in c.prefill] == [2, 2]
     for u in c.proxy.decode:
         assert sample(text, PREFIX + "outstanding_requests", kind="decode", upstream=u) == 2
+        assert sample(text, PREFIX + "upstream_calls_total", kind="decode", upstream=u) == 2
         assert sample(text, PREFIX + "upstream_healthy", kind="decode", upstream=u) == 1
 
 
@@ -186,15 +199,16 @@ def test_load_spreads_by_outstanding_requests():
 def test_health_takes_out_and_puts_back():
     async def go():
         async with Cluster() as c:
+            u0, u1 = c.proxy.decode_pool.upstreams
             c.decode[0].healthy = False
-            await asyncio.sleep(0.3)  # several polls
+            await until(lambda: not u0.healthy)
             down = await c.metrics()
             out = [await c.post({"prompt": "x"}) for _ in range(4)]
             c.decode[1].healthy = False
-            await asyncio.sleep(0.3)
+            await until(lambda: not u1.healthy)
             none = await c.post({"prompt": "x"})
             c.decode[0].healthy = c.decode[1].healthy = True
-            await asyncio.sleep(0.3)
+            await until(lambda: u0.healthy and u1.healthy)
             back = [await c.post({"prompt": "x"}) for _ in range(4)]
             return c, down, out, none, back, await c.metrics()
     c, down, out, none, back, text = run(go())
@@ -217,7 +231,7 @@ def test_decode_retried_before_first_byte(mode, stream):
     """The first decode fails before any byte reached the client: the second serves the
     request with the same kv_transfer_params, and the first leaves rotation if it is gone."""
     async def go():
-        async with Cluster(n_prefill=1) as c:
+        async with Cluster(n_prefill=1, health_interval_s=60) as c:  # only the start-up poll: no race
             bad = c.decode[0]
             if mode == "refused":
                 await c.servers[1].close()  # connection refused, and /health with it
@@ -231,7 +245,9 @@ def test_decode_retried_before_first_byte(mode, stream):
     assert (b'data: {"text": "d1"}' in raw) if stream else json.loads(raw)["choices"][0]["text"] == "d1"
     if mode != "refused":
         assert len(c.decode[0].calls) == 1
-        assert c.decode[0].calls[0]["kv_transfer_params"] == c.decode[1].calls[0]["kv_transfer_params"] == PARAMS
+        tid = c.prefill[0].calls[0]["kv_transfer_params"]["transfer_id"]
+        assert c.decode[0].calls[0]["kv_transfer_params"] == c.decode[1].calls[0]["kv_transfer_params"] == {
+            **PARAMS, "transfer_id": tid, "remote_request_id": tid}
     assert len(c.decode[1].calls) == 1
     assert sample(text, PREFIX + "retries_total", stage="decode") == 1
     kind = "http_5xx" if mode == "refuse_5xx" else "unreachable"
@@ -306,3 +322,36 @@ def test_metrics_names_match_the_docs():
     assert markdown_table() in section, "regenerate docs/metrics.md's Proxy table from proxy.metrics.markdown_table()"
     documented = set(re.findall(r"^\| `(vllm_dcp2d_proxy_\w+)`", section, re.M))
     assert documented == {PREFIX + m[0] for m in METRICS}  # and no stale rows
+
+
+@pytest.mark.timeout(60)
+def test_pipelined_decode_retried_with_the_same_transfer_key():
+    """--pipelined: the decode call goes out with remote_request_id = transfer_id before the
+    prefill answered; retried, it asks the second decode instance for the same key."""
+    async def go():
+        async with Cluster(n_prefill=1, pipelined=True) as c:
+            assert (await c.post({"prompt": "x"}))[0] == 200  # learns the prefill's route
+            c.decode[1].mode = "die_before_body"                # the cursor is on d1 now
+            status, raw = await c.post({"prompt": "y", "stream": True})
+            return c, status, raw
+    c, status, raw = run(go())
+    assert status == 200 and b'data: {"text": "d0"}' in raw
+    tid = c.prefill[0].calls[1]["kv_transfer_params"]["transfer_id"]
+    want = {**PARAMS, "do_remote_decode": False, "transfer_id": tid, "remote_request_id": tid}
+    assert c.decode[1].calls[0]["kv_transfer_params"] == c.decode[0].calls[1]["kv_transfer_params"] == want
+
+
+@pytest.mark.timeout(60)
+def test_client_leaving_mid_stream_is_counted_and_frees_the_slot():
+    async def go():
+        async with Cluster(n_prefill=1) as c:
+            c.decode[0].mode = "slow"
+            async with c.session.post(c.px.make_url("/v1/completions"), json={"prompt": "x", "stream": True}) as r:
+                assert await r.content.readany()
+                r.close()
+            await until(lambda: c.proxy.decode_pool.upstreams[0].outstanding == 0)
+            return c, await c.metrics()
+    c, text = run(go())
+    assert sample(text, PREFIX + "errors_total", stage="client", kind="disconnected") == 1
+    assert sample(text, PREFIX + "outstanding_requests", kind="decode", upstream=c.proxy.decode[0]) == 0
+    assert sample(text, PREFIX + "requests_total", route="/v1/completions", status="499") == 1

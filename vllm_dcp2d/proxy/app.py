@@ -129,10 +129,14 @@ class Proxy:
                 status = 400
                 return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
             resp = await self._serve(request, path, body)
-            status = resp.status
+            status = 499 if request.get("dcp2d_client_gone") else resp.status
             if status == 200:
                 self.metrics.request.labels(path).observe(time.monotonic() - t0)
             return resp
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
+            self.metrics.error("client", "disconnected")
+            status = 499
+            raise
         finally:
             self.metrics.requests.labels(path, str(status)).inc()
 
@@ -154,6 +158,7 @@ class Proxy:
             return _error(503, str(e))
         except ClientGone:
             self.metrics.error("client", "disconnected")
+            request["dcp2d_client_gone"] = True  # requests_total counts it as 499
             return started[0]
         except UpstreamError as e:
             log.warning("%s: %s", path, e)
@@ -183,6 +188,7 @@ class Proxy:
                 self.metrics.retries.labels(pool.kind).inc()
                 log.warning("retrying on %r after: %s", up, last)
             tried.append(up)
+            self.metrics.calls.labels(pool.kind, up.url).inc()
             try:
                 return await call(up)
             except UpstreamError as e:
@@ -220,6 +226,7 @@ class Proxy:
         decode = asyncio.ensure_future(self._decode(request, path, decode_body(body, params),
                                                     bool(body.get("stream")), started))
         try:
+            self.metrics.calls.labels("prefill", prefill.url).inc()
             try:
                 answer = await self._prefill(prefill, path, body, tid)
             except UpstreamError as e:

@@ -20,7 +20,8 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 METRICS = (
     ("requests_total", "counter", ("route", "status"),
      "Client requests answered, by route (/v1/completions, ...) and the HTTP status the client got "
-     "(a stream that failed after its first byte counts as 200; see errors_total kind=mid_stream)."),
+     "(a stream that failed after its first byte counts as 200, see errors_total kind=mid_stream; "
+     "499: the client left before the answer ended)."),
     ("errors_total", "counter", ("stage", "kind"),
      "Failures, by stage (prefill, decode, client, proxy) and kind: unreachable (connection refused, "
      "reset or closed), timeout, http_4xx, http_5xx, bad_answer (a prefill answer without usable "
@@ -29,6 +30,9 @@ METRICS = (
     ("retries_total", "counter", ("stage",),
      "Calls sent again to another instance of the stage's kind after the first failed before any "
      "byte reached the client."),
+    ("upstream_calls_total", "counter", ("kind", "upstream"),
+     "Calls sent to each upstream instance (every attempt, retries included): how the balancer "
+     "spread the load."),
     ("prefill_seconds", "histogram", (),
      "Successful prefill calls: request sent to the prefill instance until its answer was read "
      "(the prompt's forward plus vLLM's queueing; in --pipelined mode this overlaps transfer_wait)."),
@@ -81,6 +85,8 @@ class ProxyMetrics:
         self.requests = Counter(PREFIX + "requests", _help("requests_total"), ["route", "status"], registry=r)
         self.errors = Counter(PREFIX + "errors", _help("errors_total"), ["stage", "kind"], registry=r)
         self.retries = Counter(PREFIX + "retries", _help("retries_total"), ["stage"], registry=r)
+        self.calls = Counter(PREFIX + "upstream_calls", _help("upstream_calls_total"), ["kind", "upstream"],
+                             registry=r)
         self.prefill = Histogram(PREFIX + "prefill_seconds", _help("prefill_seconds"), buckets=BUCKETS, registry=r)
         self.transfer_wait = Histogram(PREFIX + "transfer_wait_seconds", _help("transfer_wait_seconds"),
                                        buckets=BUCKETS, registry=r)
