@@ -355,3 +355,17 @@ def test_client_leaving_mid_stream_is_counted_and_frees_the_slot():
     assert sample(text, PREFIX + "errors_total", stage="client", kind="disconnected") == 1
     assert sample(text, PREFIX + "outstanding_requests", kind="decode", upstream=c.proxy.decode[0]) == 0
     assert sample(text, PREFIX + "requests_total", route="/v1/completions", status="499") == 1
+
+
+@pytest.mark.timeout(60)
+def test_pipelined_spreads_while_learning_routes():
+    """--pipelined: the first call to each prefill instance learns its route (sequential), and
+    that learning call is the picked instance's, so the round-robin is not skewed."""
+    async def go():
+        async with Cluster(pipelined=True) as c:
+            out = [await c.post({"prompt": str(i)}) for i in range(4)]
+            return c, out
+    c, out = run(go())
+    assert [s for s, _ in out] == [200] * 4
+    assert [len(p.calls) for p in c.prefill] == [2, 2] and [len(d.calls) for d in c.decode] == [2, 2]
+    assert set(c.proxy._routes) == set(c.proxy.prefill)

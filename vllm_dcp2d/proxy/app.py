@@ -144,13 +144,15 @@ class Proxy:
         stream = bool(body.get("stream"))
         started: list[web.StreamResponse] = []  # the client response, once its headers went out
         try:
+            prefill = None
             if self.pipelined:
                 prefill = self.prefill_pool.pick()
                 route = self._routes.get(prefill.url)
                 if route is not None:
                     return await self._pipelined(request, path, body, prefill, route, started)
+            # sequential (or learning the picked prefill's route)
             params = await self._retrying(self.prefill_pool,
-                                          lambda up: self._prefill(up, path, body, uuid.uuid4().hex))
+                                          lambda up: self._prefill(up, path, body, uuid.uuid4().hex), first=prefill)
             return await self._decode(request, path, decode_body(body, params), stream, started)
         except NoHealthyUpstream as e:
             log.warning("%s: %s", path, e)
@@ -170,15 +172,15 @@ class Proxy:
                 return started[0]
             return web.json_response(e.body, status=e.status)
 
-    async def _retrying(self, pool: Pool, call):
-        """``call(upstream)`` on the least-loaded healthy instance of ``pool``; while it
-        fails retryably, again on another one not tried yet. With none left, the last
-        error (or 503 if none was in rotation at all)."""
+    async def _retrying(self, pool: Pool, call, first: Upstream | None = None):
+        """``call(upstream)`` on the least-loaded healthy instance of ``pool`` (or on
+        ``first``, picked already); while it fails retryably, again on another one not
+        tried yet. With none left, the last error (or 503 if none was in rotation at all)."""
         tried: list[Upstream] = []
         last: UpstreamError | None = None
         while True:
             try:
-                up = pool.pick(tried)
+                up = first if first is not None and not tried else pool.pick(tried)
             except NoHealthyUpstream:
                 if last is None:
                     raise
