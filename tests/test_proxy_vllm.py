@@ -7,9 +7,11 @@ request is survived by a retry on the other one (which fetches the prefill's KV
 itself), the health poller then takes the dead one out of rotation, and the
 proxy's ``/metrics`` serves every documented name.
 
-Two proxies share the cluster: ``proxy`` with health checks every 0.5 s, and
-``proxy_nohealth`` with them off, so the request that meets the dead decode is
-forced (nothing takes it out of rotation before the request reaches it).
+Three proxies share the cluster: ``proxy`` with health checks every 0.5 s, and
+``proxy_nohealth`` and ``proxy_pipelined`` (``--pipelined``) with them off, so
+the requests that meet the dead decode are forced (nothing takes it out of
+rotation before they reach it). The pipelined retry is the case where the second
+decode asks the prefill ranks by the transfer key while the prefill may still run.
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ def ids(n: int, seed: int) -> list[int]:
     return [(seed * 7 + i * 13) % 500 + 6 for i in range(n)]
 
 
-PROMPTS = [ids(20, 1), ids(PAGE + 9, 2), ids(2 * PAGE + 3, 3), ids(45, 4), ids(50, 5), ids(33, 6), ids(70, 7)]
-
+PROMPTS = [ids(20 + 5 * i, i + 1) for i in range(11)]  # distinct: no decode has any cached
 
 def body(model: str, prompt: list[int], stream: bool = False) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
@@ -108,59 +109,67 @@ def test_two_prefill_two_decode(tmp_path):
 
     px = proxy("proxy", "--health-interval", "0.5", "--health-timeout", "2")
     px_nohealth = proxy("proxy_nohealth", "--health-interval", "0")
+    px_pipe = proxy("proxy_pipelined", "--health-interval", "0", "--pipelined")
     procs = [*prefill, *decode]
     try:
         for p in procs:
             p.start()
         wait_all(procs, 600)
-        for p in (px, px_nohealth):
+        for p in (px, px_nohealth, px_pipe):
             procs.append(p.start())
-        wait_all([px, px_nohealth], 60)
+        wait_all([px, px_nohealth, px_pipe], 60)
         ref = []
         for prompt in PROMPTS:  # the non-disaggregated answers
             status, out = post_json(prefill[0].url + "/v1/completions", body(model, prompt), timeout_s=300)
             assert status == 200, out
             ref.append(out["choices"][0])
 
+        def check(url: str, i: int) -> None:
+            status, out = post_json(url + "/v1/completions", body(model, PROMPTS[i]), timeout_s=300)
+            assert status == 200 and out["choices"][0]["token_ids"] == ref[i]["token_ids"], (i, out)
+
         # 1. load spreads over both instances of each kind; greedy tokens equal the reference
-        for prompt, want in zip(PROMPTS[:4], ref):
-            status, out = post_json(px.url + "/v1/completions", body(model, prompt), timeout_s=300)
-            assert status == 200, out
-            assert out["choices"][0]["token_ids"] == want["token_ids"]
+        for i in range(4):
+            check(px.url, i)
         status, text = stream_text(px.url, body(model, PROMPTS[4], stream=True))
         assert text == ref[4]["text"]
         m = scrape(px.url)
-        calls = {(k, u): sample(m, PREFIX + "upstream_calls_total", kind=k, upstream=u)
-                 for k, ps in (("prefill", prefill), ("decode", decode)) for u in (p.url for p in ps)}
-        assert sorted(calls.values()) == [2, 2, 3, 3], calls  # 5 sequential requests, ties round-robin
+        for kind, ps in (("prefill", prefill), ("decode", decode)):  # 5 sequential calls, ties round-robin
+            assert [sample(m, PREFIX + "upstream_calls_total", kind=kind, upstream=p.url) for p in ps] == [3, 2]
         assert sample(m, PREFIX + "retries_total", stage="decode") == 0
-        # each decode instance fetched its requests' KV from the prefill (none recomputed)
-        assert len(fetched(tmp_path / "d0.jsonl")) == 3 and len(fetched(tmp_path / "d1.jsonl")) == 2
+        for i in (5, 6):  # the pipelined proxy learns both prefill routes (prefill0/decode0, prefill1/decode1)
+            check(px_pipe.url, i)
+        # each decode instance fetched its requests' KV from a prefill (none recomputed)
+        assert len(fetched(tmp_path / "d0.jsonl")) == 4 and len(fetched(tmp_path / "d1.jsonl")) == 3
         assert not [r for i in (0, 1) for r in read_stats(tmp_path / f"d{i}.jsonl") if not r.get("ok")]
 
         # 2. the decode holding a request dies before its first byte: the request is retried on
-        # the other, which fetches the whole prompt's KV itself. decode0 is frozen first so the
-        # request waits in its socket (proxy_nohealth's first decode call goes to decode0).
+        # the other, which fetches the prompt's KV itself, by the same transfer key. decode0 is
+        # frozen first so the requests wait in its socket: the sequential proxy's first decode
+        # call, and the pipelined proxy's third (sent with the prefill call, pipelined) go to it.
         os.killpg(decode[0].proc.pid, signal.SIGSTOP)
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(stream_text, px_nohealth.url, body(model, PROMPTS[5], stream=True))
-            wait_for("a decode call to decode0", lambda: sample(
-                scrape(px_nohealth.url), PREFIX + "outstanding_requests", kind="decode", upstream=decode[0].url) == 1, 120)
-            time.sleep(0.5)  # the call's bytes reach decode0's socket
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(stream_text, u, body(model, PROMPTS[i], stream=True))
+                    for u, i in ((px_nohealth.url, 7), (px_pipe.url, 8))]
+            for u in (px_nohealth.url, px_pipe.url):
+                wait_for(f"{u}'s decode call to decode0", lambda: sample(
+                    scrape(u), PREFIX + "outstanding_requests", kind="decode", upstream=decode[0].url) == 1, 120)
+            time.sleep(0.5)  # the calls' bytes reach decode0's socket
             os.killpg(decode[0].proc.pid, signal.SIGKILL)
-            status, text = fut.result(timeout=300)
-        assert status == 200 and text == ref[5]["text"]
-        m = scrape(px_nohealth.url)
-        assert sample(m, PREFIX + "retries_total", stage="decode") == 1
-        assert sample(m, PREFIX + "errors_total", stage="decode", kind="unreachable") == 1
-        assert len(fetched(tmp_path / "d1.jsonl")) == 3  # decode1 fetched the retried request's KV
+            for f, i in zip(futs, (7, 8)):
+                status, text = f.result(timeout=300)
+                assert status == 200 and text == ref[i]["text"], i
+        for u in (px_nohealth.url, px_pipe.url):
+            m = scrape(u)
+            assert sample(m, PREFIX + "retries_total", stage="decode") == 1, u
+            assert sample(m, PREFIX + "errors_total", stage="decode", kind="unreachable") == 1, u
+        assert len(fetched(tmp_path / "d1.jsonl")) == 5  # decode1 fetched both retried requests' KV
 
         # 3. the health poller takes decode0 out of rotation: every request goes to decode1
         wait_for("decode0 out of rotation", lambda: sample(
             scrape(px.url), PREFIX + "upstream_healthy", kind="decode", upstream=decode[0].url) == 0, 30)
-        for _ in range(2):
-            status, out = post_json(px.url + "/v1/completions", body(model, PROMPTS[6]), timeout_s=300)
-            assert status == 200 and out["choices"][0]["token_ids"] == ref[6]["token_ids"], out
+        for i in (9, 10):
+            check(px.url, i)
         m = scrape(px.url)
         assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[0].url) == 3
         assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[1].url) == 4
