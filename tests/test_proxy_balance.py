@@ -369,3 +369,20 @@ def test_pipelined_spreads_while_learning_routes():
     assert [s for s, _ in out] == [200] * 4
     assert [len(p.calls) for p in c.prefill] == [2, 2] and [len(d.calls) for d in c.decode] == [2, 2]
     assert set(c.proxy._routes) == set(c.proxy.prefill)
+
+
+@pytest.mark.timeout(60)
+def test_instance_up_after_the_proxy_serves_at_once():
+    """An instance that was down at the last poll and is up now serves the next request:
+    finding none of a kind in rotation, the proxy polls that kind again before answering 503."""
+    async def go():
+        async with Cluster(n_prefill=1, n_decode=1, health_interval_s=60) as c:
+            c.decode[0].healthy = False
+            await c.proxy.health.poll_once(c.proxy.session)
+            down = await c.post({"prompt": "x"})
+            c.decode[0].healthy = True                # no poll until the request finds none
+            up = await c.post({"prompt": "x"})
+            return down, up
+    (s1, raw1), (s2, _) = run(go())
+    assert s1 == 503 and "no healthy decode instance" in json.loads(raw1)["error"]["message"]
+    assert s2 == 200

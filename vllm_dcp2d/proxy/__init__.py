@@ -20,7 +20,8 @@ their stream ends); ties go round-robin (``upstreams.Pool``).
 by ``--health-timeout`` (default 5). A failed poll, or a call that could not
 reach the instance, takes it out of rotation; the next successful poll puts it
 back. A call never goes to an instance out of rotation; with none of a kind in
-rotation the client gets 503 naming the kind.
+rotation the proxy polls that kind once more (concurrent requests share the
+poll), then the client gets 503 naming the kind.
 
 **Retries.** A decode call that fails before any byte went to the client
 (connection refused, reset or closed, or a 5xx answer) is sent to another decode

@@ -106,7 +106,7 @@ class Proxy:
 
     async def models(self, request: web.Request) -> web.Response:
         try:
-            url = self.decode_pool.pick().url
+            url = (await self._pick(self.decode_pool)).url
         except NoHealthyUpstream as e:
             return _error(503, str(e))
         try:
@@ -146,7 +146,7 @@ class Proxy:
         try:
             prefill = None
             if self.pipelined:
-                prefill = self.prefill_pool.pick()
+                prefill = await self._pick(self.prefill_pool)
                 route = self._routes.get(prefill.url)
                 if route is not None:
                     return await self._pipelined(request, path, body, prefill, route, started)
@@ -172,6 +172,17 @@ class Proxy:
                 return started[0]
             return web.json_response(e.body, status=e.status)
 
+    async def _pick(self, pool: Pool, tried: list | None = None) -> Upstream:
+        """``pool.pick``; if none is in rotation at all, poll the pool once more first: an
+        instance may have come up since the last poll (the proxy started before it)."""
+        try:
+            return pool.pick(tried or ())
+        except NoHealthyUpstream:
+            if tried:
+                raise
+            await self.health.recheck(self.session, pool)
+            return pool.pick()
+
     async def _retrying(self, pool: Pool, call, first: Upstream | None = None):
         """``call(upstream)`` on the least-loaded healthy instance of ``pool`` (or on
         ``first``, picked already); while it fails retryably, again on another one not
@@ -180,7 +191,7 @@ class Proxy:
         last: UpstreamError | None = None
         while True:
             try:
-                up = first if first is not None and not tried else pool.pick(tried)
+                up = first if first is not None and not tried else await self._pick(pool, tried)
             except NoHealthyUpstream:
                 if last is None:
                     raise

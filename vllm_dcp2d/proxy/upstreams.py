@@ -118,6 +118,7 @@ class HealthChecker:
         self.pools, self.interval_s = pools, interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task | None = None
+        self._rechecks: dict[str, asyncio.Future] = {}  # pool kind -> the recheck running now
 
     @property
     def enabled(self) -> bool:
@@ -141,6 +142,18 @@ class HealthChecker:
 
     async def poll_once(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, p, u) for p in self.pools for u in p.upstreams))
+
+    async def recheck(self, session: aiohttp.ClientSession, pool: Pool) -> None:
+        """Poll ``pool`` now (callers that find none of it in rotation, so an instance that
+        came up since the last poll serves at once); concurrent callers share one poll."""
+        if not self.enabled:
+            return
+        fut = self._rechecks.get(pool.kind)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.gather(*(self.check(session, pool, u) for u in pool.upstreams)))
+            self._rechecks[pool.kind] = fut
+            fut.add_done_callback(lambda _: self._rechecks.pop(pool.kind, None))
+        await asyncio.shield(fut)
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         """Poll once (so the proxy serves knowing who is up), then every ``interval_s``."""
