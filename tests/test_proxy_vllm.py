@@ -85,7 +85,7 @@ def fetched(stats_path) -> list[dict]:
     return [r for r in read_stats(stats_path) if r["side"] == "consumer" and r.get("ok")]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_two_prefill_two_decode(tmp_path):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
@@ -110,14 +110,13 @@ def test_two_prefill_two_decode(tmp_path):
     px = proxy("proxy", "--health-interval", "0.5", "--health-timeout", "2")
     px_nohealth = proxy("proxy_nohealth", "--health-interval", "0")
     px_pipe = proxy("proxy_pipelined", "--health-interval", "0", "--pipelined")
-    procs = [*prefill, *decode]
+    # the proxies start beside the instances, as users start them: a proxy serves an instance
+    # that came up after it (it polls a kind again when it finds none in rotation)
+    procs = [*prefill, *decode, px, px_nohealth, px_pipe]
     try:
         for p in procs:
             p.start()
-        wait_all(procs, 600)
-        for p in (px, px_nohealth, px_pipe):
-            procs.append(p.start())
-        wait_all([px, px_nohealth, px_pipe], 60)
+        wait_all(procs, 840)
         ref = []
         for prompt in PROMPTS:  # the non-disaggregated answers
             status, out = post_json(prefill[0].url + "/v1/completions", body(model, prompt), timeout_s=300)
