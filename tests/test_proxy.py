@@ -16,6 +16,10 @@ from vllm_dcp2d.proxy import Proxy, decode_body, prefill_body
 PARAMS = {"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "127.0.0.1:1"}
 
 
+async def healthy(request):
+    return web.json_response({})
+
+
 def fake_upstreams(seen: list, prefill_status=200, decode_status=200, prefill_params=PARAMS):
     async def prefill(request):
         body = await request.json()
@@ -44,15 +48,17 @@ def fake_upstreams(seen: list, prefill_status=200, decode_status=200, prefill_pa
         app = web.Application()
         app.router.add_post("/v1/completions", handler)
         app.router.add_post("/v1/chat/completions", handler)
+        app.router.add_get("/health", healthy)
         apps.append(app)
     return apps
 
 
-async def run_case(body, path="/v1/completions", prefill_urls=None, **kw):
+async def run_case(body, path="/v1/completions", prefill_urls=None, proxy_kw=None, **kw):
     seen: list = []
     p_app, d_app = fake_upstreams(seen, **kw)
     async with TestServer(p_app) as p, TestServer(d_app) as d:
-        proxy = Proxy(prefill_urls or [str(p.make_url(""))], [str(d.make_url(""))], timeout_s=5)
+        proxy = Proxy(prefill_urls or [str(p.make_url(""))], [str(d.make_url(""))], timeout_s=5,
+                      **(proxy_kw or {}))
         async with TestServer(proxy.app()) as px, aiohttp.ClientSession() as s:
             async with s.post(px.make_url(path), json=body) as resp:
                 return resp.status, await resp.read(), seen
@@ -94,8 +100,14 @@ def test_upstream_errors():
     assert status == 502 and "decode" in json.loads(raw)["error"]["message"]
     status, raw, _ = asyncio.run(run_case({"prompt": "hi"}, prefill_params=None))
     assert status == 502 and "kv_transfer_params" in json.loads(raw)["error"]["message"]
-    status, raw, _ = asyncio.run(run_case({"prompt": "hi"}, prefill_urls=["http://127.0.0.1:9"]))
+    # health checks off: the call finds the prefill unreachable
+    status, raw, _ = asyncio.run(run_case({"prompt": "hi"}, prefill_urls=["http://127.0.0.1:9"],
+                                          proxy_kw={"health_interval_s": 0}))
     assert status == 502 and "unreachable" in json.loads(raw)["error"]["message"]
+    # health checks on: the start-up poll took it out of rotation, so no call is made
+    status, raw, _ = asyncio.run(run_case({"prompt": "hi"}, prefill_urls=["http://127.0.0.1:9"]))
+    msg = json.loads(raw)["error"]["message"]
+    assert status == 503 and msg.startswith("no healthy prefill instance: http://127.0.0.1:9 (/health unreachable")
 
 
 @pytest.mark.timeout(30)
@@ -137,6 +149,7 @@ async def run_pipelined(bodies, prefill_status=200, prefill_key=None):
     for handler in (prefill, decode):
         app = web.Application()
         app.router.add_post("/v1/completions", handler)
+        app.router.add_get("/health", healthy)
         apps.append(app)
     out = []
     async with TestServer(apps[0]) as p, TestServer(apps[1]) as d:

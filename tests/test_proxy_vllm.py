@@ -1,0 +1,184 @@
+"""The proxy in front of 2 prefill and 2 decode ``vllm serve`` instances (tiny
+``llama-mqa``, TP=1 each, decode DCP=1: the cheapest real cluster with two of
+each kind): load spreads over both instances of each kind, greedy tokens equal
+the non-disaggregated answer (the prefill instance asked without
+``kv_transfer_params``), a decode instance killed with SIGKILL while it holds a
+request is survived by a retry on the other one (which fetches the prefill's KV
+itself), the health poller then takes the dead one out of rotation, and the
+proxy's ``/metrics`` serves every documented name.
+
+Three proxies share the cluster: ``proxy`` with health checks every 0.5 s, and
+``proxy_nohealth`` and ``proxy_pipelined`` (``--pipelined``) with them off, so
+the requests that meet the dead decode are forced (nothing takes it out of
+rotation before they reach it). The pipelined retry is the case where the second
+decode asks the prefill ranks by the transfer key while the prefill may still run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from vllm_dcp2d.proxy.metrics import METRICS, PREFIX
+from vllm_dcp2d.testing.harness import (Process, bin_path, free_port, post_json, read_stats, vllm_server,
+                                        wait_all)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
+
+PAGE = 32
+MAX_TOKENS = 8
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 7 + i * 13) % 500 + 6 for i in range(n)]
+
+
+PROMPTS = [ids(20 + 5 * i, i + 1) for i in range(11)]  # distinct: no decode has any cached
+
+def body(model: str, prompt: list[int], stream: bool = False) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream, **({} if stream else {"return_token_ids": True})}
+
+
+def stream_text(url: str, b: dict, timeout_s: float = 300) -> tuple[int, str]:
+    """POST a streamed completion; (status, the concatenated text of its SSE events)."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(b).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        raw = r.read().decode()
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]", raw
+    out = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in e for e in out), raw
+    return r.status, "".join(e["choices"][0]["text"] for e in out)
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def sample(text: str, name: str, **labels) -> float:
+    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", text, re.M):
+        if m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
+            return float(m.group(3))
+    return 0.0
+
+
+def wait_for(what: str, cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout_s} s")
+        time.sleep(0.2)
+
+
+def fetched(stats_path) -> list[dict]:
+    """A decode instance's consumer records of completed fetches."""
+    return [r for r in read_stats(stats_path) if r["side"] == "consumer" and r.get("ok")]
+
+
+@pytest.mark.timeout(1200)
+def test_two_prefill_two_decode(tmp_path):
+    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama-mqa", tmp_path / "model")
+    common = {"dtype": "float32", "block_size": PAGE, "tp": 1}
+    prefill = [vllm_server(f"prefill{i}", model, free_port(), tmp_path, role="kv_producer", **common,
+                           extra_config={"bootstrap_port": free_port(), "stats_file": str(tmp_path / f"p{i}.jsonl")})
+               for i in range(2)]
+    decode = [vllm_server(f"decode{i}", model, free_port(), tmp_path, role="kv_consumer", failure_policy="recompute",
+                          **common, extra_config={"transfer_timeout_s": 120.0, "stats_file": str(tmp_path / f"d{i}.jsonl")})
+              for i in range(2)]
+
+    def proxy(name: str, *flags: str) -> Process:
+        port = free_port()
+        cmd = [bin_path("vllm-dcp2d"), "proxy", "--port", str(port), *flags]
+        for p in prefill:
+            cmd += ["--prefill", p.url]
+        for d in decode:
+            cmd += ["--decode", d.url]
+        return Process(name, cmd, port, tmp_path / f"{name}.log")
+
+    px = proxy("proxy", "--health-interval", "0.5", "--health-timeout", "2")
+    px_nohealth = proxy("proxy_nohealth", "--health-interval", "0")
+    px_pipe = proxy("proxy_pipelined", "--health-interval", "0", "--pipelined")
+    # the proxies start beside the instances, as users start them: a proxy serves an instance
+    # that came up after it (it polls a kind again when it finds none in rotation)
+    procs = [*prefill, *decode, px, px_nohealth, px_pipe]
+    try:
+        for p in procs:
+            p.start()
+        wait_all(procs, 840)
+        ref = []
+        for prompt in PROMPTS:  # the non-disaggregated answers
+            status, out = post_json(prefill[0].url + "/v1/completions", body(model, prompt), timeout_s=300)
+            assert status == 200, out
+            ref.append(out["choices"][0])
+
+        def check(url: str, i: int) -> None:
+            status, out = post_json(url + "/v1/completions", body(model, PROMPTS[i]), timeout_s=300)
+            assert status == 200 and out["choices"][0]["token_ids"] == ref[i]["token_ids"], (i, out)
+
+        # 1. load spreads over both instances of each kind; greedy tokens equal the reference
+        for i in range(4):
+            check(px.url, i)
+        status, text = stream_text(px.url, body(model, PROMPTS[4], stream=True))
+        assert text == ref[4]["text"]
+        m = scrape(px.url)
+        for kind, ps in (("prefill", prefill), ("decode", decode)):  # 5 sequential calls, ties round-robin
+            assert [sample(m, PREFIX + "upstream_calls_total", kind=kind, upstream=p.url) for p in ps] == [3, 2]
+        assert sample(m, PREFIX + "retries_total", stage="decode") == 0
+        for i in (5, 6):  # the pipelined proxy learns both prefill routes (prefill0/decode0, prefill1/decode1)
+            check(px_pipe.url, i)
+        # each decode instance fetched its requests' KV from a prefill (none recomputed)
+        assert len(fetched(tmp_path / "d0.jsonl")) == 4 and len(fetched(tmp_path / "d1.jsonl")) == 3
+        assert not [r for i in (0, 1) for r in read_stats(tmp_path / f"d{i}.jsonl") if not r.get("ok")]
+
+        # 2. the decode holding a request dies before its first byte: the request is retried on
+        # the other, which fetches the prompt's KV itself, by the same transfer key. decode0 is
+        # frozen first so the requests wait in its socket: the sequential proxy's first decode
+        # call, and the pipelined proxy's third (sent with the prefill call, pipelined) go to it.
+        os.killpg(decode[0].proc.pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(stream_text, u, body(model, PROMPTS[i], stream=True))
+                    for u, i in ((px_nohealth.url, 7), (px_pipe.url, 8))]
+            for u in (px_nohealth.url, px_pipe.url):
+                wait_for(f"{u}'s decode call to decode0", lambda: sample(
+                    scrape(u), PREFIX + "outstanding_requests", kind="decode", upstream=decode[0].url) == 1, 120)
+            time.sleep(0.5)  # the calls' bytes reach decode0's socket
+            os.killpg(decode[0].proc.pid, signal.SIGKILL)
+            for f, i in zip(futs, (7, 8)):
+                status, text = f.result(timeout=300)
+                assert status == 200 and text == ref[i]["text"], i
+        for u in (px_nohealth.url, px_pipe.url):
+            m = scrape(u)
+            assert sample(m, PREFIX + "retries_total", stage="decode") == 1, u
+            assert sample(m, PREFIX + "errors_total", stage="decode", kind="unreachable") == 1, u
+        assert len(fetched(tmp_path / "d1.jsonl")) == 5  # decode1 fetched both retried requests' KV
+
+        # 3. the health poller takes decode0 out of rotation: every request goes to decode1
+        wait_for("decode0 out of rotation", lambda: sample(
+            scrape(px.url), PREFIX + "upstream_healthy", kind="decode", upstream=decode[0].url) == 0, 30)
+        for i in (9, 10):
+            check(px.url, i)
+        m = scrape(px.url)
+        assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[0].url) == 3
+        assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[1].url) == 4
+        assert sample(m, PREFIX + "retries_total", stage="decode") == 0
+
+        # 4. every documented metric is served
+        types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", m, re.M))
+        assert {PREFIX + n: t for n, t, _, _ in METRICS}.items() <= types.items(), types
+        assert sample(m, PREFIX + "transfer_wait_seconds_count") == 1
+        assert sample(m, PREFIX + "requests_total", route="/v1/completions", status="200") == 7
+    finally:
+        for p in reversed(procs):
+            p.stop()

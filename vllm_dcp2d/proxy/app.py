@@ -1,0 +1,359 @@
+"""The proxy's HTTP application: routing, retries and error mapping (the flow is
+described in the package docstring, ``vllm_dcp2d/proxy/__init__.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import time
+import uuid
+
+import aiohttp
+from aiohttp import web
+
+from .metrics import ProxyMetrics
+from .upstreams import HealthChecker, NoHealthyUpstream, Pool, Upstream
+
+log = logging.getLogger("vllm_dcp2d.proxy")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class UpstreamError(Exception):
+    """An upstream call that failed. ``status``: what the client gets; ``stage``/``kind``:
+    the ``errors_total`` labels; ``retryable``: another instance of the stage's kind may
+    take the call (nothing reached the client, and the call is safe to repeat)."""
+
+    def __init__(self, status: int, message: str, body: dict | None = None, *, stage: str = "proxy",
+                 kind: str = "bad_answer", retryable: bool = False):
+        super().__init__(message)
+        self.status, self.stage, self.kind, self.retryable = status, stage, kind, retryable
+        self.body = body or {"error": {"message": message, "type": "upstream_error", "code": status}}
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the proxy was writing to it."""
+
+
+def prefill_body(body: dict, transfer_id: str) -> dict:
+    """The prefill copy of a client request: one token, no stream, remote decode."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                 "transfer_id": transfer_id}
+    return out
+
+
+def decode_body(body: dict, kv_transfer_params: dict) -> dict:
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+class Proxy:
+    """Routes requests over ``Pool``s of prefill and decode instances; one
+    ``aiohttp.ClientSession`` for all upstream calls. ``health_interval_s <= 0``
+    turns health checks off."""
+
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0, pipelined: bool = False,
+                 health_interval_s: float = 2.0, health_timeout_s: float = 5.0):
+        if timeout_s <= 0:
+            raise ValueError(f"upstream timeout must be > 0 seconds, got {timeout_s}")
+        self.prefill_pool, self.decode_pool = Pool("prefill", prefill), Pool("decode", decode)
+        self.prefill, self.decode = self.prefill_pool.urls, self.decode_pool.urls
+        self.health = HealthChecker([self.prefill_pool, self.decode_pool], health_interval_s, health_timeout_s)
+        self.metrics = ProxyMetrics([self.prefill_pool, self.decode_pool])
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+        self.pipelined = pipelined
+        self._routes: dict[str, dict] = {}  # prefill URL -> its remote_bootstrap_addr, remote_engine_id
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
+        await self.health.start(self.session)
+
+    async def stop(self, app: web.Application) -> None:
+        await self.health.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/health", self.health_handler)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        return app
+
+    async def health_handler(self, request: web.Request) -> web.Response:
+        """The proxy itself is up (200 always); the body lists each upstream's state."""
+        return web.json_response({"status": "ok", "upstreams": [
+            {"kind": u.kind, "url": u.url, "healthy": u.healthy, "outstanding": u.outstanding, "reason": u.reason}
+            for p in (self.prefill_pool, self.decode_pool) for u in p.upstreams]})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            url = (await self._pick(self.decode_pool)).url
+        except NoHealthyUpstream as e:
+            return _error(503, str(e))
+        try:
+            async with self.session.get(f"{url}/v1/models") as resp:
+                return web.json_response(await resp.json(), status=resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            return _error(502, f"decode {url} unreachable: {e!r}")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0, path, status = time.monotonic(), request.path, 500
+        try:
+            try:
+                body = await request.json()
+            except json.JSONDecodeError as e:
+                self.metrics.error("proxy", "bad_request")
+                status = 400
+                return _error(400, f"request body is not JSON: {e}")
+            if not isinstance(body, dict):
+                self.metrics.error("proxy", "bad_request")
+                status = 400
+                return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
+            resp = await self._serve(request, path, body)
+            status = 499 if request.get("dcp2d_client_gone") else resp.status
+            if status == 200:
+                self.metrics.request.labels(path).observe(time.monotonic() - t0)
+            return resp
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
+            self.metrics.error("client", "disconnected")
+            status = 499
+            raise
+        finally:
+            self.metrics.requests.labels(path, str(status)).inc()
+
+    async def _serve(self, request: web.Request, path: str, body: dict) -> web.StreamResponse:
+        stream = bool(body.get("stream"))
+        started: list[web.StreamResponse] = []  # the client response, once its headers went out
+        try:
+            prefill = None
+            if self.pipelined:
+                prefill = await self._pick(self.prefill_pool)
+                route = self._routes.get(prefill.url)
+                if route is not None:
+                    return await self._pipelined(request, path, body, prefill, route, started)
+            # sequential (or learning the picked prefill's route)
+            params = await self._retrying(self.prefill_pool,
+                                          lambda up: self._prefill(up, path, body, uuid.uuid4().hex), first=prefill)
+            return await self._decode(request, path, decode_body(body, params), stream, started)
+        except NoHealthyUpstream as e:
+            log.warning("%s: %s", path, e)
+            self.metrics.error(e.kind, "no_healthy")
+            return _error(503, str(e))
+        except ClientGone:
+            self.metrics.error("client", "disconnected")
+            request["dcp2d_client_gone"] = True  # requests_total counts it as 499
+            return started[0]
+        except UpstreamError as e:
+            log.warning("%s: %s", path, e)
+            if started:  # headers are gone already: end the stream with an SSE error event
+                msg = {"error": {"message": str(e), "code": e.status}}
+                with contextlib.suppress(ConnectionError):
+                    await started[0].write(f"data: {json.dumps(msg)}\n\n".encode())
+                    await started[0].write_eof()
+                return started[0]
+            return web.json_response(e.body, status=e.status)
+
+    async def _pick(self, pool: Pool, tried: list | None = None) -> Upstream:
+        """``pool.pick``; if none is in rotation at all, poll the pool once more first: an
+        instance may have come up since the last poll (the proxy started before it)."""
+        try:
+            return pool.pick(tried or ())
+        except NoHealthyUpstream:
+            if tried:
+                raise
+            await self.health.recheck(self.session, pool)
+            return pool.pick()
+
+    async def _retrying(self, pool: Pool, call, first: Upstream | None = None):
+        """``call(upstream)`` on the least-loaded healthy instance of ``pool`` (or on
+        ``first``, picked already); while it fails retryably, again on another one not
+        tried yet. With none left, the last error (or 503 if none was in rotation at all)."""
+        tried: list[Upstream] = []
+        last: UpstreamError | None = None
+        while True:
+            try:
+                up = first if first is not None and not tried else await self._pick(pool, tried)
+            except NoHealthyUpstream:
+                if last is None:
+                    raise
+                raise UpstreamError(last.status, f"{last}; no other healthy {pool.kind} instance to retry on",
+                                    stage=last.stage, kind=last.kind) from None
+            if tried:
+                self.metrics.retries.labels(pool.kind).inc()
+                log.warning("retrying on %r after: %s", up, last)
+            tried.append(up)
+            self.metrics.calls.labels(pool.kind, up.url).inc()
+            try:
+                return await call(up)
+            except UpstreamError as e:
+                self.metrics.error(e.stage, e.kind)
+                if not e.retryable:
+                    raise
+                last = e
+
+    async def _prefill(self, up: Upstream, path: str, body: dict, transfer_id: str) -> dict:
+        """Run the prefill on ``up``; returns the ``kv_transfer_params`` for decode."""
+        url = up.url + path
+        t0 = time.monotonic()
+        try:
+            data = await self._post_json(self.prefill_pool, up, path, prefill_body(body, transfer_id))
+        except UpstreamError:
+            self._routes.pop(up.url, None)  # it may come back elsewhere: learn again
+            raise
+        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            raise UpstreamError(502, f"prefill {url} returned no kv_transfer_params for decode "
+                                     f"(got {params!r}); is it running DCP2DConnector as kv_producer?",
+                                stage="prefill", kind="bad_answer")
+        if all(isinstance(params.get(k), str) for k in ("remote_bootstrap_addr", "remote_engine_id")):
+            self._routes[up.url] = {k: params[k] for k in ("remote_bootstrap_addr", "remote_engine_id")}
+        self.metrics.prefill.observe(time.monotonic() - t0)
+        return params
+
+    async def _pipelined(self, request: web.Request, path: str, body: dict, prefill: Upstream, route: dict,
+                         started: list) -> web.StreamResponse:
+        """Prefill and decode at once; the decode fetches by ``transfer_id``, so a
+        decode retried on another instance fetches by it too."""
+        tid = uuid.uuid4().hex
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": tid,
+                  "transfer_id": tid, **route}
+        decode = asyncio.ensure_future(self._decode(request, path, decode_body(body, params),
+                                                    bool(body.get("stream")), started))
+        try:
+            self.metrics.calls.labels("prefill", prefill.url).inc()
+            try:
+                answer = await self._prefill(prefill, path, body, tid)
+            except UpstreamError as e:
+                self.metrics.error(e.stage, e.kind)
+                raise
+            if answer.get("remote_request_id") != tid:
+                self.metrics.error("prefill", "bad_answer")
+                raise UpstreamError(502, f"prefill {prefill.url} did not take transfer_id {tid!r} as the "
+                                         f"transfer key (answered {answer.get('remote_request_id')!r})")
+        except BaseException:
+            decode.cancel()  # closes the upstream connection: vLLM aborts the decode request
+            with contextlib.suppress(asyncio.CancelledError, UpstreamError, NoHealthyUpstream, ClientGone):
+                await decode
+            raise
+        return await decode
+
+    async def _post_json(self, pool: Pool, up: Upstream, path: str, body: dict) -> dict:
+        """POST and read a JSON answer. Retryable: a prefill call that never connected
+        (no request reached it); a decode call that failed in any way but a timeout
+        (nothing has gone to the client yet)."""
+        kind, url = pool.kind, up.url + path
+        with pool.lease(up):
+            try:
+                async with self.session.post(url, json=body) as resp:
+                    if resp.status != 200:
+                        raise _upstream_status(kind, url, resp.status, await resp.read())
+                    try:
+                        return await resp.json(content_type=None)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        raise UpstreamError(502, f"{kind} {url} answered non-JSON: {e}", stage=kind)
+            except asyncio.TimeoutError:
+                raise UpstreamError(504, f"{kind} {url} did not answer within {self.timeout.total} s",
+                                    stage=kind, kind="timeout")
+            except aiohttp.ClientError as e:
+                self.health.mark_down(pool, up, repr(e))
+                never_sent = isinstance(e, aiohttp.ClientConnectorError)
+                raise UpstreamError(502, f"{kind} {url} unreachable: {e!r}", stage=kind, kind="unreachable",
+                                    retryable=kind == "decode" or never_sent)
+
+    async def _decode(self, request: web.Request, path: str, body: dict, stream: bool,
+                      started: list) -> web.StreamResponse:
+        if not stream:
+            async def once(up: Upstream) -> web.Response:
+                t0 = time.monotonic()
+                data = await self._post_json(self.decode_pool, up, path, body)
+                self.metrics.decode.labels("false").observe(time.monotonic() - t0)
+                return web.json_response(data)
+            return await self._retrying(self.decode_pool, once)
+        return await self._retrying(self.decode_pool, lambda up: self._stream(up, request, path, body, started))
+
+    async def _stream(self, up: Upstream, request: web.Request, path: str, body: dict,
+                      started: list) -> web.StreamResponse:
+        """One streamed decode call. The client's headers go out with the decode's first
+        body byte, not its headers (vLLM sends those before the KV fetch), so a decode
+        that dies before its first token can be retried elsewhere."""
+        url = up.url + path
+        t0 = time.monotonic()
+        with self.decode_pool.lease(up):
+            try:
+                async with self.session.post(url, json=body) as resp:
+                    if resp.status != 200:
+                        raise _upstream_status("decode", url, resp.status, await resp.read())
+                    chunk = await resp.content.readany()
+                    if not chunk:  # vLLM's streams always carry data: an empty one is a broken upstream
+                        raise UpstreamError(502, f"decode {url} ended its stream before any byte", stage="decode",
+                                            kind="http_5xx", retryable=True)
+                    t1 = time.monotonic()
+                    self.metrics.transfer_wait.observe(t1 - t0)
+                    out = web.StreamResponse(status=200, headers={
+                        "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+                    started.append(out)
+                    await _to_client(out.prepare(request))
+                    while chunk:
+                        await _to_client(out.write(chunk))
+                        chunk = await resp.content.readany()
+                    await _to_client(out.write_eof())
+                    self.metrics.decode.labels("true").observe(time.monotonic() - t1)
+                    return out
+            except asyncio.TimeoutError:
+                raise UpstreamError(504, f"decode {url} did not finish within {self.timeout.total} s"
+                                         f"{' (mid-stream)' if started else ''}", stage="decode",
+                                    kind="mid_stream" if started else "timeout")
+            except aiohttp.ClientError as e:
+                self.health.mark_down(self.decode_pool, up, repr(e))
+                if started:  # bytes went to the client: never retried
+                    raise UpstreamError(502, f"decode {url} failed mid-stream: {e!r}", stage="decode",
+                                        kind="mid_stream")
+                raise UpstreamError(502, f"decode {url} failed before its first byte: {e!r}", stage="decode",
+                                    kind="unreachable", retryable=True)
+
+
+async def _to_client(write):
+    """Await a write to the client; its connection closing becomes ``ClientGone`` (aiohttp's
+    reset error is also a ``ClientError``, which would read as the upstream failing)."""
+    try:
+        return await write
+    except ConnectionError as e:
+        raise ClientGone(repr(e)) from None
+
+
+def _upstream_status(kind: str, url: str, status: int, raw: bytes) -> UpstreamError:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    text = raw[:500].decode(errors="replace")
+    if 400 <= status < 500:
+        return UpstreamError(status, f"{kind} {url} rejected the request ({status}): {text}",
+                             body if isinstance(body, dict) else None, stage=kind, kind="http_4xx")
+    # a decode that failed before streaming may be dead or broken: another may serve it
+    return UpstreamError(502, f"{kind} {url} failed ({status}): {text}", stage=kind, kind="http_5xx",
+                         retryable=kind == "decode")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}},
+                             status=status)
