@@ -158,8 +158,8 @@ def test_element_order_names_the_cpu_packing(monkeypatch):
     assert _order(monkeypatch, "vec") == vec  # deterministic
     vec16 = _order(monkeypatch, "vec16")
     assert vec16 != vec
-    a = Fingerprint("m", 2, 32, "bfloat16", 8192, f"cpu:[1, 32, 128]:{vec}", "sha256:0@main")
-    b = Fingerprint("m", 2, 32, "bfloat16", 8192, f"cpu:[1, 32, 128]:{vec16}", "sha256:0@main")
+    a = Fingerprint("m", 2, 32, "bfloat16", 8192, f"N32,C512:{vec}", "sha256:0@main")
+    b = Fingerprint("m", 2, 32, "bfloat16", 8192, f"N32,C512:{vec16}", "sha256:0@main")
     with pytest.raises(FingerprintMismatch) as e:
         a.check(b)
     assert repr(a.layout) in str(e.value) and repr(b.layout) in str(e.value)

@@ -17,6 +17,7 @@ from the enum; every layout is tested anyway):
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -195,7 +196,8 @@ def test_block_count_is_not_part_of_the_fingerprint():
     b = allocate(KVCacheLayout.LBNHC, False, 2, 3, 16, 2, 8, torch.bfloat16)
     c = allocate(KVCacheLayout.LHBNC, False, 2, 3, 16, 2, 8, torch.bfloat16)
     fingerprint(a, 7, "k|v").check(fingerprint(b, 3, "k|v"))
-    with pytest.raises(FingerprintMismatch, match=r"layout: ours 'N16,H2,C32:k\|v', peer 'H2/N16,C32:k\|v'"):
+    with pytest.raises(FingerprintMismatch, match=r"layout: ours 'N16,H2,C32:k\|v', peer 'H2/N16,C32:k\|v'; "
+                                                  r"start both instances with the same VLLM_KV_CACHE_LAYOUT"):
         fingerprint(a, 7, "k|v").check(fingerprint(c, 3, "k|v"))
     with pytest.raises(FingerprintMismatch, match="layout"):
         fingerprint(a, 7, "k|v").check(fingerprint(b, 3, "kv_c|k_pe"))
@@ -215,3 +217,17 @@ def test_unsupported_backends_and_layouts_stop_start_up():
     overlap = torch.zeros(64).as_strided((2, 2, 4, 8), (8, 8, 8, 1))
     with pytest.raises(ValueError, match="overlaps"):
         compat.kv_regions({"model.layers.0.attn": overlap}, 2)
+
+
+def test_worker_start_up_names_an_unsupported_backend():
+    """The worker's fingerprint asks the layer's own backend (as register_kv_caches does)."""
+    t = allocate(KVCacheLayout.LBNHC, False, 1, 2, 16, 2, 8, torch.bfloat16)["model.layers.0.self_attn.attn"]
+
+    def config(backend: str) -> NS:
+        layer = NS(get_attn_backend=lambda: NS(get_name=lambda: backend))
+        return NS(compilation_config=NS(static_forward_context={"model.layers.0.self_attn.attn": layer}),
+                  cache_config=NS(cache_dtype="auto"))
+
+    assert compat.kv_element_order(config("FLASH_ATTN"), "model.layers.0.self_attn.attn", t) == "k|v"
+    with pytest.raises(ConfigError, match="does not support the FLASHMLA_SPARSE attention backend"):
+        compat.kv_element_order(config("FLASHMLA_SPARSE"), "model.layers.0.self_attn.attn", t)

@@ -38,35 +38,41 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 576)
 
 
-def _tol(dtype) -> float:
+def _sweep(case, device: str = "cuda") -> str:
+    """Run ``case(dtype, head_dim, generator) -> (O err, LSE err, ok)`` for every dtype
+    and head dim (tensors on the generator's device); raises naming the first that
+    fails, else returns the errors."""
     import torch
-    return 2e-2 if dtype == torch.bfloat16 else 3e-3
-
-
-def check_triton_merge() -> str:
-    import torch
-
-    from vllm_dcp2d.attention.merge import merge_lse_torch, merge_lse_triton
 
     out = []
     for name in DTYPES:
         dtype = getattr(torch, name)
         for d in HEAD_DIMS:
-            g = torch.Generator(device="cuda").manual_seed(d)
-            n, t, h = 4, 64, 16
-            o = torch.randn(n, t, h, d, device="cuda", generator=g).to(dtype)
-            lse = torch.randn(n, t, h, device="cuda", generator=g) * 4
-            lse[1] = float("-inf")  # an empty DCP shard
-            lse[:, 0] = float("-inf")  # a token no shard saw
-            got, got_lse = merge_lse_triton(o, lse)
-            ref, ref_lse = merge_lse_torch(o.float(), lse)
-            err = (got.float() - ref).abs().max().item()
-            lerr = (got_lse[:, 1:] - ref_lse[:, 1:]).abs().max().item()
-            ok = err <= _tol(dtype) and lerr <= 1e-4 and not got.isnan().any() and bool((got_lse[:, 0] == float("-inf")).all())
-            if not ok:
+            err, lerr, ok = case(dtype, d, torch.Generator(device=device).manual_seed(d))
+            if not (ok and err <= (2e-2 if dtype == torch.bfloat16 else 3e-3)):
                 raise AssertionError(f"{name} D={d}: max |O err| {err:.2e}, |LSE err| {lerr:.2e}")
-            out.append(f"{name[:4]}/{d}:{err:.0e}")
+            out.append(f"{ {'bfloat16': 'bf16', 'float16': 'fp16'}[name]}/{d}:{err:.0e}")
     return " ".join(out)
+
+
+def check_triton_merge(device: str = "cuda") -> str:
+    import torch
+
+    from vllm_dcp2d.attention.merge import merge_lse_torch, merge_lse_triton
+
+    def case(dtype, d, g):
+        n, t, h = 4, 64, 16
+        o = torch.randn(n, t, h, d, device=g.device, generator=g).to(dtype)
+        lse = torch.randn(n, t, h, device=g.device, generator=g) * 4
+        lse[1] = float("-inf")  # an empty DCP shard
+        lse[:, 0] = float("-inf")  # a token no shard saw
+        got, got_lse = merge_lse_triton(o, lse)
+        ref, ref_lse = merge_lse_torch(o.float(), lse)
+        err = (got.float() - ref).abs().max().item()
+        lerr = (got_lse[1:] - ref_lse[1:]).abs().max().item()
+        return err, lerr, lerr <= 1e-4 and not got.isnan().any() and bool((got_lse[0] == float("-inf")).all())
+
+    return _sweep(case, device)
 
 
 def _paged_reference(q, k_cache, v_cache, block_table, kv_lens, qsl, scale):
@@ -90,36 +96,28 @@ def _paged_reference(q, k_cache, v_cache, block_table, kv_lens, qsl, scale):
     return o, lse
 
 
-def check_triton_paged() -> str:
+def check_triton_paged(device: str = "cuda") -> str:
     import torch
 
     from vllm_dcp2d.attention.paged_triton import paged_attention_lse_triton
 
-    out = []
-    for name in DTYPES:
-        dtype = getattr(torch, name)
-        for d in HEAD_DIMS:
-            g = torch.Generator(device="cuda").manual_seed(d)
-            mla = d == 576
-            h, hkv, dv, page, nb = (16, 1, 512, 64, 12) if mla else (8, 2, d, 16, 40)
-            cache = torch.randn(nb, page, hkv, d, device="cuda", generator=g).to(dtype)
-            k_cache, v_cache = (cache, cache[..., :dv]) if mla else (
-                cache, torch.randn(nb, page, hkv, d, device="cuda", generator=g).to(dtype))
-            kv_lens = torch.tensor([0, 37, 3 * page], device="cuda", dtype=torch.int32)
-            block_table = torch.randperm(nb, device="cuda", generator=g)[:9].view(3, 3).int()
-            qsl = torch.tensor([0, 1, 3, 6], device="cuda", dtype=torch.int32)
-            q = torch.randn(6, h, d, device="cuda", generator=g).to(dtype)
-            scale = d ** -0.5
-            got, got_lse = paged_attention_lse_triton(q, k_cache, v_cache, block_table, kv_lens, qsl, scale)
-            ref, ref_lse = _paged_reference(q, k_cache, v_cache, block_table, kv_lens, qsl, scale)
-            err = (got.double() - ref).abs().max().item()
-            live = ref_lse[1:]
-            lerr = (got_lse[1:].double() - live).abs().max().item()
-            if not (err <= _tol(dtype) and lerr <= 1e-3 and bool((got_lse[0] == float("-inf")).all())
-                    and not bool(got[0].any())):
-                raise AssertionError(f"{name} D={d}: max |O err| {err:.2e}, |LSE err| {lerr:.2e}")
-            out.append(f"{name[:4]}/{d}:{err:.0e}")
-    return " ".join(out)
+    def case(dtype, d, g):
+        mla = d == 576
+        h, hkv, dv, page, nb = (16, 1, 512, 64, 12) if mla else (8, 2, d, 16, 40)
+        cache = torch.randn(nb, page, hkv, d, device=g.device, generator=g).to(dtype)
+        k_cache, v_cache = (cache, cache[..., :dv]) if mla else (
+            cache, torch.randn(nb, page, hkv, d, device=g.device, generator=g).to(dtype))
+        kv_lens = torch.tensor([0, 37, 3 * page], device=g.device, dtype=torch.int32)  # request 0: an empty shard
+        block_table = torch.randperm(nb, device=g.device, generator=g)[:9].view(3, 3).int()
+        qsl = torch.tensor([0, 1, 3, 6], device=g.device, dtype=torch.int32)
+        q = torch.randn(6, h, d, device=g.device, generator=g).to(dtype)
+        got, got_lse = paged_attention_lse_triton(q, k_cache, v_cache, block_table, kv_lens, qsl, d ** -0.5)
+        ref, ref_lse = _paged_reference(q, k_cache, v_cache, block_table, kv_lens, qsl, d ** -0.5)
+        err = (got.double() - ref).abs().max().item()
+        lerr = (got_lse[1:].double() - ref_lse[1:]).abs().max().item()
+        return err, lerr, lerr <= 1e-3 and bool((got_lse[0] == float("-inf")).all()) and not bool(got[0].any())
+
+    return _sweep(case, device)
 
 
 def check_mooncake(device: str = "cuda") -> str:
