@@ -32,7 +32,7 @@ import torch
 
 from vllm_dcp2d.connector.plan import KVRegions
 
-__all__ = ["kv_regions", "page_format", "kv_content", "MHA_BACKENDS", "MLA_BACKENDS"]
+__all__ = ["kv_regions", "page_format", "kv_content", "order_digest", "MHA_BACKENDS", "MLA_BACKENDS"]
 
 MHA_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
 MLA_BACKENDS = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA", "FLASHINFER_MLA")
