@@ -69,12 +69,14 @@ def test_regions_cpu_layout_byte_exact():
         assert torch.equal(dst[name], expect[name]), name
 
 
-def test_regions_gpu_layout_two_regions():
-    t = torch.zeros(2, 6, 16, 2, 8, dtype=torch.bfloat16)  # [2, blocks, block, heads, head]
+def test_regions_per_head_layout():
+    """A layout whose pages are one run per head (LHBNC: ``[H, blocks, ...]`` in memory) gives one region per head."""
+    t = torch.zeros(2, 6, 16, 8, dtype=torch.bfloat16).permute(1, 0, 2, 3)  # [blocks, heads, block, content]
     reg, mem = compat.kv_regions({"layers.0.attn": t}, 6)
-    assert reg.num_regions == 2 and reg.page_stride.tolist() == [16 * 2 * 8 * 2] * 2
-    assert reg.base[0, 1] - reg.base[0, 0] == t.stride(0) * 2 and mem == [(t.data_ptr(), t.numel() * 2)]
-    with pytest.raises(ValueError, match="expected \\[num_blocks=5"):
+    assert reg.num_regions == 2 and reg.page_stride.tolist() == [16 * 8 * 2] * 2 == reg.page_bytes.tolist()
+    assert reg.base[0, 1] - reg.base[0, 0] == 6 * 16 * 8 * 2 and mem == [(t.data_ptr(), t.numel() * 2)]
+    assert compat.page_layout(t, 6) == "H2/N16,C16"
+    with pytest.raises(ValueError, match="expected vLLM 0.32's \\[num_blocks=5"):
         compat.kv_regions({"layers.0.attn": t}, 5)
 
 
@@ -128,12 +130,12 @@ def test_shm_polls_sleep_instead_of_spinning():
 
 def test_page_layout_leaves_out_the_block_count():
     """Two instances with different memory (num_blocks) agree on the page layout."""
-    for shape, blocks in (((100, 1, 32, 128), 100), ((2, 100, 32, 1, 64), 100)):
+    for shape, blocks in (((100, 1, 32, 128), 100), ((100, 2, 32, 64), 100)):
         t = torch.empty(shape)
         other = torch.empty(tuple(7 if s == blocks else s for s in shape))
         assert compat.page_layout(t, blocks) == compat.page_layout(other, 7)
-    assert compat.page_layout(torch.empty(100, 1, 32, 128), 100) == "cpu:[1, 32, 128]"
-    assert compat.page_layout(torch.empty(2, 100, 32, 1, 64), 100) == "cpu:[2, 32, 1, 64]"
+    assert compat.page_layout(torch.empty(100, 1, 32, 128), 100) == "N32,C512"
+    assert compat.page_layout(torch.empty(100, 2, 32, 64), 100) == "H2,N32,C256"
 
 
 def _order(monkeypatch, isa: str, dtype=torch.bfloat16) -> str:
@@ -156,8 +158,8 @@ def test_element_order_names_the_cpu_packing(monkeypatch):
     assert _order(monkeypatch, "vec") == vec  # deterministic
     vec16 = _order(monkeypatch, "vec16")
     assert vec16 != vec
-    a = Fingerprint("m", 2, 32, "bfloat16", 8192, f"cpu:[1, 32, 128]:{vec}", "sha256:0@main")
-    b = Fingerprint("m", 2, 32, "bfloat16", 8192, f"cpu:[1, 32, 128]:{vec16}", "sha256:0@main")
+    a = Fingerprint("m", 2, 32, "bfloat16", 8192, f"N32,C512:{vec}", "sha256:0@main")
+    b = Fingerprint("m", 2, 32, "bfloat16", 8192, f"N32,C512:{vec16}", "sha256:0@main")
     with pytest.raises(FingerprintMismatch) as e:
         a.check(b)
     assert repr(a.layout) in str(e.value) and repr(b.layout) in str(e.value)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
 
-__all__ = ["main"]
+__all__ = ["main", "parse", "servers", "serving_defaults"]
 
 
 DEMO_PROMPTS = [
@@ -34,7 +34,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def _parse(argv: list[str]):
+def parse(argv: list[str]):
     import argparse
     p = argparse.ArgumentParser(prog="vllm-dcp2d demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model path or name (default: build the tiny local model)")
@@ -42,7 +42,7 @@ def _parse(argv: list[str]):
     p.add_argument("--decode-tp", type=int, default=2)
     p.add_argument("--decode-dcp", type=int, default=2, help="decode DCP size (divides --decode-tp)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="KV page size (default: 32 for the tiny model, else vLLM's choice for the model)")
+                   help="KV page size (default: 32 for the tiny model, 64 for an MLA model on GPU, else vLLM's choice)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--pipelined", action="store_true",
                    help="proxy sends prefill and decode at once (layer-pipelined transfer) after the first request")
@@ -78,34 +78,21 @@ def main(argv: list[str]) -> int:
 
     from vllm_dcp2d.report import format_matrix, reshard_matrix
 
-    args = _parse(argv)
+    args = parse(argv)
     if args.decode_tp % args.decode_dcp:
         raise SystemExit(f"--decode-dcp {args.decode_dcp} must divide --decode-tp {args.decode_tp}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dcp2d-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    cpu = args.model is None or not _has_gpu()
-    # The tiny model uses 32-token pages; any other model gets vLLM's own choice for
-    # its attention backend (CPU_MLA, for one, takes 16 only). The DCP interleave
-    # follows the block size by itself (vllm_compat/config.py).
-    block = args.block_size or (32 if args.model is None else None)
+    cpu = args.model is None or not _has_gpu()  # the tiny model runs on CPU anywhere
     if args.model is None:
         from vllm_dcp2d.testing.tiny_models import build_tiny_model
         model = build_tiny_model("llama-mqa", work / "tiny-llama-mqa")
         print(f"built the tiny model in {model}")
     else:
         model = args.model
-    # The tiny model runs in fp32: DCP attention on CPU computes in fp32 and
-    # matches the stock kernel token for token only then.
-    dtype = args.dtype or ("float32" if args.model is None else None)
     mla = _is_mla(model)
     stats = work / "stats.jsonl"
-    boot = free_port()
-    prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=args.prefill_tp,
-                          block_size=block, cpu=cpu, dtype=dtype,
-                          extra_config={"bootstrap_port": boot, "stats_file": str(stats)})
-    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=args.decode_tp,
-                         dcp=args.decode_dcp, block_size=block, cpu=cpu, dtype=dtype,
-                         extra_config={"stats_file": str(stats)})
+    prefill, decode = servers(args, model, work, stats, cpu)
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, pipelined=args.pipelined)
     procs = [prefill, decode, proxy]
     # SIGTERM (timeout, CI cancel) unwinds like Ctrl-C, so the servers are stopped below.
@@ -151,6 +138,37 @@ def main(argv: list[str]) -> int:
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def servers(args, model: str, work: Path, stats: Path, cpu: bool):
+    """The prefill and decode ``vllm serve`` processes (not started) the demo runs
+    for parsed ``args``, with :func:`serving_defaults` where the user left them."""
+    block, dtype = serving_defaults(tiny=args.model is None, mla=_is_mla(model), gpu=not cpu)
+    block, dtype = args.block_size or block, args.dtype or dtype
+    prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=args.prefill_tp,
+                          block_size=block, cpu=cpu, dtype=dtype,
+                          extra_config={"bootstrap_port": free_port(), "stats_file": str(stats)})
+    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=args.decode_tp,
+                         dcp=args.decode_dcp, block_size=block, cpu=cpu, dtype=dtype,
+                         extra_config={"stats_file": str(stats)})
+    return prefill, decode
+
+
+def serving_defaults(tiny: bool, mla: bool, gpu: bool) -> tuple[int | None, str | None]:
+    """(block size, dtype) both instances start with unless the user picks them.
+
+    The tiny model: 32-token pages (CPU_ATTN takes multiples of 32, FLASH_ATTN of
+    16); fp32 on CPU, where DCP attention computes in fp32 and matches the stock
+    kernel token for token only then, bf16 on GPU (FLASH_ATTN has no fp32).
+    MLA on GPU: 64, the one size FLASHMLA takes (TRITON_MLA and FLASH_ATTN_MLA take
+    any multiple of 16); on CPU vLLM's choice (CPU_MLA takes 16 only). Other models:
+    vLLM's choice and the model's dtype. The DCP interleave follows the block size
+    by itself (vllm_compat/config.py). ``tests/test_gpu_defaults.py`` checks these
+    against vLLM's own backend validation for an H200.
+    """
+    if tiny:
+        return 32, ("bfloat16" if gpu else "float32")
+    return (64 if mla and gpu else None), None
 
 
 def _is_mla(model: str) -> bool:

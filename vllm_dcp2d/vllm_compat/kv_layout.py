@@ -1,0 +1,160 @@
+"""Byte layout of vLLM 0.32's paged KV: regions to move and the page format both sides must share.
+
+vLLM 0.32 hands every attention backend, CPU and GPU alike, one view per layer
+of logical shape ``[B, H, N, C]`` (blocks, KV heads, tokens, content), made by
+``vllm.v1.worker.utils.allocate_kv_cache``. Its physical order is one of the six
+``KVCacheLayout``\\ s, chosen once per instance by the engine core from what its
+backends accept (``supported_kv_cache_layouts``) or ``VLLM_KV_CACHE_LAYOUT``:
+``LBHNC``, ``LBNHC`` (page = one dense run), ``BLHNC``, ``BLNHC`` (the same runs,
+the blocks of all layers interleaved), ``LHBNC``, ``BHLNC`` (a page is one run
+per head). A backend whose kernel block is smaller than the block adds a split
+of the block axis (``[B * k, H, N / k, C]``). Backends then differ only in what
+they pack into ``C``:
+
+* GPU attention (FLASH_ATTN, TRITON_ATTN, FLASHINFER, FLEX_ATTENTION): per (head,
+  token) the K vector then the V vector (``kv_cache.transpose(1, 2).split(D, -1)``);
+* MLA (CPU_MLA, TRITON_MLA, FLASHMLA, FLASH_ATTN_MLA, CUTLASS_MLA, FLASHINFER_MLA):
+  one head, per token the latent ``kv_c`` then ``k_pe`` (576 values for DeepSeek);
+* CPU_ATTN: per (page, head) all K then all V, packed per ISA
+  (``vllm_compat.attention.cpu_kv_layout``), so it pairs with CPU_ATTN only.
+
+Two instances exchange pages byte for byte iff their :func:`page_format` strings
+are equal. Other backends (sparse MLA and its indexer, quantized or
+``DIFFKV`` caches, ROCm) are refused at start-up: nothing here checks them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from vllm_dcp2d.connector.plan import KVRegions
+
+__all__ = ["kv_regions", "page_format", "kv_content", "order_digest", "MHA_BACKENDS", "MLA_BACKENDS"]
+
+MHA_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
+MLA_BACKENDS = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA", "FLASHINFER_MLA")
+_OWN_FORMAT = ("CPU_ATTN", "AMX_MLA", "unknown")  # pages readable by the same backend only
+
+
+def _page_dims(t: torch.Tensor, num_blocks: int, name: str) -> tuple[int, list[tuple[str, int, int]]]:
+    """(block stride, [(axis, size, stride)] of one page in physical order, outermost
+    first), all in bytes; size-1 axes left out, a kernel-block split merged into the
+    token axis where it is just a longer run of tokens."""
+    if t.ndim != 4 or t.shape[0] % num_blocks or t.stride(-1) != 1:
+        raise ValueError(f"KV cache of {name} has shape {tuple(t.shape)} and strides {t.stride()}; expected vLLM "
+                         f"0.32's [num_blocks={num_blocks} (or a multiple: kernel blocks), heads, tokens, content] "
+                         f"view with a dense content axis")
+    item = t.element_size()
+    split = t.shape[0] // num_blocks
+    dims = [("k", split, t.stride(0) * item)] if split > 1 else []
+    dims += [("H", t.shape[1], t.stride(1) * item), ("N", t.shape[2], t.stride(2) * item),
+             ("C", t.shape[3] * item, 1)]
+    dims = sorted((d for d in dims if d[1] > 1), key=lambda d: -d[2])
+    merged: list[tuple[str, int, int]] = []
+    for d in dims:
+        if merged and merged[-1][0] == "k" and d[0] == "N" and merged[-1][2] == d[1] * d[2]:
+            merged[-1] = ("N", merged[-1][1] * d[1], d[2])
+        else:
+            merged.append(d)
+    return t.stride(0) * item * split, merged
+
+
+def _split_runs(dims: list[tuple[str, int, int]], name: str) -> tuple[int, list[tuple[str, int, int]]]:
+    """(bytes of the innermost dense run, the axes outside it) of a page; raises if
+    two elements of a page share a byte."""
+    run, inner = 1, len(dims)
+    while inner > 0 and dims[inner - 1][2] == run:
+        inner -= 1
+        run *= dims[inner][1]
+    extent = run
+    for axis, size, stride in reversed(dims[:inner]):
+        if stride < extent:
+            raise ValueError(f"KV cache of {name}: axis {axis} (stride {stride} B) overlaps the {extent} B inside "
+                             f"it; not a layout vLLM allocates")
+        extent = stride * size
+    return run, dims[:inner]
+
+
+def page_format(t: torch.Tensor, num_blocks: int, name: str = "KV cache") -> str:
+    """The physical page format of KV view ``t``, without the block count or device:
+    the axes that split a page into runs, then the dense run, outermost first, sizes
+    in elements (content in bytes): "H8/N16,C512" (``LHBNC``, 8 heads), "N16,H8,C512"
+    (``LBNHC``), "N64,C1152" (MLA, one head)."""
+    _, dims = _page_dims(t, num_blocks, name)
+    _, outer = _split_runs(dims, name)
+    names = [",".join(f"{a}{s}" for a, s, _ in part) for part in (outer, dims[len(outer):])]
+    return "/".join(n for n in names if n)
+
+
+def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: dict[str, int] | None = None,
+               groups: dict[str, int] | None = None, sharded: list[bool] | None = None,
+               layer_index=None) -> tuple[KVRegions, list[tuple[int, int]]]:
+    """The ``KVRegions`` of a worker's paged KV, and the memory ranges to register.
+
+    kv_caches:  layer name -> vLLM 0.32 KV view ``[num_blocks (* kernel blocks per
+                block), H, N, C]`` in any ``KVCacheLayout``. Each dense run of a page
+                is one region: one per layer in the layer- or block-outer layouts,
+                one per head in ``LHBNC`` / ``BHLNC``.
+    num_blocks: blocks per layer (``kv_cache_config.num_blocks``).
+    layer_ids:  layer name -> KV layer id; default ``layer_index(name)``.
+    groups, sharded: layer name -> KV cache group, and each group's sharding;
+                default one sharded group.
+    Returns (regions over KV layer ids, [(addr, nbytes)] of distinct storages).
+    """
+    layers, bases, fmt, mem, group_of = [], [], None, {}, []
+    for name, t in kv_caches.items():
+        block_stride, dims = _page_dims(t, num_blocks, name)
+        run, outer = _split_runs(dims, name)
+        offsets = np.zeros(1, dtype=np.int64)
+        for _, size, stride in outer:  # outermost first: regions in address order
+            offsets = (offsets[:, None] + stride * np.arange(size, dtype=np.int64)).reshape(-1)
+        this = (block_stride, run, dims)
+        if fmt is None:
+            fmt = this
+        elif this != fmt:
+            raise ValueError(f"KV cache of {name}: page (block stride, run bytes, axes) {this} differs from other "
+                             f"layers' {fmt}; DCP2DConnector needs one format for all layers")
+        layers.append(layer_ids[name] if layer_ids else layer_index(name))
+        group_of.append(groups.get(name, 0) if groups else 0)
+        bases.append(t.data_ptr() + offsets)
+        storage = t.untyped_storage()
+        mem[storage.data_ptr()] = storage.nbytes()
+    if not layers:
+        raise ValueError("register_kv_caches got no KV cache tensors")
+    n = bases[0].size
+    regions = KVRegions(np.array(layers), np.array(bases), np.full(n, fmt[0]), np.full(n, fmt[1]),
+                        np.array(group_of), np.array(sharded if sharded else [True]))
+    return regions, sorted(mem.items())
+
+
+def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) -> str:
+    """What a backend packs into the content axis ``C`` of a page, as a name two
+    instances must share; raises ``ConfigError`` naming a backend or KV dtype
+    DCP2DConnector does not move.
+
+    cpu_order: for CPU_ATTN, a callable returning its ISA and element-order digest.
+    """
+    from vllm_dcp2d.connector.config import ConfigError
+
+    if cache_dtype not in ("auto", str(t.dtype).removeprefix("torch.")):
+        raise ConfigError(f"DCP2DConnector moves unquantized KV only (a quantized page has scales outside it); "
+                          f"got kv_cache_dtype={cache_dtype!r}. Leave --kv-cache-dtype at auto.")
+    if backend in MHA_BACKENDS:
+        return "k|v"
+    if backend in MLA_BACKENDS:
+        return "kv_c|k_pe"
+    if backend == "CPU_ATTN" and cpu_order is not None:
+        return cpu_order()
+    if backend in _OWN_FORMAT:
+        return backend
+    raise ConfigError(f"DCP2DConnector does not support the {backend} attention backend: its KV page format is "
+                      f"not verified (supported: {', '.join(MHA_BACKENDS + MLA_BACKENDS + _OWN_FORMAT[:2])}). "
+                      f"Pick one with --attention-backend.")
+
+
+def order_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    """12 hex digits naming a CPU_ATTN element permutation (``cpu_kv_layout``'s pair)."""
+    return hashlib.sha256(k.numpy().tobytes() + v.numpy().tobytes()).hexdigest()[:12]
