@@ -210,6 +210,7 @@ def test_client_hang_up_mid_stream_aborts_decode(caplog):
         p_app = fake_upstreams([])[0]
         d_app = web.Application()
         d_app.router.add_post("/v1/completions", decode)
+        d_app.router.add_get("/health", healthy)
         async with TestServer(p_app) as p, TestServer(d_app) as d:
             proxy = Proxy([str(p.make_url(""))], [str(d.make_url(""))], timeout_s=10)
             # as ``web.run_app`` serves it: no handler cancellation (TestServer turns it on)

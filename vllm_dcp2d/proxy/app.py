@@ -159,6 +159,8 @@ class Proxy:
             self.metrics.error(e.kind, "no_healthy")
             return _error(503, str(e))
         except ClientGone:
+            # Leaving closes the decode call, so vLLM aborts the request and frees its blocks.
+            log.info("%s: client disconnected mid-stream; decode call closed", path)
             self.metrics.error("client", "disconnected")
             request["dcp2d_client_gone"] = True  # requests_total counts it as 499
             return started[0]
