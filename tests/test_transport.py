@@ -149,7 +149,9 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
     (here: an unregistered destination, like a dead peer) is not retried."""
     from vllm_dcp2d.connector import transport as tr
 
-    monkeypatch.setattr(tr, "STALL_S", 2.0)  # a write failing at once stays under STALL_S / 2 on a loaded host
+    # A failure counts as a stall when it took STALL_S / 2 or more: large while a write fails at
+    # once (even a loaded host answers in far less than 30 s), small for the forced stall.
+    monkeypatch.setattr(tr, "STALL_S", 60.0)
     _, b, src, dst = pair
     a = MooncakeTransport(renew_on_failure=True)
     try:
@@ -160,7 +162,8 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
             a.write(b.session_id, bad)
         assert a.session_id == first  # failed at once: no new engine
         assert a.take_counts() == {"stalls": 0, "retries": 0}
-        stalled = a._engine = StallOnce(a._engine, 1.5)
+        monkeypatch.setattr(tr, "STALL_S", 2.0)
+        stalled = a._engine = StallOnce(a._engine, 1.5)  # fails after 1.5 s >= STALL_S / 2: a stall
         good = Descriptors(np.array([src.ctypes.data + 8192]), np.array([dst.ctypes.data]), np.array([4096]))
         assert a.write(b.session_id, good) == 4096
         assert stalled.calls == 1 and a.session_id != first
