@@ -66,7 +66,6 @@ def _slot_reference(qsl, positions, table, bs, cp, rank, inter):
 def test_cp_slot_mapping_matches_the_triton_kernel_math(cp, bs, inter_div, lens, seed):
     rng = np.random.default_rng(seed)
     inter = bs // inter_div
-    starts = [s for s, _ in lens]
     qlens = [n for _, n in lens]
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
     positions = torch.tensor(np.concatenate([np.arange(s, s + n) for s, n in lens]), dtype=torch.int64)

@@ -48,6 +48,8 @@ pool); the runner side is what the patches below add. Each acts only when
 
 from __future__ import annotations
 
+import importlib
+
 import dataclasses
 import functools
 import logging
@@ -118,7 +120,7 @@ def _install_group_order() -> None:
 
 def _proposer_classes():
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    import vllm.v1.worker.gpu_model_runner  # noqa: F401  imports every proposer subclass
+    importlib.import_module("vllm.v1.worker.gpu_model_runner")  # imports every proposer subclass
 
     seen, todo = [], [SpecDecodeBaseProposer]
     while todo:
