@@ -48,10 +48,9 @@ pool); the runner side is what the patches below add. Each acts only when
 
 from __future__ import annotations
 
-import importlib
-
 import dataclasses
 import functools
+import importlib
 import logging
 
 import torch
