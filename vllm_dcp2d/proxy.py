@@ -201,20 +201,33 @@ class Proxy:
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
                 await out.prepare(request)
                 started.append(out)
-                async for chunk in resp.content.iter_any():
-                    try:
-                        await out.write(chunk)
-                    except ConnectionResetError:
-                        # The client hung up: not a decode failure. Leaving this block closes the
-                        # upstream connection, so vLLM aborts the request and frees its blocks.
-                        log.info("%s: client disconnected mid-stream; decode %s aborted", path, url)
-                        return out
-                await out.write_eof()
+                try:
+                    async for chunk in resp.content.iter_any():
+                        await _to_client(out.write(chunk))
+                    await _to_client(out.write_eof())
+                except ClientGone:
+                    # Not a decode failure. Leaving this block closes the upstream
+                    # connection, so vLLM aborts the request and frees its blocks.
+                    log.info("%s: client disconnected mid-stream; decode %s aborted", path, url)
                 return out
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             # after the headers went out, ``handle`` ends the stream with an SSE error event
             raise UpstreamError(504 if isinstance(e, asyncio.TimeoutError) else 502,
                                 f"decode {url} failed{' mid-stream' if started else ''}: {e!r}")
+
+
+class ClientGone(Exception):
+    """The client's connection closed while the proxy was writing to it."""
+
+
+async def _to_client(write) -> None:
+    """Await a write to the client; its connection being gone raises ``ClientGone``
+    (aiohttp raises a ``ClientConnectionResetError``, which is also an aiohttp client
+    error and would otherwise read as a failing upstream)."""
+    try:
+        await write
+    except ConnectionResetError as e:
+        raise ClientGone() from e
 
 
 def _upstream_status(kind: str, url: str, status: int, raw: bytes) -> UpstreamError:
