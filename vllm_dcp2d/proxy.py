@@ -24,6 +24,8 @@ prefill's error.
 Upstream failures become HTTP errors: an upstream 4xx is passed through with
 its body (the client's request is wrong), an unreachable or failing upstream
 gives 502, an upstream that does not answer in ``--timeout`` seconds 504.
+A client that hangs up mid-stream is not an upstream failure: the proxy
+closes the decode call, so vLLM aborts the request and frees its blocks.
 """
 
 from __future__ import annotations
