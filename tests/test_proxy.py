@@ -188,16 +188,24 @@ def test_pipelined_prefill_failure_cancels_decode():
 
 
 @pytest.mark.timeout(30)
-def test_client_hang_up_mid_stream_aborts_decode(caplog):
+@pytest.mark.parametrize("decode_ends", [False, True])
+def test_client_hang_up_mid_stream_aborts_decode(caplog, decode_ends):
     """A client leaving mid-stream is not a decode failure: the proxy closes the decode
     call (vLLM aborts the request) without blaming the decode or erroring on the dead
-    client (tests/test_load_faults.py hangs clients up against real vLLM)."""
-    closed = asyncio.Event()
+    client, whether its next write is a chunk or the end of the stream (``decode_ends``:
+    the decode finishes after the client left). tests/test_load_faults.py hangs clients
+    up against real vLLM."""
+    closed, client_left = asyncio.Event(), asyncio.Event()
 
     async def decode(request):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
+            await resp.write(b"data: {}\n\n")
+            if decode_ends:
+                await client_left.wait()
+                await asyncio.sleep(0.3)  # the proxy has seen its client go
+                return resp
             for i in range(200):
                 await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
                 await asyncio.sleep(0.02)
@@ -224,8 +232,10 @@ def test_client_hang_up_mid_stream_aborts_decode(caplog):
                     resp = await s.post(url, json={"prompt": "hi", "stream": True})
                     assert resp.status == 200 and (await resp.content.readline()).startswith(b"data: ")
                     resp.close()  # drops the connection to the proxy
-                    await asyncio.wait_for(closed.wait(), 10)
-                    await asyncio.sleep(0.2)  # the proxy's handler has finished
+                    client_left.set()
+                    if not decode_ends:
+                        await asyncio.wait_for(closed.wait(), 10)
+                    await asyncio.sleep(0.6)  # the proxy's handler has finished
             finally:
                 await runner.cleanup()
 

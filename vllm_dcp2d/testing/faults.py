@@ -230,7 +230,15 @@ class FaultCluster:
             return False
 
     def kv_usage(self) -> dict[str, float]:
-        return {n: metric(self.procs[n].url, "vllm:kv_cache_usage_perc") for n in ("prefill", "decode")}
+        usage = {}
+        for name in ("prefill", "decode"):
+            p = self.procs[name]
+            try:
+                usage[name] = metric(p.url, "vllm:kv_cache_usage_perc")
+            except OSError as e:  # e.g. the host's OOM killer took a worker: say which and where
+                raise RuntimeError(f"{name} {p.url}/metrics unreachable ({e}); exit code "
+                                   f"{p.proc.poll()}; log {p.log_path}:\n{p.log_tail(15)}") from e
+        return usage
 
     def wait_drained(self) -> dict[str, float]:
         """KV usage per instance once all are 0, or the last values after ``drain_s``."""
