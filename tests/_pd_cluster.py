@@ -132,9 +132,9 @@ def pd_cluster(work, place=loopback):
 
 def stalled(recs: list[dict]) -> list[dict]:
     """Consumer records of fetches that failed on a Mooncake TCP stall (issue 14:
-    0.3.13.post1 sessions stall in vLLM processes, ~1 request in 60 beyond the
-    prefill's fresh-engine retries): the write timed out, so the blocks were
-    quarantined (``settled=False``)."""
+    0.3.13.post1 sessions stall in vLLM processes): a write attempt was given up
+    after a stall, whether the write then failed or a retry on a fresh engine
+    succeeded, so the blocks were quarantined (``settled=False``)."""
     return [r for r in recs if not r.get("ok") and r.get("quarantined") and "Mooncake write" in r["reason"]]
 
 

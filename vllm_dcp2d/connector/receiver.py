@@ -337,7 +337,8 @@ class Receiver:
             return  # else a late answer to a fetch that already ended
         f.inflight.pop(msg.cp_rank, None)
         if not msg.settled:
-            self._quarantine(f, msg.cp_rank, (rank.address, msg.attempt_id), f"a write timed out: {msg.reason}")
+            why = msg.reason or "a Mooncake write attempt stalled, then its retry succeeded"  # may still land
+            self._quarantine(f, msg.cp_rank, (rank.address, msg.attempt_id), f"a write timed out: {why}")
             self._renew_target()
         if f.failing is not None:  # any answer means that rank writes nothing more
             if not f.inflight:

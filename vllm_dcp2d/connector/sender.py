@@ -36,10 +36,12 @@ runs, per request and per fetch.
     flight and none can start. A ``CancelTransfer`` is handled on the I/O
     thread, so it overtakes queued work; if a write is in flight, the thread
     that ends it sends the answer.
-  * ``TransferOutcome.settled`` is False when a write failed after a timeout:
-    Mooncake may still send its queued bytes until it drops that connection
-    (``STALL_S`` without progress), so the decode keeps those blocks out of use
-    and asks again; cancels are answered ``settled=True`` after that.
+  * ``TransferOutcome.settled`` is False when an attempt of one of its writes was
+    given up after a stall (``STALL_S`` without progress), whether the write then
+    failed or a retry on a fresh engine succeeded: Mooncake may still send the
+    given-up attempt's queued bytes, so the decode keeps those blocks out of use
+    (an ok answer included) and asks again; cancels are answered ``settled=True``
+    ``STALL_S`` after the answer.
 
 Threads: an I/O thread owns the socket; ``num_workers`` threads plan and write.
 One slow or frozen decode peer therefore holds one worker for up to
@@ -513,10 +515,11 @@ class Sender:
         stalls: list[int] = []
         try:
             nbytes = self.transport.write(req.session, desc, stalls)
-        except TransportError:
-            if stalls:  # the engine gave up after a timeout: its queued bytes may still go out
+        finally:
+            # An attempt given up after a stall may still deliver its queued bytes,
+            # also when a retry on a fresh engine then succeeded: not settled.
+            if stalls:
                 h.settled = False
-            raise
         h.nbytes += nbytes
         h.replicated_bytes += replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
         h.descriptors += len(desc)

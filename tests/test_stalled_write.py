@@ -1,0 +1,113 @@
+"""A write that stalled and then succeeded on a retry (the freeze_prefill VIOLATION,
+/tmp/faults_bench4: a 200 answer whose last tokens were garbage).
+
+Under load a prefill rank's Mooncake write to a decode rank made no progress for
+``STALL_S``; ``MooncakeTransport.write`` gave that attempt up (-1) and retried it on a
+fresh engine, which succeeded. The given-up attempt is not gone: Mooncake frees the
+batch while its work may still be queued ("-1 may come back while work is still
+queued", notes/mooncake-transfer-engine.md), so its bytes can still land, seconds
+later. The rank answered the fetch ``settled=True``, the decode used the blocks, the
+request finished, vLLM gave the blocks to the next request, and the old attempt's
+bytes overwrote that request's KV in the middle of its decode.
+
+Forced deterministically: the transport under the real Sender reports the first
+attempt as stalled and keeps its descriptors; ``land()`` later delivers them with a
+real Mooncake write, at the moment the test chooses.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from test_transfer_safety import DST_IDS, SRC_IDS, TOKENS, Side, released_then_unchanged, wait_until
+from vllm_dcp2d.connector import sender as sender_mod
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
+
+
+class StalledThenRetried:
+    """Every write: the first attempt stalls and is given up (its code goes to
+    ``stalls``, as ``MooncakeTransport.write`` reports it), the retry succeeds. The
+    given-up attempt's descriptors are kept: ``land()`` delivers them late."""
+
+    def __init__(self, real):
+        self.real = real
+        self.max_batch = real.max_batch
+        self.ghosts: list = []
+
+    def write(self, peer, desc, stalls=None):
+        stalls.append(-1)
+        self.ghosts.append((peer, desc))
+        return self.real.write(peer, desc)
+
+    def land(self) -> int:
+        """The given-up attempts' bytes arrive now (a real Mooncake write each)."""
+        return sum(self.real.write(peer, desc) for peer, desc in self.ghosts)
+
+
+@pytest.fixture
+def stack():
+    with contextlib.ExitStack() as s:
+        yield s
+
+
+def stalled_side(stack, monkeypatch, **receiver_kw) -> tuple[Side, StalledThenRetried]:
+    monkeypatch.setattr(sender_mod, "STALL_S", 1.0)  # how long re-sent cancels are answered unsettled
+    s = Side(stack, receiver_kw=receiver_kw)
+    net = StalledThenRetried(s.gate.transport)
+    s.gate.transport = net
+    s.sender.add_request("x", SRC_IDS, TOKENS)
+    return s, net
+
+
+def hand_back_then_land(s: Side, net: StalledThenRetried, f) -> None:
+    """What the decode does with ``f``'s blocks: hands them to the next request when
+    the fetch ends unless it is quarantined, else when ``poll_released`` returns it.
+    The given-up attempt's bytes land right after the fetch ended (before ``STALL_S``);
+    the next request's KV in those blocks must survive them."""
+    following = np.full((s.dst.shape[0], DST_IDS.size, s.dst.shape[2]), 0xAB, np.uint8)
+
+    def reuse():
+        s.dst[:, DST_IDS] = following
+
+    if not f.quarantined:
+        reuse()
+    assert net.land() > 0
+    if f.quarantined:
+        assert s.recv.poll_released() == [], "released while the stalled attempt could still land"
+        got = []
+        wait_until(lambda: got.extend(s.recv.poll_released()) or got, 20)
+        assert got == [f]
+        reuse()
+    released_then_unchanged(s)
+    assert np.array_equal(s.dst[:, DST_IDS], following), (
+        "a write attempt given up after a stall landed in blocks already handed to the next request")
+
+
+def test_ok_answer_after_a_stalled_attempt_keeps_the_blocks_until_settled(stack, monkeypatch):
+    """The retry wrote everything and the rank answers ok: the fetch still fails,
+    its blocks quarantined until the rank settles (vLLM recomputes in fresh blocks)."""
+    s, net = stalled_side(stack, monkeypatch)
+    s.gate.open()
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    f = s.recv.wait("x", 20)
+    assert np.array_equal(s.dst, s.expected())  # the retry wrote everything
+    hand_back_then_land(s, net, f)
+    assert not f.ok and "attempt stalled, then its retry succeeded" in f.quarantined[0], (f.error, f.quarantined)
+
+
+def test_cancel_answered_after_a_stalled_attempt_keeps_the_blocks(stack, monkeypatch):
+    """The incident's decode rank 1: the fetch timed out while the rank's write was
+    stalled, the retry then succeeded and the cancel was answered within the grace.
+    That answer must not release the blocks (they were reported as plain load errors)."""
+    s, net = stalled_side(stack, monkeypatch, cancel_grace_s=20.0)
+    s.recv.start("x", s.boot.address, DST_IDS, timeout_s=0.3, num_tokens=TOKENS)
+    assert s.gate.entered.wait(20)
+    # The cancel reached the rank (no write of the fetch may start any more) while one runs.
+    wait_until(lambda: any(h.closed for h in list(s.sender._fetches.values())))
+    s.gate.open()
+    f = s.recv.wait("x", 20)
+    assert f.error.timed_out, f.error
+    hand_back_then_land(s, net, f)
+    assert list(f.quarantined) == [0] and "cancelled by the consumer" in f.quarantined[0], f.quarantined
