@@ -1,5 +1,6 @@
-"""Helper of ``test_stalled_write.py``: does a Mooncake write that returned -1 after
-a stall still land? Run as ``python _late_write.py HOLD_S`` (no vLLM, loopback).
+"""Helper of ``test_stalled_write.py`` (no vLLM, loopback), two facts of Mooncake TCP.
+
+``python _late_write.py HOLD_S``: does a write that returned -1 after a stall still land?
 
 A target process registers a zeroed buffer; this process warms the session, freezes
 the target (SIGSTOP), writes ``NBYTES`` of 0xA1 until the engine gives the write up
@@ -7,6 +8,11 @@ the target (SIGSTOP), writes ``NBYTES`` of 0xA1 until the engine gives the write
 ``HOLD_S`` more, resumes the target and asks it which byte values its buffer holds.
 The target was frozen for the whole attempt, so any non-zero byte arrived after
 the -1; 0xC3 bytes were even read from the source after it. Prints one JSON line.
+
+``python _late_write.py fence``: does a write still land once the target unregistered
+the range? This process is the target; an initiator process writes ``FENCE_BYTES``
+and is frozen (SIGSTOP) once the first bytes arrived; the target unregisters, then
+the initiator resumes. Prints the bytes landed before and after, and its return code.
 """
 
 import json
@@ -68,5 +74,49 @@ def main(hold_s: float) -> None:
         t.wait(10)
 
 
+INITIATOR = r'''
+import sys, numpy as np
+from mooncake.engine import TransferEngine
+session, addr, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+e = TransferEngine(); assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+src = np.full(n, 0xA1, np.uint8); assert e.register_memory(src.ctypes.data, n) == 0
+k = 256; seg = n // k
+print(e.batch_transfer_sync_write(session, [src.ctypes.data + i * seg for i in range(k)],
+                                  [addr + i * seg for i in range(k)], [seg] * k), flush=True)
+'''
+FENCE_BYTES = 256 << 20
+
+
+def fence() -> None:
+    os.environ.update(MC_FORCE_TCP="1", MC_LOG_LEVEL="ERROR")
+    import numpy as np
+    from mooncake.engine import TransferEngine
+
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = np.zeros(FENCE_BYTES, np.uint8)
+    assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    p = subprocess.Popen([sys.executable, "-c", INITIATOR, f"127.0.0.1:{e.get_rpc_port()}", str(buf.ctypes.data),
+                          str(buf.nbytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not buf[::4096].any():
+            assert time.monotonic() < deadline, "the write never started"
+            time.sleep(0.001)
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(1.0)  # what is already in the socket buffers lands
+        rc_unregister = e.unregister_memory(buf.ctypes.data)
+        time.sleep(0.5)
+        before = int(np.count_nonzero(buf))
+        os.kill(p.pid, signal.SIGCONT)
+        rc = int(p.stdout.readline())
+        time.sleep(2.0)
+        print(json.dumps({"unregister": rc_unregister, "before": before, "after": int(np.count_nonzero(buf)),
+                          "total": buf.nbytes, "rc": rc}))
+    finally:
+        p.kill()
+        p.wait(10)
+
+
 if __name__ == "__main__":
-    main(float(sys.argv[1]))
+    fence() if sys.argv[1] == "fence" else main(float(sys.argv[1]))

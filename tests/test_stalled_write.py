@@ -117,15 +117,28 @@ def test_cancel_answered_after_a_stalled_attempt_keeps_the_blocks(stack, monkeyp
     assert list(f.quarantined) == [0] and "cancelled by the consumer" in f.quarantined[0], f.quarantined
 
 
+def late_write(arg: str) -> dict:
+    helper = os.path.join(os.path.dirname(__file__), "_late_write.py")
+    out = subprocess.run([sys.executable, helper, arg], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+
+
 def test_mooncake_write_given_up_after_a_stall_still_lands():
     """The premise, on real processes (``_late_write.py``): a target frozen during a
     whole write and for 4 s after the initiator's engine gave it up (-1 after a 3 s
     stall) still gets the write once it resumes, including bytes the engine read
     from the source after the -1."""
-    helper = os.path.join(os.path.dirname(__file__), "_late_write.py")
-    out = subprocess.run([sys.executable, helper, "4"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    got = late_write("4")
     assert got["rc"] != 0 and got["stalled_s"] >= 2.5, got
     assert set(got["values"]) - {0}, f"nothing landed after the -1: {got}"
     assert 0xC3 in got["values"], f"no byte read from the source after the -1: {got}"
+
+
+def test_mooncake_write_does_not_land_once_the_target_unregistered():
+    """What a fence on the decode could build on (docs/connector.md, "Known gap"): an
+    initiator frozen mid-write resumes after the target unregistered the range; the
+    rest of its write does not land, and it gets -1."""
+    got = late_write("fence")
+    assert got["unregister"] == 0 and 0 < got["before"] < got["total"], got
+    assert got["after"] == got["before"] and got["rc"] != 0, got
