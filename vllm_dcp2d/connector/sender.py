@@ -69,6 +69,7 @@ __all__ = ["Sender"]
 
 log = logging.getLogger(__name__)
 
+
 class Sender(SenderLifetime):
     """Serves ``TransferRequest``s for one prefill CP rank.
 
