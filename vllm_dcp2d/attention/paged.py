@@ -9,19 +9,20 @@ Math runs in float32 (float64 for float64 inputs). Grouped-query attention
 maps query head ``h`` to KV head ``h // (H // Hkv)``, as vLLM does; the ``G =
 H // Hkv`` query heads of a KV group are folded into the query-length
 dimension (``[R, Hkv, Q * G, D]``), so K and V are never copied per query head.
-Keys are consumed in chunks of ``chunk`` tokens (whole pages for paged KV)
-merged by an online softmax, so no score matrix spans the whole context.
+Keys are consumed in chunks of about ``chunk`` tokens over the whole batch
+(``chunk // R`` per request, whole pages for paged KV) merged by an online
+softmax, so no score matrix spans the whole context.
 A row that sees no key gets ``O = 0`` and ``LSE = -inf``.
 
 **Memory per call** (``R`` requests, ``M = Qmax * G`` folded query rows,
-``C`` chunk tokens in pages of ``bs``, ``e`` the cache element size, ``a`` = 4
-bytes (8 for float64)), independent of the context length:
+``C`` chunk tokens over the batch in pages of ``bs``, ``e`` the cache element
+size, ``a`` = 4 bytes (8 for float64)), independent of the context length:
 
 * one chunk of pages as stored, in a scratch buffer reused by every chunk, step
-  and layer: ``R * Hkv * C * (Dk + Dv) * e`` (K only when V is a prefix of K's
+  and layer: ``Hkv * C * (Dk + Dv) * e`` (K only when V is a prefix of K's
   rows, as in MLA), plus its conversion to ``a`` when ``e != a``;
-* scores, their page-merged copy and the mask: ``R * Hkv * M * C * (2a + 1)``;
-* the queries broadcast over the chunk's pages: ``R * Hkv * M * (C / bs) * Dk * a``;
+* scores, their page-merged copy and the mask: ``Hkv * M * C * (2a + 1)``;
+* the queries broadcast over the chunk's pages: ``Hkv * M * (C / bs) * Dk * a``;
 * the running state (queries, output, max, sum): ``R * Hkv * M * (Dk + Dv + 2) * a``.
 
 Chunk temporaries are freed before the next chunk is read, so the peak is this
@@ -37,9 +38,10 @@ import torch
 __all__ = ["attention_lse", "gather_pages", "plain_layout", "paged_attention_lse", "varlen_attention_lse",
            "pad_tokens", "CHUNK_TOKENS"]
 
-# Keys per online-softmax step. 2048 keeps a batch-4, 8-head decode chunk near
-# 10 MB in float32 and the Python loop short (16 steps for a 32K context).
-CHUNK_TOKENS = 2048
+# Keys per online-softmax step, over the whole batch. 8192 keeps an 8-head,
+# head-dim-128 decode chunk near 10 MB in float32 and the Python loop short
+# (64 steps for 4 requests of 32K tokens).
+CHUNK_TOKENS = 8192
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -146,9 +148,10 @@ def attention_lse(
     qf = _fold(q, hkv, acc, scale)
     lim = _fold_limits(_row_limits(q_lens.to(q.device).long(), kv_lens.to(q.device).long(), nq, causal), h // hkv)
     state = _OnlineSoftmax(r, hkv, qf.shape[2], v.shape[-1], acc, q.device)
-    for s0 in range(0, k.shape[1], chunk):
-        kc = k[:, None, s0:s0 + chunk].transpose(2, 3).to(acc)  # [R, 1, Hkv, C, Dk]
-        vc = v[:, None, s0:s0 + chunk].transpose(2, 3).to(acc)  # [R, 1, Hkv, C, Dv]
+    step = max(1, chunk // max(r, 1))
+    for s0 in range(0, k.shape[1], step):
+        kc = k[:, None, s0:s0 + step].transpose(2, 3).to(acc)  # [R, 1, Hkv, C / R, Dk]
+        vc = v[:, None, s0:s0 + step].transpose(2, 3).to(acc)  # [R, 1, Hkv, C / R, Dv]
         state.add(_hide(_scores(qf, kc), s0, lim), vc)
     o, lse = state.result()
     return _unfold(o, nq), _unfold(lse, nq)
@@ -277,7 +280,8 @@ def paged_attention_lse(
     token_kv_lens: ``[T]`` int, keys visible to each query token, at most its
     request's ``kv_lens`` (verifying drafts with the step's tokens already in the
     cache, as MLA does); ``kv_lens[r]`` for every token when None.
-    chunk: keys per online-softmax step, rounded down to whole pages (at least one).
+    chunk: keys per online-softmax step over the batch, rounded down to whole pages
+    per request (at least one).
     Returns ``(o [T, H, Dv], lse [T, H])`` float32, natural log; LSE is -inf and
     O is 0 for queries whose shard is empty.
     """
@@ -298,7 +302,7 @@ def paged_attention_lse(
         lim = pad_tokens(token_kv_lens.long(), query_start_loc, max_q)
     lim = _fold_limits(lim, h // hkv)
     bs = k_layout.shape[0]
-    pages_per_chunk = max(1, chunk // bs)
+    pages_per_chunk = max(1, chunk // (bs * r))
     read_k = _page_reader(k_layout, k_cache.shape[-1])
     # MLA: V is the first Dv columns of the latent rows K already holds.
     v_in_k = (v_cache is k_cache and v_layout.shape[1] <= k_layout.shape[1]
