@@ -221,12 +221,12 @@ def test_mla_verify_rows_see_their_own_prefix(ctx, k1, chunk_pages, seed):
 
 
 def test_causal_chunks_equal_one_chunk():
-    """The causal self-attention of a long prefill chunk, keys in chunks of 7 per request."""
+    """The causal self-attention of a long prefill chunk, keys in chunks of 14."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 40, n, 16, generator=gen) for n in (4, 2, 2))
     lens = torch.tensor([40, 23])
     ref_o, ref_lse = _reference(torch.cat([q[0], q[1, :23]]), [k[0], k[1]], [v[0], v[1]], [40, 23], [40, 23], 0.25)
-    o, lse = attention_lse(q, k, v, lens, lens, 0.25, causal=True, chunk=14)  # 7 keys per request
+    o, lse = attention_lse(q, k, v, lens, lens, 0.25, causal=True, chunk=14)  # 14 keys a step
     torch.testing.assert_close(torch.cat([o[0], o[1, :23]]).double(), ref_o, atol=2e-5, rtol=0)
     torch.testing.assert_close(torch.cat([lse[0], lse[1, :23]]).double(), ref_lse, atol=2e-5, rtol=0)
 

@@ -9,9 +9,9 @@ Math runs in float32 (float64 for float64 inputs). Grouped-query attention
 maps query head ``h`` to KV head ``h // (H // Hkv)``, as vLLM does; the ``G =
 H // Hkv`` query heads of a KV group are folded into the query-length
 dimension (``[R, Hkv, Q * G, D]``), so K and V are never copied per query head.
-Keys are consumed in chunks of about ``chunk`` tokens over the whole batch
-(``chunk // R`` per request, whole pages for paged KV) merged by an online
-softmax, so no score matrix spans the whole context.
+Keys are consumed in chunks of about ``chunk * 8 / M`` tokens per request
+(``M`` folded query rows; whole pages for paged KV, at least one) merged by an
+online softmax, so no score matrix spans the whole context.
 A row that sees no key gets ``O = 0`` and ``LSE = -inf``.
 
 **Memory per call** (``R`` requests, ``M = Qmax * G`` folded query rows,
@@ -42,6 +42,12 @@ __all__ = ["attention_lse", "gather_pages", "plain_layout", "paged_attention_lse
 # head-dim-128 decode chunk near 10 MB in float32 and the Python loop short
 # (64 steps for 4 requests of 32K tokens).
 CHUNK_TOKENS = 8192
+# Query rows per request the chunk is sized for (one decode token, 8 heads per KV
+# head); with more rows (prefill chunks, verify) keys per step shrink in
+# proportion, so scores stay at ``chunk * 8`` elements: a 4096-token prefill
+# chunk would otherwise score 8192 keys for 32K rows at once (measured: 6 GB RSS).
+_DECODE_ROWS = 8
+_MIN_CAUSAL_KEYS = 256
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -148,7 +154,7 @@ def attention_lse(
     qf = _fold(q, hkv, acc, scale)
     lim = _fold_limits(_row_limits(q_lens.to(q.device).long(), kv_lens.to(q.device).long(), nq, causal), h // hkv)
     state = _OnlineSoftmax(r, hkv, qf.shape[2], v.shape[-1], acc, q.device)
-    step = max(1, chunk // max(r, 1))
+    step = max(min(_MIN_CAUSAL_KEYS, chunk), chunk * _DECODE_ROWS // max(r * qf.shape[2], 1))
     for s0 in range(0, k.shape[1], step):
         kc = k[:, None, s0:s0 + step].transpose(2, 3).to(acc)  # [R, 1, Hkv, C / R, Dk]
         vc = v[:, None, s0:s0 + step].transpose(2, 3).to(acc)  # [R, 1, Hkv, C / R, Dv]
@@ -302,7 +308,7 @@ def paged_attention_lse(
         lim = pad_tokens(token_kv_lens.long(), query_start_loc, max_q)
     lim = _fold_limits(lim, h // hkv)
     bs = k_layout.shape[0]
-    pages_per_chunk = max(1, chunk // (bs * r))
+    pages_per_chunk = max(1, chunk * _DECODE_ROWS // (bs * r * qf.shape[2]))
     read_k = _page_reader(k_layout, k_cache.shape[-1])
     # MLA: V is the first Dv columns of the latent rows K already holds.
     v_in_k = (v_cache is k_cache and v_layout.shape[1] <= k_layout.shape[1]
