@@ -1,17 +1,21 @@
 """DCP decode benchmark on CPU, in one run:
 
-1. TPOT (time per output token) of the tiny MQA Llama served by vLLM with
-   TP=2 + DCP=2 against TP=2 + DCP=1, plus the KV capacity vLLM reports;
+1. TPOT (time per output token) of a model where attention matters (8 query
+   heads, 1 KV head, head dim 128, 2 layers) served by vLLM with TP=2 + DCP=2
+   against TP=2 + DCP=1, at several context lengths, batch 4, both engines
+   given the same KV memory (sized for DCP=1's batch); plus the KV capacity
+   vLLM reports and the peak RSS of the decode workers;
 2. the torch LSE merge of vllm_dcp2d against vLLM's own torch reference
    (``vllm.v1.attention.ops.dcp._lse_weighted_combine``) on the same inputs.
 
-    .venv/bin/python bench/dcp_decode.py [--tokens 64] [--batch 4] [--prompt-len 200]
+    .venv/bin/python bench/dcp_decode.py [--contexts 1024,8192,32768] [--batch 4] [--tokens 32]
 
-Each engine runs in a subprocess (vLLM spawns TP workers). TPOT is
-``(t(max_tokens=N) - t(max_tokens=1)) / (N - 1)`` for one batch, after a warm-up
-call, so the prefill and the first token are excluded. On a 2-core machine
-both engines share the cores with anything else running; compare the rows of
-one run, not runs of different days.
+Each engine runs in a subprocess (vLLM spawns TP workers). TPOT is per request
+from vLLM's own timestamps, ``(last_token_ts - first_token_ts) / (tokens - 1)``,
+so the prefill is excluded; the table gives p50 and max over the batch. Peak
+RSS is ``VmHWM`` of each worker process (the max over the TP ranks). On a
+2-core machine both engines share the cores with anything else running;
+compare the rows of one run, not runs of different days.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,49 +32,99 @@ import time
 from pathlib import Path
 
 BLOCK = 32
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 8, 1, 128, 2
 
 
-def _engine(model: str, dcp: int, tokens: int, batch: int, prompt_len: int, dtype: str, out: str) -> None:
+def build_model(path: Path, dtype: str, max_len: int) -> str:
+    """8 query heads on 1 KV head, head dim 128, 2 layers, random weights; the
+    tokenizer of the tiny test models (prompts are token ids anyway)."""
+    import torch
+    import transformers
+
+    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+
+    tok = build_tiny_model("llama", path.parent / "tokenizer")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, num_attention_heads=HEADS,
+                                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=512,
+                                   num_hidden_layers=LAYERS, max_position_embeddings=max_len,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                                   pad_token_id=0, architectures=["LlamaForCausalLM"], rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in Path(tok).iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def kv_bytes(batch: int, context: int, tokens: int, dtype: str) -> int:
+    """KV memory per rank that holds ``batch`` sequences at DCP=1 (KV heads are
+    replicated over TP when there are fewer of them than ranks), plus 10%."""
+    elem = 2 if dtype == "bfloat16" else 4
+    per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * elem
+    return int(batch * (context + tokens + 2 * BLOCK) * per_token * 1.1)
+
+
+def _worker_peak_rss() -> int:
+    """Largest ``VmHWM`` (bytes) among this process's descendants (the TP workers)."""
+    import psutil
+
+    peak = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            for line in Path(f"/proc/{child.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return peak
+
+
+def _engine(model: str, dcp: int, context: int, tokens: int, batch: int, dtype: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp,
               cp_kv_cache_interleave_size=BLOCK, block_size=BLOCK, distributed_executor_backend="mp",
-              enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=2048, max_num_seqs=batch,
-              enable_prefix_caching=False, dtype=dtype, seed=0)
-    prompts = [{"prompt_token_ids": [(7 * s + 13 * i) % 500 + 6 for i in range(prompt_len)]} for s in range(batch)]
-
-    def timed(n: int) -> float:
-        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        return time.perf_counter() - t
-
-    timed(4)  # warm-up
-    first = min(timed(1) for _ in range(2))
-    full = [timed(tokens) for _ in range(2)]
-    tpot = (min(full) - first) / (tokens - 1)
-    Path(out).write_text(json.dumps({"tpot_s": tpot, "ttft_s": first}))
+              enforce_eager=True, kv_cache_memory_bytes=kv_bytes(batch, context, tokens, dtype),
+              max_model_len=context + tokens + 2 * BLOCK, max_num_seqs=batch, max_num_batched_tokens=4096,
+              enable_prefix_caching=False, dtype=dtype, seed=0, disable_log_stats=False)
+    prompts = [{"prompt_token_ids": [(7 * s + 13 * i) % 500 + 6 for i in range(context)]} for s in range(batch)]
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tpot = sorted((o.metrics.last_token_ts - o.metrics.first_token_ts) / (tokens - 1) for o in outs)
+    Path(out).write_text(json.dumps({"tpot_s": tpot, "wall_s": wall, "rss": _worker_peak_rss(),
+                                     "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
 
 
 def run_engines(args) -> list[dict]:
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    import re
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model("llama-mqa", Path(tmp) / "model")
-        for dcp in (1, 2):
-            out = str(Path(tmp) / f"dcp{dcp}.json")
-            env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-            env.pop("TRITON_INTERPRET", None)
-            cmd = [sys.executable, __file__, "--engine", model, str(dcp), str(args.tokens), str(args.batch),
-                   str(args.prompt_len), args.dtype, out]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-            log = proc.stdout + proc.stderr
-            if proc.returncode:
-                raise RuntimeError(f"DCP={dcp} engine failed:\n{log[-4000:]}")
-            cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-            rows.append(dict(json.loads(Path(out).read_text()), dcp=dcp,
-                             kv_tokens=int(cap[0].replace(",", "")) if cap else -1))
+        max_len = max(args.contexts) + args.tokens + 4 * BLOCK
+        model = build_model(Path(tmp) / "model", args.dtype, max_len)
+        for context in args.contexts:
+            for dcp in (1, 2):
+                out = str(Path(tmp) / f"c{context}-dcp{dcp}.json")
+                env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+                env.pop("TRITON_INTERPRET", None)
+                cmd = [sys.executable, __file__, "--engine", model, str(dcp), str(context), str(args.tokens),
+                       str(args.batch), args.dtype, out]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                log = proc.stdout + proc.stderr
+                if proc.returncode:
+                    raise RuntimeError(f"context {context}, DCP={dcp} engine failed:\n{log[-4000:]}")
+                cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+                rows.append(dict(json.loads(Path(out).read_text()), dcp=dcp, context=context,
+                                 kv_tokens=int(cap[0].replace(",", "")) if cap else -1))
+                print(f"  done: context {context}, DCP={dcp}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -107,17 +161,19 @@ def bench_merge(reps: int) -> list[tuple]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--engine":
-        m, dcp, tok, b, pl, dt, out = sys.argv[2:9]
-        _engine(m, int(dcp), int(tok), int(b), int(pl), dt, out)
+        m, dcp, ctx, tok, b, dt, out = sys.argv[2:9]
+        _engine(m, int(dcp), int(ctx), int(tok), int(b), dt, out)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--contexts", default="1024,8192,32768", help="prompt lengths, comma-separated")
+    ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     ap.add_argument("--batch", type=int, default=4, help="concurrent requests")
-    ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=50, help="merge timing repetitions")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per engine")
     ap.add_argument("--skip-engines", action="store_true")
     args = ap.parse_args()
+    args.contexts = [int(c) for c in args.contexts.split(",")]
 
     print(f"LSE merge, torch, CPU (min of {args.reps} interleaved reps; N x T x H x D, fp32)")
     print(f"{'shape':>16} {'vllm_dcp2d ms':>14} {'vLLM ref ms':>12} {'speedup':>8} {'max |diff|':>11}")
@@ -125,14 +181,19 @@ def main() -> int:
         print(f"{shape:>16} {a:14.3f} {b:12.3f} {b / a:8.2f} {err:11.2e}")
     if args.skip_engines:
         return 0
-    print(f"\nvLLM decode, tiny llama-mqa, TP=2, {args.dtype}, batch {args.batch}, "
-          f"prompt {args.prompt_len}, {args.tokens} tokens, block {BLOCK}")
-    print(f"{'DCP':>4} {'TPOT ms':>9} {'TTFT ms':>9} {'KV tokens':>10}")
+    print(f"\nvLLM decode, {HEADS} query heads / {KV_HEADS} KV head / head dim {HEAD_DIM}, {LAYERS} layers, "
+          f"TP=2, {args.dtype}, batch {args.batch}, {args.tokens} tokens, block {BLOCK}, same KV memory")
     rows = run_engines(args)
-    for r in rows:
-        print(f"{r['dcp']:>4} {r['tpot_s'] * 1e3:9.1f} {r['ttft_s'] * 1e3:9.1f} {r['kv_tokens']:>10,}")
-    print(f"DCP=2 / DCP=1: TPOT x{rows[1]['tpot_s'] / rows[0]['tpot_s']:.2f}, "
-          f"KV capacity x{rows[1]['kv_tokens'] / rows[0]['kv_tokens']:.2f}")
+    print(f"{'context':>8} {'DCP':>4} {'TPOT p50 ms':>12} {'TPOT max ms':>12} {'x DCP=1':>8} "
+          f"{'KV tokens':>10} {'worker RSS MiB':>15} {'same tokens':>12}")
+    by = {(r["context"], r["dcp"]): r for r in rows}
+    for (context, dcp), r in by.items():
+        base = by[(context, 1)]
+        p50 = statistics.median(r["tpot_s"])
+        ratio = p50 / statistics.median(base["tpot_s"])
+        same = "-" if dcp == 1 else str(r["tokens"] == base["tokens"])
+        print(f"{context:>8} {dcp:>4} {p50 * 1e3:12.1f} {max(r['tpot_s']) * 1e3:12.1f} {ratio:8.2f} "
+              f"{r['kv_tokens']:>10,} {r['rss'] / 2**20:15.0f} {same:>12}")
     return 0
 
 

@@ -124,3 +124,18 @@ def test_cpu_kv_layout_reads_back_what_vllm_wrote(dtype, block_size, head_size):
     half = block_size * head_size
     assert torch.equal(gather_pages(pages[..., :half], k_layout, table, n)[0], k)
     assert torch.equal(gather_pages(pages[..., half:], v_layout, table, n)[0], v)
+    # The DCP attention reads the same pages in place (column-major K pages of the
+    # vec ISAs, packed amx pages), one page per online-softmax step, GQA group 3.
+    from vllm_dcp2d.attention.paged import paged_attention_lse
+
+    q = torch.randn(2, 3 * hkv, head_size).to(dtype)
+    lens = [n, n - 9]
+    o, lse = paged_attention_lse(q, pages[..., :half], pages[..., half:], k_layout, v_layout, table.repeat(2, 1),
+                                 torch.tensor(lens), torch.tensor([0, 1, 2]), 0.1, chunk=block_size)
+    for r, length in enumerate(lens):
+        kk = k[:length].double().repeat_interleave(3, dim=1)
+        vv = v[:length].double().repeat_interleave(3, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[r].double(), kk) * 0.1
+        torch.testing.assert_close(o[r].double(), torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vv),
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse[r].double(), torch.logsumexp(s, -1), atol=1e-5, rtol=0)

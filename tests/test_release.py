@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, regions, wait_until
-from vllm_dcp2d.connector import sender as sender_mod
+from vllm_dcp2d.connector import sender_lifetime
 from vllm_dcp2d.connector.receiver import Receiver
 from vllm_dcp2d.connector.transport import MooncakeTransport
 
@@ -121,7 +121,7 @@ def test_release_before_the_request_is_added_is_remembered(stack, monkeypatch):
 
 
 def test_remembered_releases_expire(stack, monkeypatch):
-    monkeypatch.setattr(sender_mod, "RELEASE_MEMORY_S", 0.2)
+    monkeypatch.setattr(sender_lifetime, "RELEASE_MEMORY_S", 0.2)
     s = Side(stack, sender_kw={"expiry_s": 120.0})
     s.recv.release("late", s.boot.address, TOKENS)
     wait_until(lambda: "late" in s.sender._early)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_dcp2d.connector import sender as sender_mod
+from vllm_dcp2d.connector import sender_lifetime
 from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
 from _fake_rank import FakeRank, outcome
 
@@ -237,7 +237,7 @@ def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
     """The producer side of the above: a write that failed after a stall is answered
     ``settled=False``, and so are re-sent cancels until Mooncake has dropped that
     connection (``STALL_S`` without progress); then ``settled=True``."""
-    monkeypatch.setattr(sender_mod, "STALL_S", 1.0)
+    monkeypatch.setattr(sender_lifetime, "STALL_S", 1.0)
     s = Side(stack)
 
     def stalled(peer, desc, stalls=None):

@@ -191,7 +191,7 @@ def test_malformed_and_version_mismatch(cluster):
     good = encode(Reply(True, ""))
     other = good.replace(bytes([0xA1, ord("v"), PROTOCOL_VERSION]), bytes([0xA1, ord("v"), PROTOCOL_VERSION + 1]))
     for junk, match in [(b"\x00\xffjunk", "not a valid msgpack"), (other, f"unsupported protocol version {PROTOCOL_VERSION + 1}"),
-                        (good, "expected TransferRequest/CancelTransfer, got Reply")]:
+                        (good, "expected TransferRequest/CancelTransfer/ReleaseTransfer, got Reply")]:
         sock = bs.socket(zmq.DEALER)
         sock.connect(address)
         sock.send(junk)

@@ -17,7 +17,9 @@ as a decode here: :class:`DCPCPUMLAMetadataBuilder` declares variable-length
 decode queries, and :meth:`DCPCPUMLAImpl.forward_mqa` attends each query token
 over the cache up to its own position (vLLM's stock CPU kernel takes one token
 per request, and vLLM 0.32 sends longer ones down the prefill path, which on
-CPU gives other tokens than decoding one at a time).
+CPU gives other tokens than decoding one at a time). A request's pages are read
+once for all its query tokens (``token_kv_lens`` of
+:func:`~vllm_dcp2d.attention.paged.paged_attention_lse`).
 
 Limits (raised, not silently wrong): prefills without cached context (the CPU platform
 turns chunked prefill and prefix caching off for MLA on non-AMX CPUs; on AMX
@@ -27,6 +29,8 @@ build of vLLM 0.32 lacks (``torch.ops._C_cache_ops`` has no ``cp_gather_cache``)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -98,27 +102,35 @@ class DCPCPUMLAImpl(CPUMLAImpl):
         t, b = q.shape[0], dec.seq_lens.shape[0]
         if self.dcp_world_size == 1 and t == b:
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        # One pseudo-request per query token: token i of a request with q_len
-        # tokens sees the sequence up to seq_len - (q_len - 1 - i), causally.
+        # Token i of a request with q_len tokens sees the sequence up to
+        # seq_len - (q_len - 1 - i): the step's tokens are already in the cache.
         qsl = attn_metadata.query_start_loc[: b + 1].long()
+        qsl = qsl - qsl[0]  # decodes lead the batch; offsets into q
         q_lens = qsl[1:] - qsl[:-1]
         if int(q_lens.sum()) != t:
             raise RuntimeError(f"MLA decode got {t} query tokens, but the decode requests' query "
                                f"lengths sum to {int(q_lens.sum())}")
         req = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens)
         pos = torch.arange(t, device=q.device) - qsl[:-1][req]
-        total = dec.dcp_tot_seq_lens if self.dcp_world_size > 1 else dec.seq_lens
-        visible = total.long()[req] - (q_lens[req] - 1 - pos)
+        total = (dec.dcp_tot_seq_lens if self.dcp_world_size > 1 else dec.seq_lens).long()
+        visible = total[req] - (q_lens[req] - 1 - pos)
+        req_lens = total
         if self.dcp_world_size > 1:
-            visible = local_context_lens(visible, self.dcp_world_size, self.dcp_rank,
-                                         self._parallel_config.cp_kv_cache_interleave_size)
+            inter = self._parallel_config.cp_kv_cache_interleave_size
+            visible = local_context_lens(visible, self.dcp_world_size, self.dcp_rank, inter)
+            req_lens = local_context_lens(total, self.dcp_world_size, self.dcp_rank, inter)
         nb, bs, dk = kv_c_and_k_pe_cache.shape
         pages = kv_c_and_k_pe_cache.view(nb, 1, bs * dk)
-        layout = plain_layout(bs, dk, device=q.device)  # the MLA writer stores rows as-is
-        o, lse = paged_attention_lse(q, pages, pages, layout, layout[:, : self.kv_lora_rank],
-                                     dec.block_table[req], visible, torch.arange(t + 1, device=q.device),
-                                     self.scale)
+        layout = _plain_layout(bs, dk)  # the MLA writer stores rows as-is
+        # One request per row of the block table, its pages read once for all k + 1 tokens.
+        o, lse = paged_attention_lse(q, pages, pages, layout, layout[:, : self.kv_lora_rank], dec.block_table[:b],
+                                     req_lens, qsl, self.scale, token_kv_lens=visible)
         return o.to(q.dtype), lse
+
+
+@functools.lru_cache(maxsize=8)
+def _plain_layout(block_size: int, row: int) -> torch.Tensor:
+    return plain_layout(block_size, row)
 
 
 class DCPCPUMLABackend(CPUMLABackend):

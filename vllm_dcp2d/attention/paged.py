@@ -5,21 +5,128 @@ attends over those local pages, returns ``(O, LSE)``, and the ranks merge
 (:mod:`vllm_dcp2d.attention.merge`). Also used for the attention of the
 tokens of the current step over themselves, which every rank has in full.
 
-All math runs in float32 (float64 for float64 inputs) on padded per-request
-batches: ``[R, Q, H, D]`` queries against ``[R, L, Hkv, D]`` keys. Grouped-query
-attention maps query head ``h`` to KV head ``h // (H // Hkv)``, as vLLM does.
+Math runs in float32 (float64 for float64 inputs). Grouped-query attention
+maps query head ``h`` to KV head ``h // (H // Hkv)``, as vLLM does; the ``G =
+H // Hkv`` query heads of a KV group are folded into the query-length
+dimension (``[R, Hkv, Q * G, D]``), so K and V are never copied per query head.
+Keys are consumed in chunks of about ``chunk * 8 / M`` tokens per request
+(``M`` folded query rows; whole pages for paged KV, at least one) merged by an
+online softmax, so no score matrix spans the whole context.
 A row that sees no key gets ``O = 0`` and ``LSE = -inf``.
+
+**Memory per call** (``R`` requests, ``M = Qmax * G`` folded query rows,
+``C`` chunk tokens over the batch in pages of ``bs``, ``e`` the cache element
+size, ``a`` = 4 bytes (8 for float64)), independent of the context length:
+
+* one chunk of pages as stored, in a scratch buffer reused by every chunk, step
+  and layer: ``Hkv * C * (Dk + Dv) * e`` (K only when V is a prefix of K's
+  rows, as in MLA), plus its conversion to ``a`` when ``e != a``;
+* scores, their page-merged copy and the mask: ``Hkv * M * C * (2a + 1)``;
+* the queries broadcast over the chunk's pages: ``Hkv * M * (C / bs) * Dk * a``;
+* the running state (queries, output, max, sum): ``R * Hkv * M * (Dk + Dv + 2) * a``.
+
+Chunk temporaries are freed before the next chunk is read, so the peak is this
+sum (``tests/test_attn_paged.py::test_peak_memory_is_bounded_by_one_chunk``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["attention_lse", "gather_pages", "plain_layout", "paged_attention_lse", "varlen_attention_lse", "pad_tokens"]
+__all__ = ["attention_lse", "gather_pages", "plain_layout", "paged_attention_lse", "varlen_attention_lse",
+           "pad_tokens", "CHUNK_TOKENS"]
+
+# Keys per online-softmax step, over the whole batch. 8192 keeps an 8-head,
+# head-dim-128 decode chunk near 10 MB in float32 and the Python loop short
+# (64 steps for 4 requests of 32K tokens).
+CHUNK_TOKENS = 8192
+# Query rows per request the chunk is sized for (one decode token, 8 heads per KV
+# head); with more rows (prefill chunks, verify) keys per step shrink in
+# proportion, so scores stay at ``chunk * 8`` elements: a 4096-token prefill
+# chunk would otherwise score 8192 keys for 32K rows at once (measured: 6 GB RSS).
+_DECODE_ROWS = 8
+_MIN_CAUSAL_KEYS = 256
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _fold(q: torch.Tensor, hkv: int, acc: torch.dtype, scale: float) -> torch.Tensor:
+    """``[R, Q, H, D]`` -> ``[R, Hkv, Q * G, D]`` in ``acc``, pre-scaled; row
+    ``i * G + g`` is query ``i``, head ``kv * G + g``."""
+    r, nq, h, d = q.shape
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
+    g = h // hkv
+    return (q.reshape(r, nq, hkv, g, d).permute(0, 2, 1, 3, 4).to(acc) * scale).reshape(r, hkv, nq * g, d)
+
+
+def _unfold(x: torch.Tensor, nq: int) -> torch.Tensor:
+    """``[R, Hkv, Q * G, *rest]`` -> ``[R, Q, Hkv * G, *rest]``."""
+    r, hkv, m = x.shape[:3]
+    rest = x.shape[3:]
+    g = m // nq
+    perm = (0, 2, 1, 3, *range(4, 4 + len(rest)))
+    return x.view(r, hkv, nq, g, *rest).permute(perm).reshape(r, nq, hkv * g, *rest)
+
+
+class _OnlineSoftmax:
+    """Running (max, sum, output) of rows ``[R, Hkv, M]`` over key chunks."""
+
+    def __init__(self, r: int, hkv: int, m: int, dv: int, acc: torch.dtype, device) -> None:
+        self.mx = torch.full((r, hkv, m), float("-inf"), dtype=acc, device=device)
+        self.sum = torch.zeros((r, hkv, m), dtype=acc, device=device)
+        self.o = torch.zeros((r, hkv, m, dv), dtype=acc, device=device)
+
+    def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
+        """s: ``[R, P, Hkv, M, bs]`` scores of ``P`` blocks of ``bs`` keys, ``-inf``
+        where hidden (overwritten); v: ``[R, P, Hkv, bs, Dv]``. Blocks are pages:
+        K stays in its page layout (vLLM's ``vec`` K pages are column-major)."""
+        mx = torch.maximum(self.mx, s.amax(dim=(1, 4)))
+        shift = torch.where(mx == float("-inf"), 0.0, mx)  # rows that saw nothing yet
+        p = s.sub_(shift[:, None, :, :, None]).exp_()  # exp(-inf) == 0 for hidden keys
+        alpha = torch.exp(self.mx - shift)  # 0 for a row's first visible chunk
+        self.sum.mul_(alpha).add_(p.sum(dim=(1, 4)))
+        r, np_, hkv, m, bs = p.shape
+        # One GEMM per (request, KV head) over the whole chunk, not one per page:
+        # p is small (M rows); V's pages merge into [C, Dv] without a copy when Hkv == 1.
+        pm = p.permute(0, 2, 3, 1, 4).reshape(r, hkv, m, np_ * bs)
+        vm = v.permute(0, 2, 1, 3, 4).reshape(r, hkv, np_ * bs, v.shape[-1])
+        self.o.mul_(alpha[..., None]).add_(torch.matmul(pm, vm))
+        self.mx = mx
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o [R, Hkv, M, Dv], lse [R, Hkv, M])``; rows with no key: 0 and -inf."""
+        seen = self.sum > 0
+        lse = torch.where(seen, self.mx + torch.log(torch.where(seen, self.sum, 1.0)), float("-inf"))
+        return self.o.div_(torch.where(seen, self.sum, 1.0)[..., None]), lse
+
+
+def _hide(s: torch.Tensor, start: int, limit: torch.Tensor) -> torch.Tensor:
+    """Set ``s [R, P, Hkv, M, bs]`` to -inf where key ``start + p * bs + b >= limit [R, M]``."""
+    p, bs = s.shape[1], s.shape[4]
+    j = torch.arange(start, start + p * bs, device=s.device).view(p, bs)
+    return s.masked_fill_(j[None, :, None, None, :] >= limit[:, None, None, :, None], float("-inf"))
+
+
+def _scores(qf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """qf ``[R, Hkv, M, Dk]``, k ``[R, P, Hkv, bs, Dk]`` (any strides) -> ``[R, P, Hkv, M, bs]``."""
+    return torch.matmul(qf[:, None], k.transpose(-1, -2))
+
+
+def _row_limits(q_lens: torch.Tensor, kv_lens: torch.Tensor, nq: int, causal: bool) -> torch.Tensor:
+    """Keys visible to each padded query row, ``[R, Q]`` (0 for padding rows)."""
+    i = torch.arange(nq, device=q_lens.device)
+    lim = kv_lens[:, None] - q_lens[:, None] + i[None, :] + 1 if causal else kv_lens[:, None].expand(-1, nq)
+    return torch.where(i[None, :] < q_lens[:, None], lim, 0)
+
+
+def _fold_limits(lim: torch.Tensor, g: int) -> torch.Tensor:
+    """``[R, Q]`` -> ``[R, Q * G]`` (each query row repeated for its G heads)."""
+    return lim.repeat_interleave(g, dim=1)
 
 
 def attention_lse(
@@ -30,6 +137,7 @@ def attention_lse(
     kv_lens: torch.Tensor,
     scale: float,
     causal: bool,
+    chunk: int = CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded batched attention with LSE.
 
@@ -41,30 +149,18 @@ def attention_lse(
     Returns ``(o [R, Q, H, Dv], lse [R, Q, H])`` in float32 (float64 for float64 q),
     natural-log LSE; padded query rows are zeros with LSE -inf.
     """
-    r, nq, h, dk = q.shape
-    hkv = k.shape[2]
-    if h % hkv:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
-    acc = _acc_dtype(q)
-    qf = q.to(acc).permute(0, 2, 1, 3)  # [R, H, Q, Dk]
-    group = h // hkv
-    kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)  # [R, H, L, Dk]
-    vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)  # [R, H, L, Dv]
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [R, H, Q, L]
-    j = torch.arange(k.shape[1], device=q.device)
-    kv_lens = kv_lens.to(device=q.device, dtype=torch.long)
-    q_lens = q_lens.to(device=q.device, dtype=torch.long)
-    visible = j[None, None, :] < kv_lens[:, None, None]  # [R, 1, L]
-    if causal:
-        i = torch.arange(nq, device=q.device)
-        last = kv_lens[:, None] - q_lens[:, None] + i[None, :]  # [R, Q]
-        visible = visible & (j[None, None, :] <= last[:, :, None])  # [R, Q, L]
-    visible = visible & (torch.arange(nq, device=q.device)[None, :, None] < q_lens[:, None, None])
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [R, H, Q]; -inf where nothing is visible
-    p = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse)[..., None])
-    o = torch.matmul(p, vf)  # rows with no visible key: p == 0 -> o == 0
-    return o.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
+    r, nq, h, _ = q.shape
+    hkv, acc = k.shape[2], _acc_dtype(q)
+    qf = _fold(q, hkv, acc, scale)
+    lim = _fold_limits(_row_limits(q_lens.to(q.device).long(), kv_lens.to(q.device).long(), nq, causal), h // hkv)
+    state = _OnlineSoftmax(r, hkv, qf.shape[2], v.shape[-1], acc, q.device)
+    step = max(min(_MIN_CAUSAL_KEYS, chunk), chunk * _DECODE_ROWS // max(r * qf.shape[2], 1))
+    for s0 in range(0, k.shape[1], step):
+        kc = k[:, None, s0:s0 + step].transpose(2, 3).to(acc)  # [R, 1, Hkv, C / R, Dk]
+        vc = v[:, None, s0:s0 + step].transpose(2, 3).to(acc)  # [R, 1, Hkv, C / R, Dv]
+        state.add(_hide(_scores(qf, kc), s0, lim), vc)
+    o, lse = state.result()
+    return _unfold(o, nq), _unfold(lse, nq)
 
 
 def plain_layout(block_size: int, head_size: int, device=None) -> torch.Tensor:
@@ -85,13 +181,54 @@ def gather_pages(cache: torch.Tensor, layout: torch.Tensor, block_table: torch.T
     Returns ``[R, length, Hkv, D]`` in cache.dtype; entries past a request's own
     length hold whatever its table points at and must be masked by the caller.
     """
-    block_size = layout.shape[0]
-    j = torch.arange(length, device=cache.device)
-    cols = torch.clamp(j // block_size, max=max(block_table.shape[1] - 1, 0))
-    blocks = block_table[:, cols].long()  # [R, length]
-    pos = layout[j % block_size]  # [length, D]
-    # Advanced indices around a slice: the result is [R, length, D, Hkv].
-    return cache[blocks[:, :, None], :, pos[None]].permute(0, 1, 3, 2)
+    bs = layout.shape[0]
+    pages = -(-length // bs)
+    cols = torch.clamp(torch.arange(pages, device=cache.device), max=max(block_table.shape[1] - 1, 0))
+    g = _page_reader(layout, cache.shape[-1])(cache, block_table[:, cols].long(), "gather", cache.dtype)
+    r, p, hkv, _, d = g.shape
+    return g.transpose(2, 3).reshape(r, p * bs, hkv, d)[:, :length].clone()  # [R, P, bs, Hkv, D]
+
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(key: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A buffer of ``shape`` reused across chunks, steps and layers (per process and
+    ``key``): a fresh multi-MB tensor per chunk costs more in page faults than the
+    attention itself. Grows to the largest chunk seen; callers must not return it."""
+    n = math.prod(shape)
+    buf = _WORKSPACE.get((key, dtype, str(device)))
+    if buf is None or buf.numel() < n:
+        buf = _WORKSPACE[(key, dtype, str(device))] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
+def _page_reader(layout: torch.Tensor, size: int):
+    """A function ``(cache [num_blocks, Hkv, S], ids [R, P], key, acc) -> [R, P, Hkv,
+    bs, D]`` in ``acc``, a view of a scratch buffer: the pages are copied whole
+    (one ``index_select``) and read in place when the interior is row-major with
+    any row pitch (V pages, MLA latents) or column-major (vLLM's ``vec`` K pages);
+    other packings (``amx``) are permuted element by element."""
+    bs, d = layout.shape
+    t = torch.arange(bs, device=layout.device)[:, None]
+    dd = torch.arange(d, device=layout.device)[None, :]
+    pitch = int(layout[1, 0] - layout[0, 0]) if bs > 1 else d
+    if pitch >= d and bs * pitch <= size and torch.equal(layout, t * pitch + dd):
+        used, view = bs * pitch, lambda x: x.unflatten(-1, (bs, pitch))[..., :d]
+    elif d * bs <= size and torch.equal(layout, dd * bs + t):
+        used, view = d * bs, lambda x: x.unflatten(-1, (d, bs)).transpose(-1, -2)
+    else:
+        flat = layout.reshape(-1)
+        used, view = size, lambda x: x[..., flat].unflatten(-1, (bs, d))
+
+    def read(cache: torch.Tensor, ids: torch.Tensor, key: str, acc: torch.dtype) -> torch.Tensor:
+        r, p = ids.shape
+        raw = _scratch(key, (r * p, cache.shape[1], used), cache.dtype, cache.device)
+        torch.index_select(cache[..., :used], 0, ids.reshape(-1), out=raw)
+        if raw.dtype != acc:
+            raw = _scratch(key + "/acc", raw.shape, acc, cache.device).copy_(raw)
+        return view(raw.view(r, p, *raw.shape[1:]))
+    return read
 
 
 def pad_tokens(x: torch.Tensor, query_start_loc: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -130,6 +267,8 @@ def paged_attention_lse(
     query_start_loc: torch.Tensor,
     scale: float,
     max_kv_len: int | None = None,
+    token_kv_lens: torch.Tensor | None = None,
+    chunk: int = CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of ragged queries over each request's paged KV.
 
@@ -139,29 +278,56 @@ def paged_attention_lse(
 
     q: ``[T, H, Dk]``; k_cache, v_cache: ``[num_blocks, Hkv, S]`` flat page interiors
     with layouts k_layout ``[block_size, Dk]``, v_layout ``[block_size, Dv]`` (see
-    :func:`gather_pages`; the same tensor may serve as K and V, as in MLA);
+    :func:`gather_pages`; the same tensor may serve as K and V, as in MLA, and is
+    then read once when V's layout is a prefix of K's rows);
     block_table: ``[R, W]`` int;
     kv_lens: ``[R]`` int (0 = empty shard); query_start_loc: ``[R + 1]`` int.
     max_kv_len: ``max(kv_lens)`` when the caller knows it (saves a host sync).
+    token_kv_lens: ``[T]`` int, keys visible to each query token, at most its
+    request's ``kv_lens`` (verifying drafts with the step's tokens already in the
+    cache, as MLA does); ``kv_lens[r]`` for every token when None.
+    chunk: keys per online-softmax step over the batch, rounded down to whole pages
+    per request (at least one).
     Returns ``(o [T, H, Dv], lse [T, H])`` float32, natural log; LSE is -inf and
     O is 0 for queries whose shard is empty.
     """
-    t = q.shape[0]
+    t, h = q.shape[0], q.shape[1]
     r = kv_lens.shape[0]
+    hkv, dv = k_cache.shape[1], v_layout.shape[-1]
     q_lens = query_start_loc[1:].long() - query_start_loc[:-1].long()
     if max_kv_len is None:
         max_kv_len = int(kv_lens.max()) if r else 0
     acc = _acc_dtype(q)
     if t == 0 or max_kv_len == 0:
-        return q.new_zeros((t, q.shape[1], v_layout.shape[-1]), dtype=acc), q.new_full(
-            (t, q.shape[1]), float("-inf"), dtype=acc
-        )
+        return q.new_zeros((t, h, dv), dtype=acc), q.new_full((t, h), float("-inf"), dtype=acc)
     max_q = int(q_lens.max())
-    qp = pad_tokens(q, query_start_loc, max_q)
-    k = gather_pages(k_cache, k_layout, block_table[:r], max_kv_len)
-    v = gather_pages(v_cache, v_layout, block_table[:r], max_kv_len)
-    o, lse = attention_lse(qp, k, v, q_lens, kv_lens, scale, causal=False)
-    return _unpad(o, query_start_loc, t), _unpad(lse, query_start_loc, t)
+    qf = _fold(pad_tokens(q, query_start_loc, max_q), hkv, acc, scale)  # [R, Hkv, M, Dk]
+    if token_kv_lens is None:
+        lim = _row_limits(q_lens, kv_lens.long(), max_q, causal=False)
+    else:
+        lim = pad_tokens(token_kv_lens.long(), query_start_loc, max_q)
+    lim = _fold_limits(lim, h // hkv)
+    bs = k_layout.shape[0]
+    pages_per_chunk = max(1, chunk * _DECODE_ROWS // (bs * r * qf.shape[2]))
+    read_k = _page_reader(k_layout, k_cache.shape[-1])
+    # MLA: V is the first Dv columns of the latent rows K already holds.
+    v_in_k = (v_cache is k_cache and v_layout.shape[1] <= k_layout.shape[1]
+              and torch.equal(v_layout, k_layout[:, : v_layout.shape[1]]))
+    read_v = None if v_in_k else _page_reader(v_layout, v_cache.shape[-1])
+    table = block_table[:r].long()
+    state = _OnlineSoftmax(r, hkv, qf.shape[2], dv, acc, q.device)
+    num_pages = -(-max_kv_len // bs)
+    for p0 in range(0, num_pages, pages_per_chunk):
+        # Columns past a request's table width hold no visible key: clamp and mask.
+        cols = torch.clamp(torch.arange(p0, min(p0 + pages_per_chunk, num_pages), device=q.device),
+                           max=block_table.shape[1] - 1)
+        ids = table[:, cols]  # [R, P]
+        k = read_k(k_cache, ids, "k", acc)  # [R, P, Hkv, bs, Dk]
+        v = k[..., :dv] if v_in_k else read_v(v_cache, ids, "v", acc)
+        state.add(_hide(_scores(qf, k), p0 * bs, lim), v)
+        del k, v
+    o, lse = state.result()
+    return _unpad(_unfold(o, max_q), query_start_loc, t), _unpad(_unfold(lse, max_q), query_start_loc, t)
 
 
 def varlen_attention_lse(

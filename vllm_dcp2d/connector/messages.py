@@ -1,5 +1,8 @@
 """Wire schema of the 2D reshard: msgpack messages between prefill and decode
 (design §6.3, §6.7). No I/O; ``bootstrap``, ``sender`` and ``receiver`` move them.
+This module holds the message types, the protocol version and ``encode`` /
+``decode``; ``codec`` the field codecs a ``SCHEMA`` is made of and
+``MessageError`` (re-exported here).
 
 Every message is a msgpack map ``{"v": PROTOCOL_VERSION, "type": <name>, <fields>}``.
 Integer arrays (block ids, addresses) travel as little-endian int64 ``bin``.
@@ -27,12 +30,13 @@ Public API
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import msgpack
 import numpy as np
 
+from vllm_dcp2d.connector.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
+                                        Str, StrList, fields_from_wire, fields_to_wire)
 from vllm_dcp2d.connector.plan import KVRegions, block_tables
 
 __all__ = [
@@ -52,140 +56,12 @@ __all__ = [
 PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
-MAX_ADDR = (1 << 63) - 1
 MAX_COUNT = 1 << 48        # pages, bytes, descriptors
 MAX_GROUPS = 256           # KV cache groups of one request
 
 
-class MessageError(ValueError):
-    """A message that cannot be accepted: malformed, hostile, or another version."""
-
-
-class FingerprintMismatch(MessageError):
-    """The two sides disagree on the KV format; the message names both values."""
-
-
-# Field codecs: ``enc(value) -> wire`` and ``dec(wire, name) -> value`` (raises MessageError).
-
-class _Str:
-    def __init__(self, max_len: int, min_len: int = 1):
-        self.min_len, self.max_len = min_len, max_len
-
-    def enc(self, v):
-        return str(v)
-
-    def dec(self, v, name):
-        if type(v) is not str:
-            raise MessageError(f"{name} must be a string, got {type(v).__name__}")
-        if not self.min_len <= len(v) <= self.max_len:
-            raise MessageError(f"{name} must have {self.min_len}..{self.max_len} characters, got {len(v)}")
-        return v
-
-
-class _Int:
-    def __init__(self, lo: int, hi: int):
-        self.lo, self.hi = lo, hi
-
-    def enc(self, v):
-        return int(v)
-
-    def dec(self, v, name):
-        if type(v) is not int:
-            raise MessageError(f"{name} must be an int, got {type(v).__name__}")
-        if not self.lo <= v <= self.hi:
-            raise MessageError(f"{name} must be in [{self.lo}, {self.hi}], got {v}")
-        return v
-
-
-class _Float:
-    def __init__(self, hi: float):
-        self.hi = hi
-
-    def enc(self, v):
-        return float(v)
-
-    def dec(self, v, name):
-        if type(v) is not float or not math.isfinite(v) or not 0.0 <= v <= self.hi:
-            raise MessageError(f"{name} must be a float in [0, {self.hi}], got {v!r}")
-        return v
-
-
-class _Bool:
-    def enc(self, v):
-        return bool(v)
-
-    def dec(self, v, name):
-        if type(v) is not bool:
-            raise MessageError(f"{name} must be a bool, got {type(v).__name__}")
-        return v
-
-
-class _Ids:
-    """int64 ``[n]`` array as little-endian ``bin``; every entry in ``[lo, hi]``."""
-
-    def __init__(self, max_n: int, lo: int = 0, hi: int = MAX_ADDR, min_n: int = 0):
-        self.min_n, self.max_n, self.lo, self.hi = min_n, max_n, lo, hi
-
-    def enc(self, v):
-        return np.ascontiguousarray(np.asarray(v, dtype=np.int64).reshape(-1), dtype="<i8").tobytes()
-
-    def dec(self, v, name):
-        if type(v) is not bytes:
-            raise MessageError(f"{name} must be bin (int64 array), got {type(v).__name__}")
-        if len(v) % 8:
-            raise MessageError(f"{name} holds {len(v)} bytes, not a multiple of 8 (int64)")
-        arr = np.frombuffer(v, dtype="<i8").astype(np.int64)
-        if not self.min_n <= arr.size <= self.max_n:
-            raise MessageError(f"{name} must have {self.min_n}..{self.max_n} entries, got {arr.size}")
-        if arr.size and (arr.min() < self.lo or arr.max() > self.hi):
-            raise MessageError(f"{name} entries must be in [{self.lo}, {self.hi}], "
-                               f"got min {arr.min()} max {arr.max()}")
-        return arr
-
-
-class _StrList:
-    def __init__(self, max_n: int, item: _Str):
-        self.max_n, self.item = max_n, item
-
-    def enc(self, v):
-        return [self.item.enc(x) for x in v]
-
-    def dec(self, v, name):
-        if type(v) is not list or len(v) > self.max_n:
-            raise MessageError(f"{name} must be a list of at most {self.max_n} strings")
-        return tuple(self.item.dec(x, f"{name}[{i}]") for i, x in enumerate(v))
-
-
-class _Nested:
-    def __init__(self, cls):
-        self.cls = cls
-
-    def enc(self, v):
-        return _fields_to_wire(v)
-
-    def dec(self, v, name):
-        return _fields_from_wire(self.cls, v, name)
-
-
-def _fields_to_wire(msg) -> dict:
-    return {k: c.enc(getattr(msg, k)) for k, c in msg.SCHEMA.items()}
-
-
-def _fields_from_wire(cls, raw, name: str):
-    if type(raw) is not dict:
-        raise MessageError(f"{name} must be a map, got {type(raw).__name__}")
-    keys = set(raw)
-    want = set(cls.SCHEMA)
-    if keys != want:
-        missing, extra = sorted(want - keys), sorted(map(repr, keys - want))
-        raise MessageError(f"{name} ({cls.__name__}): missing fields {missing}, unknown fields {extra}")
-    msg = cls(**{k: c.dec(raw[k], f"{name}.{k}") for k, c in cls.SCHEMA.items()})
-    msg.validate()
-    return msg
-
-
-_NAME = _Str(512)
-_SECONDS = _Float(1e7)
+_NAME = Str(512)
+_SECONDS = Float(1e7)
 
 
 @dataclass(frozen=True)
@@ -222,9 +98,9 @@ class Fingerprint(_Message):
     model_config: str
     draft_layers: int = 0
 
-    SCHEMA = {"model": _NAME, "num_layers": _Int(1, 1 << 16), "page_size": _Int(1, 1 << 24),
-              "kv_dtype": _Str(64), "page_bytes": _Int(1, 1 << 40), "layout": _Str(256),
-              "model_config": _Str(256), "draft_layers": _Int(0, 1 << 16)}
+    SCHEMA = {"model": _NAME, "num_layers": Int(1, 1 << 16), "page_size": Int(1, 1 << 24),
+              "kv_dtype": Str(64), "page_bytes": Int(1, 1 << 40), "layout": Str(256),
+              "model_config": Str(256), "draft_layers": Int(0, 1 << 16)}
 
     def check(self, other: Fingerprint) -> None:
         """Raise ``FingerprintMismatch`` naming every differing field with both values."""
@@ -287,14 +163,14 @@ class TransferRequest(_Message):
     fingerprint: Fingerprint
     wait_s: float
 
-    SCHEMA = {"transfer_key": _NAME, "attempt_id": _Int(0, MAX_ADDR), "engine_id": _NAME,
-              "consumer_rank": _Int(0, 1 << 16), "consumer_size": _Int(1, 1 << 16), "session": _Str(256),
-              "dcp_size": _Int(1, 1 << 12), "dcp_rank": _Int(0, 1 << 12), "block_ids": _Ids(MAX_IDS, hi=MAX_COUNT),
-              "num_tokens": _Int(0, MAX_COUNT), "first_page": _Int(0, MAX_COUNT), "layer_ids": _Ids(1 << 16, hi=1 << 16, min_n=1),
-              "base": _Ids(1 << 20, min_n=1), "page_stride": _Ids(64, lo=1, min_n=1),
-              "page_bytes": _Ids(64, lo=1, min_n=1), "fingerprint": _Nested(Fingerprint),
-              "wait_s": _Float(3600.0), "group_sizes": _Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),
-              "layer_group": _Ids(1 << 16, hi=MAX_GROUPS - 1, min_n=1), "group_sharded": _Ids(MAX_GROUPS, hi=1, min_n=1)}
+    SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR), "engine_id": _NAME,
+              "consumer_rank": Int(0, 1 << 16), "consumer_size": Int(1, 1 << 16), "session": Str(256),
+              "dcp_size": Int(1, 1 << 12), "dcp_rank": Int(0, 1 << 12), "block_ids": Ids(MAX_IDS, hi=MAX_COUNT),
+              "num_tokens": Int(0, MAX_COUNT), "first_page": Int(0, MAX_COUNT), "layer_ids": Ids(1 << 16, hi=1 << 16, min_n=1),
+              "base": Ids(1 << 20, min_n=1), "page_stride": Ids(64, lo=1, min_n=1),
+              "page_bytes": Ids(64, lo=1, min_n=1), "fingerprint": Nested(Fingerprint),
+              "wait_s": Float(3600.0), "group_sizes": Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),
+              "layer_group": Ids(1 << 16, hi=MAX_GROUPS - 1, min_n=1), "group_sharded": Ids(MAX_GROUPS, hi=1, min_n=1)}
 
     @classmethod
     def build(cls, *, regions: KVRegions, block_ids, **kw) -> TransferRequest:
@@ -378,13 +254,13 @@ class TransferOutcome(_Message):
     settled: bool
     replicated_bytes: int = 0
 
-    SCHEMA = {"transfer_key": _NAME, "attempt_id": _Int(0, MAX_ADDR), "cp_rank": _Int(0, 1 << 12),
-              "cp_size": _Int(1, 1 << 12), "ok": _Bool(), "reason": _Str(4096, min_len=0),
-              "layer_start": _Int(0, 1 << 16), "layer_end": _Int(0, 1 << 16),
-              "num_tokens": _Int(0, MAX_COUNT), "num_pages": _Int(0, MAX_COUNT), "nbytes": _Int(0, MAX_COUNT),
-              "descriptors": _Int(0, MAX_COUNT), "batches": _Int(0, MAX_COUNT),
-              "naive_bytes": _Int(0, MAX_COUNT), "plan_s": _SECONDS, "write_s": _SECONDS,
-              "early_layers": _Int(0, 1 << 16), "settled": _Bool(), "replicated_bytes": _Int(0, MAX_COUNT)}
+    SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR), "cp_rank": Int(0, 1 << 12),
+              "cp_size": Int(1, 1 << 12), "ok": Bool(), "reason": Str(4096, min_len=0),
+              "layer_start": Int(0, 1 << 16), "layer_end": Int(0, 1 << 16),
+              "num_tokens": Int(0, MAX_COUNT), "num_pages": Int(0, MAX_COUNT), "nbytes": Int(0, MAX_COUNT),
+              "descriptors": Int(0, MAX_COUNT), "batches": Int(0, MAX_COUNT),
+              "naive_bytes": Int(0, MAX_COUNT), "plan_s": _SECONDS, "write_s": _SECONDS,
+              "early_layers": Int(0, 1 << 16), "settled": Bool(), "replicated_bytes": Int(0, MAX_COUNT)}
 
     def validate(self) -> None:
         if self.early_layers > self.layer_end - self.layer_start:
@@ -408,8 +284,8 @@ class RegisterRank(_Message):
     address: str
     fingerprint: Fingerprint
 
-    SCHEMA = {"engine_id": _NAME, "cp_rank": _Int(0, 1 << 12), "cp_size": _Int(1, 1 << 12),
-              "address": _Str(256), "fingerprint": _Nested(Fingerprint)}
+    SCHEMA = {"engine_id": _NAME, "cp_rank": Int(0, 1 << 12), "cp_size": Int(1, 1 << 12),
+              "address": Str(256), "fingerprint": Nested(Fingerprint)}
 
     def validate(self) -> None:
         if self.cp_rank >= self.cp_size:
@@ -426,7 +302,7 @@ class CancelTransfer(_Message):
     transfer_key: str
     attempt_id: int
 
-    SCHEMA = {"transfer_key": _NAME, "attempt_id": _Int(0, MAX_ADDR)}
+    SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR)}
 
 
 @dataclass(frozen=True)
@@ -447,8 +323,8 @@ class ReleaseTransfer(_Message):
     consumer_size: int
     num_tokens: int
 
-    SCHEMA = {"transfer_key": _NAME, "engine_id": _NAME, "consumer_rank": _Int(0, 1 << 16),
-              "consumer_size": _Int(1, 1 << 16), "num_tokens": _Int(0, MAX_COUNT)}
+    SCHEMA = {"transfer_key": _NAME, "engine_id": _NAME, "consumer_rank": Int(0, 1 << 16),
+              "consumer_size": Int(1, 1 << 16), "num_tokens": Int(0, MAX_COUNT)}
 
     def validate(self) -> None:
         if self.consumer_rank >= self.consumer_size:
@@ -474,8 +350,8 @@ class RankTable(_Message):
     addresses: tuple
     fingerprint: Fingerprint
 
-    SCHEMA = {"engine_id": _NAME, "cp_size": _Int(1, 1 << 12), "addresses": _StrList(1 << 12, _Str(256)),
-              "fingerprint": _Nested(Fingerprint)}
+    SCHEMA = {"engine_id": _NAME, "cp_size": Int(1, 1 << 12), "addresses": StrList(1 << 12, Str(256)),
+              "fingerprint": Nested(Fingerprint)}
 
     def validate(self) -> None:
         if len(self.addresses) != self.cp_size:
@@ -489,7 +365,7 @@ class Reply(_Message):
     ok: bool
     reason: str
 
-    SCHEMA = {"ok": _Bool(), "reason": _Str(4096, min_len=0)}
+    SCHEMA = {"ok": Bool(), "reason": Str(4096, min_len=0)}
 
 
 _TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, CancelTransfer, ReleaseTransfer, RegisterRank,
@@ -500,7 +376,7 @@ def encode(msg) -> bytes:
     """Pack ``msg`` (one of the message classes) as msgpack bytes."""
     if type(msg).__name__ not in _TYPES or not isinstance(msg, _TYPES[type(msg).__name__]):
         raise TypeError(f"not a message: {type(msg).__name__}")
-    wire = {"v": PROTOCOL_VERSION, "type": type(msg).__name__, **_fields_to_wire(msg)}
+    wire = {"v": PROTOCOL_VERSION, "type": type(msg).__name__, **fields_to_wire(msg)}
     return msgpack.packb(wire, use_bin_type=True)
 
 
@@ -533,7 +409,7 @@ def decode(data: bytes, expect=None):
         want = expect if isinstance(expect, tuple) else (expect,)
         if cls not in want:
             raise MessageError(f"expected {'/'.join(c.__name__ for c in want)}, got {name}")
-    return _fields_from_wire(cls, raw, name)
+    return fields_from_wire(cls, raw, name)
 
 
 assert all(set(c.SCHEMA) == {f.name for f in fields(c)} for c in (*_TYPES.values(), Fingerprint))

@@ -19,29 +19,10 @@ distinct consumer ranks of one consumer engine got their pages or released it
 backstop for a decode that vanished); ``abort`` ends a request that will never
 be added.
 
-Releases (docs/connector.md, "Block lifetime"): a request is freed by releases
-only once some consumer engine is *covered* (each of its ``consumer_size`` ranks
-served or released) and no fetch of another engine is open (held or being
-written): a decode group with another DCP size that is fetching the same
-request keeps it. A release is idempotent; one for a request this rank does
-not hold is remembered for ``RELEASE_MEMORY_S`` (the decode may drop a request
-before ``add_request`` ran here) unless the key finished recently, and ignored
-if the decode's ``num_tokens`` differs from the request's (a reused key).
-
-Safety (docs/connector.md, "Block lifetime"): every write is counted while it
-runs, per request and per fetch.
-  * ``pop_finished`` reports a request (its owner then frees the blocks) only
-    once no write reading them is in flight and none can start.
-  * A fetch gets exactly one answer, sent only once none of its writes is in
-    flight and none can start. A ``CancelTransfer`` is handled on the I/O
-    thread, so it overtakes queued work; if a write is in flight, the thread
-    that ends it sends the answer.
-  * ``TransferOutcome.settled`` is False when an attempt of one of its writes was
-    given up after a stall (``STALL_S`` without progress), whether the write then
-    failed or a retry on a fresh engine succeeded: Mooncake may still send the
-    given-up attempt's queued bytes, so the decode keeps those blocks out of use
-    (an ok answer included) and asks again; cancels are answered ``settled=True``
-    ``STALL_S`` after the answer.
+Block lifetime (docs/connector.md): ``sender_lifetime`` holds the fetch and
+request records and the bookkeeping half of this class (``SenderLifetime``):
+one answer per fetch, write counting, releases and consumer coverage, expiry.
+This module holds the owner API, the I/O loop and the plan + write workers.
 
 Threads: an I/O thread owns the socket; ``num_workers`` threads plan and write.
 One slow or frozen decode peer therefore holds one worker for up to
@@ -70,7 +51,6 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -81,55 +61,16 @@ from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageE
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, decode,
                                            encode)
 from vllm_dcp2d.connector.plan import KVRegions, block_tables, plan_path
-from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
+from vllm_dcp2d.connector.sender_lifetime import Held, Request, SenderLifetime
+from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 
 __all__ = ["Sender"]
 
 log = logging.getLogger(__name__)
 
-RELEASE_MEMORY_S = 30.0  # how long a release for a request not added yet (or just finished) is remembered
-MAX_EARLY_RELEASES = 4096  # releases remembered for requests not added yet (oldest dropped)
 
-
-@dataclass(eq=False)
-class _Held:
-    """One decode rank's fetch (a TransferRequest) from arrival to its one answer.
-
-    Fields below ``lock`` are guarded by ``Sender._lock``.
-    """
-
-    identity: bytes
-    req: TransferRequest
-    deadline: float
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one write of this fetch at a time
-    sent: set = field(default_factory=set)  # layers written
-    nbytes: int = 0
-    replicated_bytes: int = 0  # the part of nbytes written to the consumer's replicated groups
-    descriptors: int = 0
-    plan_s: float = 0.0
-    write_s: float = 0.0
-    error: str = ""      # a layer written early failed: the destination is undefined
-    writes: int = 0      # writes of this fetch in flight
-    closed: str = ""     # why no write may start any more ("" = open)
-    answered: bool = False
-    settled: bool = True  # False once a write timed out (bytes may still land)
-
-
-@dataclass(eq=False)
-class _Request:
-    block_ids: tuple  # int64 arrays, one per KV cache group of this rank
-    num_tokens: int
-    num_pages: int
-    expires: float
-    done: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks served
-    released: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks that will not fetch
-    sizes: dict = field(default_factory=dict)  # engine_id -> its consumer_size
-    writes: int = 0     # writes reading block_ids in flight
-    closing: str = ""   # "done" | "released" | "expired": reported by pop_finished once writes == 0
-
-
-class Sender:
+class Sender(SenderLifetime):
     """Serves ``TransferRequest``s for one prefill CP rank.
 
     transport:   the rank's Mooncake transport; the KV memory behind ``regions``
@@ -149,11 +90,11 @@ class Sender:
         regions.rows(np.arange(self.layers.start, self.layers.stop), "producer")  # raises if not held
         self.expiry_s = expiry_s
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
-        self._pending: dict[str, list[_Held]] = {}  # key -> fetches held until add_request
-        self._fetches: dict[tuple, _Held] = {}  # (consumer identity, attempt id) -> fetch not answered yet
+        self._requests: dict[str, Request] = {}
+        self._pending: dict[str, list[Held]] = {}  # key -> fetches held until add_request
+        self._fetches: dict[tuple, Held] = {}  # (consumer identity, attempt id) -> fetch not answered yet
         self._finished: dict[str, str] = {}
-        self._aborting: dict[str, list[_Held]] = {}  # key -> its fetches with a layer write in flight
+        self._aborting: dict[str, list[Held]] = {}  # key -> its fetches with a layer write in flight
         self._unsettled: dict[tuple, float] = {}  # (identity, attempt id) -> when its stalled write is dropped
         self._early: dict[str, tuple[float, list[ReleaseTransfer]]] = {}  # key not added yet -> releases for it
         self._gone: dict[str, float] = {}  # key -> until when releases for it are ignored (just finished)
@@ -198,7 +139,7 @@ class Sender:
         group, when ``regions`` has several); serves fetches already waiting."""
         ids, pages = self._blocks(block_ids, num_tokens)
         with self._lock:
-            state = self._requests[transfer_key] = _Request(ids, int(num_tokens), pages,
+            state = self._requests[transfer_key] = Request(ids, int(num_tokens), pages,
                                                             time.monotonic() + self.expiry_s)
             waiting = self._pending.pop(transfer_key, [])
             self._gone.pop(transfer_key, None)
@@ -275,112 +216,6 @@ class Sender:
                                  f"{self.fingerprint.page_size}), got {ids.size} block ids")
         return tables, pages
 
-    # ---- answers: exactly one per fetch, only once none of its writes can run ----
-
-    def _close(self, h: _Held, why: str) -> None:
-        """Under ``_lock``: no write of ``h`` may start any more. Answers ``h``
-        with ``why`` now if none is in flight, else the last one's ``_end`` does."""
-        if h.closed:
-            return
-        h.closed = why
-        if h.writes == 0:
-            self._reply(h, self._failed(h.req, why, settled=h.settled))
-
-    def _unsettled_until(self, h: _Held) -> None:
-        """Under ``_lock``: ``h`` failed after a write timed out. Mooncake drops a
-        connection that made no progress for its progress timeout (``STALL_S``), so
-        until then re-sent cancels are answered ``settled=False``."""
-        self._unsettled[(h.identity, h.req.attempt_id)] = time.monotonic() + STALL_S
-
-    def _reply(self, h: _Held, outcome: TransferOutcome) -> None:
-        """Under ``_lock``: queue ``h``'s one answer for the I/O thread."""
-        if not h.answered:
-            h.answered = True
-            self._fetches.pop((h.identity, h.req.attempt_id), None)  # known until answered
-            if not outcome.settled:
-                self._unsettled_until(h)
-            self._out.put((h.identity, outcome))
-
-    def _flush(self) -> None:
-        if not self._out.empty():
-            self._waker.wake()
-
-    def _begin(self, h: _Held, state: _Request | None = None) -> bool:
-        """Under ``_lock``: count a write of ``h`` (reading ``state``'s blocks) if one may start."""
-        if h.closed or (state is not None and state.closing):
-            return False
-        h.writes += 1
-        self._writes += 1
-        if state is not None:
-            state.writes += 1
-        return True
-
-    def _end(self, h: _Held, state: _Request | None, key: str) -> None:
-        """Under ``_lock``: a write counted by ``_begin`` returned."""
-        h.writes -= 1
-        self._writes -= 1
-        if h.closed and h.writes == 0 and not h.answered:
-            self._reply(h, self._failed(h.req, h.closed, settled=h.settled))
-        held = self._aborting.get(key)
-        if held is not None and not any(x.writes for x in held):
-            del self._aborting[key]
-            self._finished[key] = "aborted"
-        if state is not None:
-            state.writes -= 1
-            if state.closing and state.writes == 0:
-                self._finished[key] = state.closing
-
-    # ---- releases: a consumer rank will never fetch a request ----
-
-    def _release(self, state: _Request, key: str, msg: ReleaseTransfer) -> None:
-        """Under ``_lock``: count ``msg`` for ``state`` (the request of ``key``)."""
-        if msg.num_tokens != state.num_tokens:
-            log.debug("cp rank %d: release of %r for %d tokens ignored: the request has %d (key reused?)",
-                      self.cp_rank, key, msg.num_tokens, state.num_tokens)
-            return
-        state.released.setdefault(msg.engine_id, set()).add(msg.consumer_rank)
-        state.sizes[msg.engine_id] = msg.consumer_size
-        self._try_close(key, state)
-
-    def _try_close(self, key: str, state: _Request) -> None:
-        """Under ``_lock``: stop serving ``state`` once some consumer engine is covered
-        (each of its ranks served or released) and no other engine has a fetch of it
-        open; it is reported finished once no write reads its blocks."""
-        if self._requests.get(key) is not state:
-            return
-        engines = state.done.keys() | state.released.keys()
-        covered = {e for e in engines
-                   if len(state.done.get(e, set()) | state.released.get(e, set())) >= state.sizes[e]}
-        if not covered:
-            return
-        if any(h.req.transfer_key == key and h.req.engine_id not in covered for h in self._fetches.values()):
-            self._releasing.add(key)  # another decode group is fetching it: it keeps the blocks
-            return
-        self._releasing.discard(key)
-        del self._requests[key]
-        served = any(len(state.done.get(e, ())) >= state.sizes[e] for e in covered)
-        state.closing = "done" if served else "released"
-        self._gone[key] = time.monotonic() + RELEASE_MEMORY_S
-        if state.writes == 0:
-            self._finished[key] = state.closing
-
-    def _on_release(self, msg: ReleaseTransfer) -> None:
-        """I/O thread: a decode rank will never fetch ``msg.transfer_key``."""
-        key = msg.transfer_key
-        with self._lock:
-            state = self._requests.get(key)
-            if state is not None:
-                return self._release(state, key, msg)
-            if key in self._gone:
-                log.debug("cp rank %d: release of %r ignored: already finished", self.cp_rank, key)
-                return
-            log.debug("cp rank %d: release of unknown %r remembered for %.0fs", self.cp_rank, key,
-                      RELEASE_MEMORY_S)
-            _, msgs = self._early.pop(key, (0.0, []))
-            self._early[key] = (time.monotonic() + RELEASE_MEMORY_S, [*msgs[-255:], msg])
-            while len(self._early) > MAX_EARLY_RELEASES:
-                del self._early[next(iter(self._early))]
-
     # ---- I/O thread: owns the ROUTER socket ----
 
     def _io_loop(self):
@@ -429,7 +264,7 @@ class Sender:
         except MessageError as e:
             self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
             return
-        h = _Held(identity, req, time.monotonic() + req.wait_s)
+        h = Held(identity, req, time.monotonic() + req.wait_s)
         with self._lock:
             known = req.transfer_key in self._requests
             if known or req.wait_s > 0:
@@ -459,37 +294,6 @@ class Sender:
         if h is None:
             self._send(identity, self._failed(msg, why, settled=settled))
 
-    def _expire(self):
-        now = time.monotonic()
-        with self._lock:
-            for k in [k for k, t in self._unsettled.items() if t <= now]:
-                del self._unsettled[k]
-            for k in [k for k, until in self._gone.items() if until <= now]:
-                del self._gone[k]
-            for k in [k for k, (until, _) in self._early.items() if until <= now]:
-                del self._early[k]
-            for key in list(self._releasing):
-                state = self._requests.get(key)
-                if state is None:
-                    self._releasing.discard(key)
-                else:
-                    self._try_close(key, state)
-            for key in [k for k, v in self._requests.items() if v.expires <= now]:
-                state = self._requests.pop(key)
-                self._releasing.discard(key)
-                self._gone[key] = now + RELEASE_MEMORY_S
-                state.closing = "expired"
-                if state.writes == 0:
-                    self._finished[key] = "expired"
-            for key, items in list(self._pending.items()):
-                late = [h for h in items if h.deadline <= now]
-                for h in late:
-                    items.remove(h)
-                    self._close(h, f"request {key!r} not ready on cp rank {self.cp_rank} after waiting "
-                                   f"{h.req.wait_s:.1f}s")
-                if not items:
-                    del self._pending[key]
-
     # ---- workers: plan + write ----
 
     def _work_loop(self):
@@ -501,7 +305,7 @@ class Sender:
             job()
             self._flush()
 
-    def _plan_write(self, h: _Held, block_ids, layers, num_pages: int) -> None:
+    def _plan_write(self, h: Held, block_ids, layers, num_pages: int) -> None:
         """Plan and write ``layers`` x pages(the fetch's DCP rank) into ``h``'s totals.
         Raises ValueError (cannot plan) or TransportError."""
         req = h.req
@@ -526,7 +330,7 @@ class Sender:
         h.plan_s += t1 - t0
         h.write_s += time.perf_counter() - t1
 
-    def _write_layer(self, h: _Held, layer: int, block_ids, num_tokens: int, event) -> None:
+    def _write_layer(self, h: Held, layer: int, block_ids, num_tokens: int, event) -> None:
         """One layer to one held fetch (a worker-thread job queued by ``layer_ready``)."""
         if event is not None:
             event.synchronize()
@@ -543,7 +347,7 @@ class Sender:
                 with self._lock:
                     self._end(h, None, h.req.transfer_key)
 
-    def _answer(self, h: _Held) -> None:
+    def _answer(self, h: Held) -> None:
         """Write what fetch ``h`` still lacks (all of this rank's layers, or those
         ``layer_ready`` did not write yet) and answer it."""
         req, key = h.req, h.req.transfer_key
@@ -579,7 +383,7 @@ class Sender:
                     self._try_close(key, state)
                 self._end(h, state, key)
 
-    def _ok(self, h: _Held, state: _Request) -> TransferOutcome:
+    def _ok(self, h: Held, state: Request) -> TransferOutcome:
         n = h.descriptors
         naive = len(self.layers) * max(0, state.num_pages - h.req.first_page) * int(self.regions.page_bytes.sum())
         return TransferOutcome(
