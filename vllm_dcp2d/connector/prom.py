@@ -73,10 +73,11 @@ METRICS: tuple[Metric, ...] = (
            "Blocks in quarantine now (out of use): quarantined minus released since start."),
     Metric("vllm:dcp2d_prefix_broadcast_bytes", "counter", False, "prefill", "prefix_broadcast_bytes",
            "Layer-split storage: bytes sent or received over the TP group filling transient layer slots."),
-    Metric("vllm:dcp2d_stalls", "counter", False, "both", "stalls",
-           "Mooncake writes that stalled (made no progress within the stall bound; issue 14)."),
-    Metric("vllm:dcp2d_retries", "counter", False, "both", "retries",
-           "Mooncake writes retried after a failure or stall."),
+    Metric("vllm:dcp2d_stalls", "counter", False, "prefill", "stalls",
+           "Mooncake write batches given up after `STALL_S` without progress, retried or not (the fetch "
+           "is then answered unsettled: the decode quarantines its blocks)."),
+    Metric("vllm:dcp2d_retries", "counter", False, "prefill", "retries",
+           "Batches re-sent on a fresh Mooncake engine after a stall."),
 )
 
 
