@@ -162,16 +162,20 @@ def test_consumer_quarantine_holds_blocks_out_of_the_free_queue():
     ids = [b.block_id for b in blocks]
     free0 = pool.get_num_free_blocks()
     out = lambda **m: NS(finished_sending=None, kv_connector_worker_meta=DCP2DWorkerMeta(**m))  # noqa: E731
+    assert not s.has_pending_work()
     s.update_connector_output(out(hold={("r", 0): ids[1:], ("r", 1): ids[1:]}))
     pool.free_blocks(blocks)  # vLLM frees the failed request
     assert pool.get_num_free_blocks() == free0 + 1 and s.quarantined_blocks() == 6
+    assert s.has_pending_work()  # the engine keeps stepping: only a step brings the release
     fresh = {b.block_id for b in pool.get_new_blocks(free0 + 1)}  # nothing hands out a held block
     assert not fresh & set(ids[1:])
     pool.free_blocks([pool.blocks[i] for i in fresh])
     s.update_connector_output(out(release={("r", 0)}))
     assert pool.get_num_free_blocks() == free0 + 1  # rank 1 still holds them
+    assert s.has_pending_work()
     s.update_connector_output(out(release={("r", 1), ("r", 1)}))
     assert pool.get_num_free_blocks() == free0 + 4 and s.quarantined_blocks() == 0
+    assert not s.has_pending_work()
 
 
 def test_plain_requests_untouched():

@@ -81,6 +81,11 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output)
 
+    def has_pending_push_work(self) -> bool:
+        """Called by the scheduler (``has_requests``) when deciding whether the engine
+        keeps stepping: yes while blocks are quarantined or releases wait to go out."""
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
     # ---- worker side (one per TP rank) ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -269,6 +269,13 @@ class SchedulerSide:
                 compat.release_blocks(self.kv_cache_manager, blocks)
                 log.info("request %s: %d quarantined blocks released (tp rank %d)", key[0], len(blocks), key[1])
 
+    def has_pending_work(self) -> bool:
+        """Blocks in quarantine, or releases not yet handed to the workers. Both end only
+        through a step (a worker reports a settled rank in its step output; releases
+        travel in the step's metadata), so the engine must keep stepping with no request
+        left: an idle engine would hold the blocks until the next request arrived."""
+        return bool(self._held or self._releases)
+
     def quarantined_blocks(self) -> int:
         """Blocks held out of use now (a block held by two ranks counts twice)."""
         return sum(len(b) for b in self._held.values())
