@@ -336,7 +336,10 @@ class Sender(SenderLifetime):
             event.synchronize()
         with h.lock:
             with self._lock:
-                if layer in h.sent or h.error or h.req.num_tokens != num_tokens or not self._begin(h):
+                # Once the request was added, its blocks stay with vLLM only while a write is
+                # counted on it too: expiry or release must not free blocks this write reads.
+                state = self._requests.get(h.req.transfer_key)
+                if layer in h.sent or h.error or h.req.num_tokens != num_tokens or not self._begin(h, state):
                     return
             try:
                 self._plan_write(h, block_ids, [layer], cdiv(num_tokens, self.fingerprint.page_size))
@@ -345,7 +348,7 @@ class Sender(SenderLifetime):
                 h.error = f"layer {layer} (written early): {e}"
             finally:
                 with self._lock:
-                    self._end(h, None, h.req.transfer_key)
+                    self._end(h, state, h.req.transfer_key)
 
     def _answer(self, h: Held) -> None:
         """Write what fetch ``h`` still lacks (all of this rank's layers, or those
