@@ -16,14 +16,21 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 
 class CountingEngine:
-    """Forwards to the real engine, recording the size of every batch call."""
+    """Forwards to the real engine, counting submitted transfers and the most in flight at once."""
 
     def __init__(self, engine):
-        self.engine, self.sizes = engine, []
+        self.engine, self.submitted, self.in_flight, self.peak = engine, 0, 0, 0
 
-    def batch_transfer_sync_write(self, peer, src, dst, length):
-        self.sizes.append(len(src))
-        return self.engine.batch_transfer_sync_write(peer, src, dst, length)
+    def transfer_submit_write(self, *args):
+        self.submitted += 1
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        return self.engine.transfer_submit_write(*args)
+
+    def transfer_check_status(self, bid):
+        st = self.engine.transfer_check_status(bid)
+        self.in_flight -= st != 0
+        return st
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -50,7 +57,8 @@ def test_scattered_write_is_split_and_exact(pair):
     d_slots = rng.permutation(dst.nbytes // size)[:n]
     desc = Descriptors(src.ctypes.data + s_slots * size, dst.ctypes.data + d_slots * size, np.full(n, size))
     assert a.write(b.session_id, desc) == n * size
-    assert a._engine.sizes == [1024, 1024, 952]
+    # every descriptor sent once; never more in flight than the per-peer queue takes
+    assert (a._engine.submitted, a._engine.peak, a._engine.in_flight) == (n, 1024, 0)
     want = np.zeros_like(dst)
     want.reshape(-1, size)[d_slots] = src.reshape(-1, size)[s_slots]
     assert np.array_equal(dst, want)
@@ -128,16 +136,18 @@ def test_bad_arguments():
         MooncakeTransport(max_batch=0)
 
 
-class StallOnce:
-    """Wraps an engine: its first write makes no progress for ``seconds``, then fails."""
+class Wedged:
+    """Wraps an engine: takes every write and never completes one (a wedged TCP session)."""
 
-    def __init__(self, engine, seconds):
-        self.engine, self.seconds, self.calls = engine, seconds, 0
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
 
-    def batch_transfer_sync_write(self, *args):
+    def transfer_submit_write(self, *args):
         self.calls += 1
-        time.sleep(self.seconds)
-        return -1
+        return 1 << 40  # an id that is never checked against the real engine
+
+    def transfer_check_status(self, bid):
+        return 0
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -163,7 +173,7 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
         assert a.session_id == first  # failed at once: no new engine
         assert a.take_counts() == {"stalls": 0, "retries": 0}
         monkeypatch.setattr(tr, "STALL_S", 2.0)
-        stalled = a._engine = StallOnce(a._engine, 1.5)  # fails after 1.5 s >= STALL_S / 2: a stall
+        stalled = a._engine = Wedged(a._engine)  # no progress for STALL_S: a stall
         good = Descriptors(np.array([src.ctypes.data + 8192]), np.array([dst.ctypes.data]), np.array([4096]))
         assert a.write(b.session_id, good) == 4096
         assert stalled.calls == 1 and a.session_id != first

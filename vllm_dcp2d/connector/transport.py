@@ -29,8 +29,9 @@ Public API
     ``.write(peer: str, desc: Descriptors) -> int``  bytes written; raises TransferError.
     ``.take_counts() -> {"stalls": int, "retries": int}``  since the last call.
     ``.close()``                            unregisters everything; idempotent.
-All methods are thread-safe; ``write`` releases the GIL while the engine works,
-and writes to one peer are serialized (they share the engine's per-peer queue).
+All methods are thread-safe; writes to one peer are serialized (they share the
+engine's per-peer queue). ``write`` never spins: it submits each descriptor as a
+one-entry transfer and sleeps between status polls (``_write_batch`` says why).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 STALL_S = 10       # renew_on_failure: seconds without progress before a TCP write is given up
 STALL_RETRIES = 2  # renew_on_failure: fresh engines tried after stalls, per batch
 RETIRED_KEPT = 4   # replaced engines kept alive (>= 40 s: each renewal follows a STALL_S stall)
+POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3  # a write's status polls back off from 20 us to 1 ms
 
 
 @contextlib.contextmanager
@@ -219,7 +221,7 @@ class MooncakeTransport:
         (``dst`` inside memory the peer registered). Returns the bytes written.
         Raises TransferError on the first failed batch; later batches are not sent.
         stalls: if given, gets the return code of every attempt that stalled
-        (gave up after ``STALL_S`` without progress, retried or not). The engine
+        (no descriptor completed for ``STALL_S``, retried or not). The engine
         may still deliver such an attempt's queued bytes later (notes: "-1 may come
         back while work is still queued"), so its destination is not settled.
         """
@@ -229,17 +231,14 @@ class MooncakeTransport:
         done = 0
         with plock:
             for b in desc.batches(self.max_batch):
-                args = (peer, b.src.tolist(), b.dst.tolist(), b.length.tolist())
                 for attempt in range(STALL_RETRIES + 1):
-                    t0 = time.monotonic()
-                    rc = self._engine.batch_transfer_sync_write(*args)
-                    # Only a stall (no progress for STALL_S) earns a fresh engine; a dead
-                    # or refusing peer fails at once. Rewriting the same bytes is idempotent.
-                    stalled = rc != 0 and time.monotonic() - t0 >= STALL_S / 2
+                    rc, stalled = self._write_batch(self._engine, peer, b)
                     if stalled:
                         self._count("stalls")
                         if stalls is not None:
                             stalls.append(rc)
+                    # Only a stall earns a fresh engine; a dead or refusing peer fails at
+                    # once. Rewriting the same bytes is idempotent.
                     if rc == 0 or not (self.renew_on_failure and stalled) or attempt == STALL_RETRIES:
                         break
                     log.warning("Mooncake write to %s stalled (%d); retrying on a fresh engine", peer, rc)
@@ -249,6 +248,53 @@ class MooncakeTransport:
                     raise TransferError(peer, len(b), rc, done)
                 done += b.nbytes
         return done
+
+    @staticmethod
+    def _write_batch(engine, peer: str, b: Descriptors) -> tuple[int, bool]:
+        """One attempt at ``b`` (<= ``max_batch`` descriptors): ``(rc, stalled)``.
+
+        Each descriptor goes out as its own one-entry transfer and the thread
+        sleeps between status polls. The wheel's ``batch_transfer_sync_write``
+        (and ``get_batch_transfer_status``) spin on a core until the batch is
+        done; on a host with few cores, the prefill's writer threads spinning
+        kept the decode's asio thread, which must read those very bytes, off
+        the CPU for 10 s at a time (perf sched: 10 s run-queue waits; the
+        TCP stall of issue 14). ``rc``: 0 when every descriptor completed,
+        else negative. ``stalled``: no descriptor completed for ``STALL_S``, or
+        the engine reported a timeout; the attempt's bytes may still land.
+        """
+        src, dst, length = b.src.tolist(), b.dst.tolist(), b.length.tolist()
+        pending, rc = [], 0
+        for s, d, n in zip(src, dst, length):
+            bid = engine.transfer_submit_write(peer, s, d, n)
+            if bid == 0:  # not submitted (e.g. no such peer): send no more
+                rc = -1
+                break
+            pending.append(bid)
+        stalled, nap = False, POLL_MIN_S
+        progress = time.monotonic()
+        while pending:
+            still, now = [], time.monotonic()
+            for bid in pending:
+                st = engine.transfer_check_status(bid)  # frees the id once it is done or failed
+                if st == 0:
+                    still.append(bid)
+                elif st < 0:
+                    rc = st
+                    # -2: timed out in the engine (still queued). A failure after half of
+                    # STALL_S without progress is the engine's own progress timeout
+                    # (MC_TCP_PROGRESS_TIMEOUT_SEC) dropping a wedged connection.
+                    stalled |= st == -2 or now - progress >= STALL_S / 2
+            if len(still) < len(pending) and rc == 0:
+                progress, nap = now, POLL_MIN_S
+            pending = still
+            if not pending:
+                break
+            if now - progress >= STALL_S:
+                return -1, True  # the pending ids are abandoned on this engine
+            time.sleep(nap)
+            nap = min(2 * nap, POLL_MAX_S)
+        return rc, stalled
 
     def _count(self, name: str) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ TP=2 = 2 layer-split CP ranks), a decode one (TP=2, DCP=2,
 connector timeouts (``FaultConfig``). The prefill instance asked without
 ``kv_transfer_params`` is the colocated reference: its greedy answer to every
 prompt is taken before any fault. ``run_fault`` puts ``Load`` on the proxy,
-injects one fault while a fetch is in flight (when it sees one in time),
+injects one fault while a fetch is in flight (a probe request held by a frozen
+prefill, ``hold_fetch``),
 restarts what it killed on the same ports, and checks:
 
 * every outcome passes ``load.check`` (completed answers equal the reference,
@@ -19,7 +20,8 @@ restarts what it killed on the same ports, and checks:
 Faults (``FAULTS``): ``hang_up`` (every 3rd client disconnects after 2 chunks),
 ``kill_decode`` / ``kill_prefill`` (SIGKILL to the instance's whole process
 group: API server, engine core, workers; then a restart), ``freeze_prefill``
-(SIGSTOP for ``transfer_timeout_s + 3`` s, then SIGCONT). New faults: add a
+(SIGSTOP for ``transfer_timeout_s + 3`` s, then SIGCONT). Each fault but
+``hang_up`` is injected while a decode fetch waits for the prefill (``hold_fetch``). New faults: add a
 name to ``FAULTS`` and a branch to ``FaultCluster.inject``.
 """
 
@@ -29,11 +31,14 @@ import dataclasses
 import math
 import os
 import signal
+import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_dcp2d.proxy import decode_body, prefill_body
 from vllm_dcp2d.testing.harness import Process, free_port, post_json, proxy_server, vllm_server, wait_all
 from vllm_dcp2d.testing.load import Load, Outcome, check, prompt_ids
 
@@ -98,6 +103,43 @@ def metric(url: str, name: str, timeout_s: float = 5.0) -> float:
         return total
 
 
+class Probe:
+    """One non-streaming decode hop posted from a thread (``FaultCluster.hold_fetch``);
+    ``outcome()`` waits for it and returns it as a load ``Outcome`` (prompt -1)."""
+
+    def __init__(self, url: str, body: dict, ref: str, bound_s: float):
+        self.url, self.body, self.ref, self.bound_s = url, body, ref, bound_s
+        self._out: Outcome | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            status, out = post_json(self.url, self.body, self.bound_s + 30)
+        except OSError as e:  # the decode died under it: no HTTP answer at all
+            self._out = Outcome(-1, t0, time.monotonic(), "error", status=599, message=f"connection: {e}")
+            return
+        t1 = time.monotonic()
+        if status == 200:
+            text = out["choices"][0]["text"]
+            kind = "ok" if text == self.ref else "wrong"
+            self._out = Outcome(-1, t0, t1, kind, text, 200, "" if kind == "ok" else f"{text!r} != {self.ref!r}")
+        else:
+            msg = (out.get("error") or {}).get("message") if isinstance(out.get("error"), dict) else None
+            self._out = Outcome(-1, t0, t1, "error", status=status, message=str(msg or out)[:300])
+
+    def outcome(self, timeout_s: float) -> Outcome:
+        self._thread.join(timeout_s)
+        if self._out is None:
+            now = time.monotonic()
+            return Outcome(-1, now - timeout_s, now, "error", message="probe did not finish")
+        return self._out
+
+
 def _signal_group(p: Process, sig: int) -> None:
     os.killpg(p.proc.pid, sig)
 
@@ -116,6 +158,8 @@ class FaultCluster:
         self.refs: list[str] = []
         self._frozen: set[str] = set()
         self._starts: dict[str, int] = {}
+        self._probes = 0
+        self.probe: Probe | None = None
 
     def _processes(self) -> dict[str, Process]:
         """The servers, on ports free right now."""
@@ -208,16 +252,49 @@ class FaultCluster:
         self.procs[name] = new.start()
         wait_all([new], self.cfg.start_s)
 
-    def inject(self, fault: str) -> None:
-        if fault in ("kill_decode", "kill_prefill"):
-            name = fault.split("_", 1)[1]
-            self.kill(name)
-        elif fault == "freeze_prefill":
-            self.freeze("prefill")
+    def hold_fetch(self, wait_s: float = 15.0) -> bool:
+        """Start a fetch that stays in flight, then leave the prefill frozen; True once
+        the decode shows it waiting.
+
+        A fetch of the tiny model takes milliseconds, too short to hit by polling
+        ``/metrics``. So a probe of its own: a new prompt is prefilled on the prefill
+        instance, the prefill is frozen (its ranks do the writes), and the decode hop
+        goes to the decode instance from a thread (``self.probe``); its fetch then
+        waits for the frozen ranks. The probe's answer is checked like the load's."""
+        self._probes += 1
+        ids = prompt_ids(1000 + self._probes)  # new to both instances: no prefix-cache hit, a real fetch
+        ref = self.reference(ids)
+        tid = uuid.uuid4().hex
+        req = {"model": self.model, "prompt": ids, "max_tokens": self.cfg.max_tokens,
+               "temperature": 0.0, "ignore_eos": True}
+        status, out = post_json(self.procs["prefill"].url + "/v1/completions", prefill_body(req, tid), 60)
+        params = out.get("kv_transfer_params") if status == 200 else None
+        if not isinstance(params, dict):
+            raise RuntimeError(f"probe prefill failed ({status}): {out}")
+        self.freeze("prefill")
+        self.probe = Probe(self.procs["decode"].url + "/v1/completions", decode_body(req, params), ref,
+                           self.cfg.bound_s).start()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.fetch_in_flight():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def inject(self, fault: str) -> bool:
+        """Inject ``fault`` while a decode fetch is in flight; returns whether one was."""
+        if fault not in FAULTS or fault == "hang_up":
+            raise ValueError(f"unknown fault {fault!r}; expected one of {FAULTS[1:]}")
+        in_flight = self.hold_fetch()  # the prefill is frozen from here
+        if fault == "kill_decode":
+            self.kill("decode")
+            self.thaw("prefill")
+        elif fault == "kill_prefill":
+            self.kill("prefill")
+        else:  # freeze_prefill
             time.sleep(self.cfg.transfer_timeout_s + 3.0)
             self.thaw("prefill")
-        else:
-            raise ValueError(f"unknown fault {fault!r}; expected one of {FAULTS}")
+        return in_flight
 
     # ---- observations ----
 
@@ -258,15 +335,13 @@ class FaultCluster:
         if fault not in ("none", "hang_up"):
             deadline = time.monotonic() + 30.0
             while load.done_count() < min(2, n - 1) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            in_flight = False
-            while time.monotonic() < deadline and load.done_count() < n:
-                if self.fetch_in_flight():
-                    in_flight = True
-                    break
-            self.inject(fault)
+                time.sleep(0.05)  # past the first requests: connections open, the load in full swing
+            in_flight = self.inject(fault)
         waves = math.ceil(n / self.cfg.concurrency)
         outcomes = load.join(waves * self.cfg.bound_s + 60)
+        if self.probe is not None:
+            outcomes.append(self.probe.outcome(self.cfg.bound_s + 60))
+            self.probe = None
         load_s = load.t1 - load.t0
         if fault.startswith("kill_"):
             self.restart(fault.split("_", 1)[1])
