@@ -25,6 +25,8 @@ does. ``--no-builtin`` skips that case; if it cannot start, the bench prints why
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_serving.py [--requests 6] [--sleep-us 500 0]
     # the stall target (issue 14): 0 stalls in 300 requests, p99 <= 2x p50
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_serving.py --requests 300 --sleep-us 500
+    # the same, with the built-in connector on the first 60 prompts
+    ... bench/pd_serving.py --requests 300 --builtin-requests 60 --timeout 40
 """
 
 from __future__ import annotations
@@ -225,9 +227,15 @@ def main() -> None:
     ap.add_argument("--sleep-us", type=int, nargs="+", default=[500])
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per request and per fetch")
     ap.add_argument("--no-builtin", action="store_true", help="skip vLLM's built-in MooncakeConnector")
+    ap.add_argument("--builtin-requests", type=int, default=None,
+                    help="the first N of the same prompts for the built-in connector (default: --requests); "
+                         "each of its stalled writes waits the engine's 30 s")
     a = ap.parse_args()
     if a.requests < 1:
         ap.error(f"--requests must be >= 1, got {a.requests}")
+    n_builtin = a.requests if a.builtin_requests is None else a.builtin_requests
+    if not 1 <= n_builtin <= a.requests:
+        ap.error(f"--builtin-requests must be in [1, --requests={a.requests}], got {n_builtin}")
     work = Path(tempfile.mkdtemp(prefix="dcp2d-bench-pd-"))
     model = build_tiny_model("llama-mqa", work / "model")
     rows = []
@@ -235,7 +243,7 @@ def main() -> None:
         case_rows, texts = run_case(work / f"sleep{us}", model, us, a.requests, a.timeout)
         rows += case_rows
         if not a.no_builtin and us == a.sleep_us[0]:
-            rows.append(run_builtin(work / "builtin", model, us, a.requests, a.timeout, texts))
+            rows.append(run_builtin(work / "builtin", model, us, n_builtin, a.timeout, texts[:n_builtin]))
     longest = max(len(prompt(i)) for i in range(a.requests))
     print(f"\nprefill TP=2 -> decode TP=2, tiny llama-mqa fp32, {a.requests} requests of 70-{longest} prompt "
           f"tokens + 8 output tokens per case, one at a time; logs in {work}\n")
