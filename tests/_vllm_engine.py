@@ -19,7 +19,9 @@ def run_engine(script: str, args: list[str], out: Path, label: str, **env_extra:
     proc = subprocess.run([sys.executable, script, "--run", *args], env=env,
                           capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{label} engine failed:\n{log[-6000:]}"
+    if proc.returncode != 0:  # the root cause is often far above the tail (warnings follow it)
+        errors = [line for line in log.splitlines() if "Error" in line and "Warning" not in line]
+        raise AssertionError(f"{label} engine failed:\n" + "\n".join(errors[-20:]) + f"\n...\n{log[-3000:]}")
     cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
     assert cap, f"no KV capacity line in the {label} log"
     return json.loads(out.read_text()), int(cap[0].replace(",", ""))

@@ -47,6 +47,10 @@ def _run_engine(model: str, mode: str, out: str, dtype: str) -> None:
         kw["kv_transfer_config"] = {"kv_connector": "DCP2DConnector", "kv_role": "kv_producer",
                                     "kv_connector_extra_config": {"layer_split": mode, "bootstrap_port": free_port()}}
     mla = "mla" in model
+    if mla and mode == "plain":
+        # the control runs the same kernel: on an AMX CPU vLLM alone would pick AMX_MLA
+        # (other rounding), where the connector picks CPU_MLA (vllm_compat/config.py)
+        kw["attention_config"] = {"backend": "CPU_MLA"}
     llm = LLM(model=model, tensor_parallel_size=2, block_size=None if mla else BLOCK,
               distributed_executor_backend="mp", enforce_eager=True, kv_cache_memory_bytes=32 << 20,
               max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=None if mla else 64,

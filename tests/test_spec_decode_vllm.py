@@ -44,6 +44,8 @@ def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None
                   worker_extension_cls="vllm_dcp2d.testing.spec_probe.SpecProbe")
     mla = "mla" in Path(model).name
     kw.update(_MLA if mla else dict(block_size=BLOCK, cp_kv_cache_interleave_size=BLOCK, max_num_batched_tokens=256))
+    if mla and spec != "none":  # vLLM picks the draft's backend on its own: AMX_MLA on AMX CPUs
+        kw["speculative_config"]["attention_backend"] = "CPU_MLA"
     llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp,
               distributed_executor_backend="mp", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
               max_model_len=1024, max_num_seqs=8, seed=0, dtype="float32", disable_log_stats=False, **kw)

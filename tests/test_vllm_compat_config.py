@@ -31,9 +31,14 @@ def _vc(role="kv_consumer", dcp=1, tp=2, mla=True, backend=None, extra=None, con
 def test_mla_backend_on_amx():
     assert mla_backend(_vc(dcp=2), amx=True) == "CPU_MLA"
     assert mla_backend(_vc(role="kv_producer"), amx=True) == "CPU_MLA"  # layer-split may apply
-    assert mla_backend(_vc(role="kv_producer", extra={"layer_split": "off"}), amx=True) is None
-    assert mla_backend(_vc(role="kv_producer", tp=1), amx=True) is None
-    assert mla_backend(_vc(dcp=1), amx=True) is None  # a DCP=1 decode keeps AMX_MLA
+    # no LSE or layer-split needed: still CPU_MLA by default (one page format on both sides, float32)
+    assert mla_backend(_vc(role="kv_producer", extra={"layer_split": "off"}), amx=True) == "CPU_MLA"
+    assert mla_backend(_vc(role="kv_producer", tp=1), amx=True) == "CPU_MLA"
+    assert mla_backend(_vc(dcp=1), amx=True) == "CPU_MLA"
+    # ... but an explicit AMX_MLA is kept where it can work
+    assert mla_backend(_vc(dcp=1, backend=NS(name="AMX_MLA")), amx=True) is None
+    assert mla_backend(_vc(role="kv_producer", extra={"layer_split": "off"}, backend=NS(name="AMX_MLA")),
+                       amx=True) is None
     assert mla_backend(_vc(dcp=2), amx=False) is None  # vLLM already picks CPU_MLA
     assert mla_backend(_vc(dcp=2, mla=False), amx=True) is None
     assert mla_backend(_vc(dcp=2, connector="NixlConnector"), amx=True) is None

@@ -9,10 +9,11 @@ an error that names the flag to change.
 
 1. ``CpuPlatform.check_and_update_config``: on a CPU with AMX, vLLM picks
    ``AMX_MLA`` for MLA models. It returns no LSE, so DCP cannot merge its
-   partials, and the layer-split fill is hooked into ``CPU_MLA`` only. For a
-   decode with DCP > 1, or a producer whose layer-split storage may apply,
-   :func:`mla_backend` switches to ``CPU_MLA`` before the platform fixes the
-   block size (16 for ``CPU_MLA``).
+   partials, the layer-split fill is hooked into ``CPU_MLA`` only, its page
+   format is its own, and it fails on float32 weights. :func:`mla_backend`
+   switches every DCP2D MLA instance to ``CPU_MLA`` (unless ``AMX_MLA`` was
+   asked for where it can work) before the platform fixes the block size
+   (16 for ``CPU_MLA``).
 2. ``VllmConfig.adjust_dcp_kv_cache_interleave_size``: vLLM pins the DCP
    interleave to the block size for NIXL, once each worker knows its block
    size. The connector writes whole pages into the DCP layout, which needs
@@ -51,7 +52,13 @@ def mla_backend(vllm_config, amx: bool) -> str | None:
     """The MLA backend a DCP2D instance must use on CPU, or None to leave vLLM's choice.
 
     amx: whether this CPU has AMX tiles (vLLM then prefers ``AMX_MLA``).
-    Raises ``ValueError`` when ``AMX_MLA`` was asked for where it cannot work.
+    On AMX every DCP2D MLA instance defaults to ``CPU_MLA``: a decode with
+    DCP > 1 needs its LSE, a layer-split prefill fills transient slots from its
+    cache write, and the two sides of a transfer must share one page format
+    (``AMX_MLA`` packs its own, and it also refuses float32 weights, which
+    vLLM does not check before it picks it). An explicit ``AMX_MLA`` is kept
+    where it can work (a DCP=1 decode or a producer without layer-split, with
+    the same backend on the other side); elsewhere it raises ``ValueError``.
     """
     mc = vllm_config.model_config
     if not (is_dcp2d(vllm_config) and mc is not None and mc.use_mla and amx):
@@ -60,17 +67,13 @@ def mla_backend(vllm_config, amx: bool) -> str | None:
     why = ("decode_context_parallel_size > 1 needs the attention's LSE, which AMX_MLA does not return"
            if dcp > 1 else "layer-split storage fills its transient slot from CPU_MLA's cache write"
            if _layer_split_may_apply(vllm_config) else None)
-    if why is None:
-        return None
     chosen = vllm_config.attention_config.backend
     name = getattr(chosen, "name", chosen)
-    if name == "AMX_MLA":
+    if name == "AMX_MLA" and why is not None:
         extra = " or kv_connector_extra_config layer_split='off'" if dcp == 1 else ""
         raise ValueError(f"--attention-backend AMX_MLA cannot serve this DCP2D instance: {why}. "
                          f"Use --attention-backend CPU_MLA{extra}.")
-    if name in (None, "CPU_MLA"):
-        return "CPU_MLA"
-    return None
+    return "CPU_MLA" if name in (None, "CPU_MLA") else None
 
 
 def resolve_interleave(vllm_config, block_size: int) -> None:
@@ -103,8 +106,16 @@ def _install_mla_backend() -> None:
         backend = mla_backend(vllm_config, amx)
         if backend is not None and vllm_config.attention_config.backend is None:
             log.info("DCP2DConnector: MLA on an AMX CPU uses the CPU_MLA attention backend, not AMX_MLA "
-                     "(it returns the LSE DCP merges with, and fills layer-split transient slots)")
+                     "(it returns the LSE DCP merges with, fills layer-split transient slots, shares one "
+                     "page format with the other side of a transfer, and takes float32)")
             vllm_config.attention_config.backend = AttentionBackendEnum[backend]
+        spec = vllm_config.speculative_config
+        draft = getattr(spec, "draft_model_config", None)
+        if backend is not None and draft is not None and draft.use_mla and spec.attention_backend is None:
+            # vLLM picks a draft's backend on its own (llm_base_proposer: never inherited),
+            # which on AMX is AMX_MLA again: float32 weights fail, and the draft's pages differ
+            log.info("DCP2DConnector: the MLA draft model uses %s too", backend)
+            spec.attention_backend = AttentionBackendEnum[backend]
         stock(klass, vllm_config)
 
     check_and_update_config._dcp2d = True
