@@ -214,16 +214,21 @@ def test_engine_threads_are_not_pinned_to_the_creating_threads_core():
     seen: dict = {}
 
     def create():
-        os.sched_setaffinity(0, one)  # like VLLM_CPU_OMP_THREADS_BIND on this thread
-        before = set(_thread_cpus())
-        t = MooncakeTransport()
-        seen["new"] = {tid: cpus for tid, cpus in _thread_cpus().items() if tid not in before}
-        seen["self"] = os.sched_getaffinity(0)
-        seen["transport"] = t
+        try:
+            os.sched_setaffinity(0, one)  # like VLLM_CPU_OMP_THREADS_BIND on this thread
+            before = set(_thread_cpus())
+            t = MooncakeTransport()
+            seen["new"] = {tid: cpus for tid, cpus in _thread_cpus().items() if tid not in before}
+            seen["self"] = os.sched_getaffinity(0)
+            seen["transport"] = t
+        except BaseException as e:  # surfaced below, not as a thread warning and a KeyError
+            seen["error"] = e
 
     th = threading.Thread(target=create)
     th.start()
     th.join(30)
+    assert "error" not in seen, f"creating the transport from a pinned thread failed: {seen['error']!r}"
+    assert not th.is_alive(), "creating the transport took over 30 s"
     try:
         assert seen["self"] == one
         assert len(seen["new"]) >= 2  # at least the handshake and the TCP transport's threads

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from vllm_dcp2d.connector.config import ConfigError
 from vllm_dcp2d.layout import cp_layer_range
-from vllm_dcp2d.vllm_compat.config import mla_backend, resolve_interleave
+from vllm_dcp2d.vllm_compat.config import draft_backend, mla_backend, resolve_interleave
 from vllm_dcp2d.vllm_compat.kv_cache import StoragePlan, split_tensors, storage_plan
 
 
@@ -46,6 +46,18 @@ def test_mla_backend_on_amx():
         mla_backend(_vc(dcp=2, backend=NS(name="AMX_MLA")), amx=True)
     with pytest.raises(ValueError, match="layer_split='off'"):
         mla_backend(_vc(role="kv_producer", backend=NS(name="AMX_MLA")), amx=True)
+
+
+def test_mla_draft_follows_the_targets_backend():
+    def vc(draft_mla=True, chosen=None, spec=True):
+        return NS(speculative_config=NS(draft_model_config=NS(use_mla=draft_mla), attention_backend=chosen)
+                  if spec else None)
+
+    assert draft_backend(vc(), "CPU_MLA") == "CPU_MLA"
+    assert draft_backend(vc(), None) is None                        # the target keeps vLLM's choice
+    assert draft_backend(vc(draft_mla=False), "CPU_MLA") is None    # a non-MLA draft (EAGLE head)
+    assert draft_backend(vc(chosen="AMX_MLA"), "CPU_MLA") is None   # the user's explicit draft backend
+    assert draft_backend(vc(spec=False), "CPU_MLA") is None
 
 
 def test_interleave_follows_block_size_unless_set():

@@ -28,7 +28,7 @@ import logging
 
 log = logging.getLogger(__name__)
 
-__all__ = ["install", "is_dcp2d", "mla_backend", "resolve_interleave"]
+__all__ = ["draft_backend", "install", "is_dcp2d", "mla_backend", "resolve_interleave"]
 
 
 def is_dcp2d(vllm_config) -> bool:
@@ -76,6 +76,17 @@ def mla_backend(vllm_config, amx: bool) -> str | None:
     return "CPU_MLA" if name in (None, "CPU_MLA") else None
 
 
+def draft_backend(vllm_config, backend: str | None) -> str | None:
+    """The backend to give an MLA draft model when :func:`mla_backend` chose ``backend``
+    for the target, or None to leave it. vLLM picks a draft's backend on its own
+    (``llm_base_proposer``: never inherited), which on AMX is ``AMX_MLA`` again."""
+    spec = vllm_config.speculative_config
+    draft = getattr(spec, "draft_model_config", None)
+    if backend is None or draft is None or not draft.use_mla or spec.attention_backend is not None:
+        return None
+    return backend
+
+
 def resolve_interleave(vllm_config, block_size: int) -> None:
     """Set ``cp_kv_cache_interleave_size`` to ``block_size`` on a DCP2D decode with
     DCP > 1, unless the user set it (vLLM's ``_allow_auto_resolve_cp_interleave_size``)."""
@@ -109,13 +120,9 @@ def _install_mla_backend() -> None:
                      "(it returns the LSE DCP merges with, fills layer-split transient slots, shares one "
                      "page format with the other side of a transfer, and takes float32)")
             vllm_config.attention_config.backend = AttentionBackendEnum[backend]
-        spec = vllm_config.speculative_config
-        draft = getattr(spec, "draft_model_config", None)
-        if backend is not None and draft is not None and draft.use_mla and spec.attention_backend is None:
-            # vLLM picks a draft's backend on its own (llm_base_proposer: never inherited),
-            # which on AMX is AMX_MLA again: float32 weights fail, and the draft's pages differ
+        if draft_backend(vllm_config, backend) is not None:
             log.info("DCP2DConnector: the MLA draft model uses %s too", backend)
-            spec.attention_backend = AttentionBackendEnum[backend]
+            vllm_config.speculative_config.attention_backend = AttentionBackendEnum[backend]
         stock(klass, vllm_config)
 
     check_and_update_config._dcp2d = True
