@@ -10,11 +10,14 @@
 
     .venv/bin/python bench/dcp_decode.py [--contexts 1024,8192,32768] [--batch 4] [--tokens 32]
 
-Each engine runs in a subprocess (vLLM spawns TP workers). TPOT is per request
-from vLLM's own timestamps, ``(last_token_ts - first_token_ts) / (tokens - 1)``,
-so the prefill is excluded; the table gives p50 and max over the batch. Peak
-RSS is ``VmHWM`` of each worker process (the max over the TP ranks). On a
-2-core machine both engines share the cores with anything else running;
+Each engine runs in a subprocess (vLLM spawns TP workers). TPOT is the time of
+one engine step while every request of the batch decodes, taken from
+``LLMEngine.step()`` (the intervals between steps that produced tokens, after
+the last request's prefill and before the first request finished): with chunked
+prefill the first requests would otherwise be timed while the others' prefill
+chunks ran in the same steps. The table gives p50, p99 and max over ``--tokens``
+steps. Peak RSS is ``VmHWM`` of each worker process (the max over the TP ranks).
+On a 2-core machine both engines share the cores with anything else running;
 compare the rows of one run, not runs of different days.
 """
 
@@ -24,14 +27,16 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 BLOCK = 32
+MAX_BATCHED = 4096  # tokens per scheduler step (chunked prefill)
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 8, 1, 128, 2
 
 
@@ -88,19 +93,40 @@ def _worker_peak_rss() -> int:
 def _engine(model: str, dcp: int, context: int, tokens: int, batch: int, dtype: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
+    steps_prefill = -(-batch * context // MAX_BATCHED) + 3
     llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp,
               cp_kv_cache_interleave_size=BLOCK, block_size=BLOCK, distributed_executor_backend="mp",
-              enforce_eager=True, kv_cache_memory_bytes=kv_bytes(batch, context, tokens, dtype),
-              max_model_len=context + tokens + 2 * BLOCK, max_num_seqs=batch, max_num_batched_tokens=4096,
-              enable_prefix_caching=False, dtype=dtype, seed=0, disable_log_stats=False)
+              enforce_eager=True, kv_cache_memory_bytes=kv_bytes(batch, context, tokens + steps_prefill, dtype),
+              max_model_len=context + tokens + steps_prefill + 2 * BLOCK, max_num_seqs=batch,
+              max_num_batched_tokens=MAX_BATCHED, enable_prefix_caching=False, dtype=dtype, seed=0,
+              disable_log_stats=False)
     prompts = [{"prompt_token_ids": [(7 * s + 13 * i) % 500 + 6 for i in range(context)]} for s in range(batch)]
-    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    # Chunked prefill lets the first requests decode while the last ones still
+    # prefill; every request gets enough extra tokens that `tokens` steps run with
+    # the whole batch decoding, and only those steps are timed.
+    sp = SamplingParams(max_tokens=tokens + steps_prefill, temperature=0.0, ignore_eos=True)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    counts, ids, stamps = {}, {}, []
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        grew = False
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            grew |= n > counts.get(o.request_id, 0)
+            counts[o.request_id], ids[o.request_id] = n, list(o.outputs[0].token_ids)
+        all_decoding = len(counts) == batch and min(counts.values()) >= 1 and max(counts.values()) < sp.max_tokens
+        if grew and all_decoding:
+            stamps.append(now)
     wall = time.perf_counter() - t0
-    tpot = sorted((o.metrics.last_token_ts - o.metrics.first_token_ts) / (tokens - 1) for o in outs)
-    Path(out).write_text(json.dumps({"tpot_s": tpot, "wall_s": wall, "rss": _worker_peak_rss(),
-                                     "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+    steps = [b - a for a, b in zip(stamps, stamps[1:])][:tokens]
+    if len(steps) < tokens:
+        raise RuntimeError(f"only {len(steps)} steps ran with all {batch} requests decoding, expected {tokens}")
+    Path(out).write_text(json.dumps({"tpot_s": steps, "wall_s": wall, "rss": _worker_peak_rss(),
+                                     "tokens": [ids[str(i)] for i in range(batch)]}))
 
 
 def run_engines(args) -> list[dict]:
@@ -111,7 +137,7 @@ def run_engines(args) -> list[dict]:
         max_len = max(args.contexts) + args.tokens + 4 * BLOCK
         model = build_model(Path(tmp) / "model", args.dtype, max_len)
         for context in args.contexts:
-            for dcp in (1, 2):
+            for dcp in args.dcps:
                 out = str(Path(tmp) / f"c{context}-dcp{dcp}.json")
                 env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
                 env.pop("TRITON_INTERPRET", None)
@@ -159,6 +185,52 @@ def bench_merge(reps: int) -> list[tuple]:
     return rows
 
 
+def bench_local_attention(reps: int) -> list[tuple]:
+    """One DCP rank's attention over its local pages, one thread, fp32, vLLM's ``vec``
+    page layout (K column-major), 8 query heads on 1 KV head, head dim 128, pages of
+    32: the online softmax over page chunks against the flash route (``attention/flash.py``),
+    each forced on every request by moving ``flash.LONG_QUERY``."""
+    import torch
+
+    from vllm_dcp2d.attention import flash, paged
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    d, h, bs, local = HEAD_DIM, HEADS, BLOCK, 4096
+    layout_k = torch.arange(bs * d).view(d, bs).t().contiguous()
+    layout_v = paged.plain_layout(bs, d)
+    rows, stock = [], flash.LONG_QUERY
+    cases = [("decode 4 x 1 query", [1, 1, 1, 1], False), ("prefill 1 x 2048", [2048], False),
+             ("mixed 2048 + 3 x 1", [2048, 1, 1, 1], False), ("causal new 1 x 2048", [2048], True)]
+    for name, q_lens, causal in cases:
+        r, t = len(q_lens), sum(q_lens)
+        pages = r * local // bs
+        cache = torch.randn(pages, KV_HEADS, 2 * bs * d, generator=g)
+        table = torch.randperm(pages, generator=g).view(r, -1)
+        q = torch.randn(t, h, d, generator=g)
+        kn, vn = torch.randn(t, KV_HEADS, d, generator=g), torch.randn(t, KV_HEADS, d, generator=g)
+        qsl = torch.tensor([0, *np.cumsum(q_lens)])
+        lens = torch.full((r,), local)
+        if causal:
+            run = lambda: paged.varlen_attention_lse(q, kn, vn, qsl, d ** -0.5)  # noqa: E731
+        else:
+            run = lambda: paged.paged_attention_lse(q, cache[..., :bs * d], cache[..., bs * d:],  # noqa: E731
+                                                    layout_k, layout_v, table, lens, qsl, d ** -0.5)
+        times, outs = {"online": [], "flash": []}, {}
+        try:
+            for _ in range(reps):
+                for route, limit in (("online", 1 << 30), ("flash", 0)):
+                    flash.LONG_QUERY = limit
+                    t0 = time.perf_counter()
+                    outs[route] = run()
+                    times[route].append(time.perf_counter() - t0)
+        finally:
+            flash.LONG_QUERY = stock
+        err = max((outs["online"][i] - outs["flash"][i]).abs().max().item() for i in (0, 1))
+        rows.append((name, min(times["online"]) * 1e3, min(times["flash"]) * 1e3, err))
+    return rows
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--engine":
         m, dcp, ctx, tok, b, dt, out = sys.argv[2:9]
@@ -172,28 +244,35 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50, help="merge timing repetitions")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per engine")
     ap.add_argument("--skip-engines", action="store_true")
+    ap.add_argument("--dcps", default="1,2", help="DCP sizes to run (the table needs 1)")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.dcps = [int(d) for d in args.dcps.split(",")]
 
     print(f"LSE merge, torch, CPU (min of {args.reps} interleaved reps; N x T x H x D, fp32)")
     print(f"{'shape':>16} {'vllm_dcp2d ms':>14} {'vLLM ref ms':>12} {'speedup':>8} {'max |diff|':>11}")
     for shape, a, b, err in bench_merge(args.reps):
         print(f"{shape:>16} {a:14.3f} {b:12.3f} {b / a:8.2f} {err:11.2e}")
+    print(f"\nLocal attention of one DCP rank, {HEADS} query heads / {KV_HEADS} KV head / head dim {HEAD_DIM}, "
+          f"4096 local tokens per request, fp32, one thread (min of {max(3, args.reps // 10)} interleaved reps)")
+    print(f"{'case':>20} {'online ms':>10} {'flash ms':>9} {'flash/online':>13} {'max |diff|':>11}")
+    for name, a, b, err in bench_local_attention(max(3, args.reps // 10)):
+        print(f"{name:>20} {a:10.1f} {b:9.1f} {b / a:13.2f} {err:11.2e}")
     if args.skip_engines:
         return 0
     print(f"\nvLLM decode, {HEADS} query heads / {KV_HEADS} KV head / head dim {HEAD_DIM}, {LAYERS} layers, "
           f"TP=2, {args.dtype}, batch {args.batch}, {args.tokens} tokens, block {BLOCK}, same KV memory")
     rows = run_engines(args)
-    print(f"{'context':>8} {'DCP':>4} {'TPOT p50 ms':>12} {'TPOT max ms':>12} {'x DCP=1':>8} "
+    print(f"{'context':>8} {'DCP':>4} {'steps':>6} {'TPOT p50 ms':>12} {'p99 ms':>8} {'max ms':>8} {'x DCP=1':>8} "
           f"{'KV tokens':>10} {'worker RSS MiB':>15} {'same tokens':>12}")
     by = {(r["context"], r["dcp"]): r for r in rows}
     for (context, dcp), r in by.items():
-        base = by[(context, 1)]
-        p50 = statistics.median(r["tpot_s"])
-        ratio = p50 / statistics.median(base["tpot_s"])
+        base = by.get((context, 1), r)
+        p50, p99 = np.percentile(r["tpot_s"], [50, 99])
+        ratio = p50 / np.percentile(base["tpot_s"], 50)
         same = "-" if dcp == 1 else str(r["tokens"] == base["tokens"])
-        print(f"{context:>8} {dcp:>4} {p50 * 1e3:12.1f} {max(r['tpot_s']) * 1e3:12.1f} {ratio:8.2f} "
-              f"{r['kv_tokens']:>10,} {r['rss'] / 2**20:15.0f} {same:>12}")
+        print(f"{context:>8} {dcp:>4} {len(r['tpot_s']):>6} {p50 * 1e3:12.1f} {p99 * 1e3:8.1f} "
+              f"{max(r['tpot_s']) * 1e3:8.1f} {ratio:8.2f} {r['kv_tokens']:>10,} {r['rss'] / 2**20:15.0f} {same:>12}")
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from vllm_dcp2d.attention import paged
+from vllm_dcp2d.attention import flash, paged
 from vllm_dcp2d.attention.dcp import dcp_merge
 from vllm_dcp2d.attention.paged import (
     attention_lse,
@@ -96,13 +96,19 @@ def _shard_pages(k_seq, v_seq, page, dcp, rank, num_slots, gen):
     group=st.sampled_from([1, 3]),
     d=st.sampled_from([8, 40]),
     chunk_pages=st.sampled_from([1, 8, 256]),
+    k_vec=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_sharded_context_plus_new_tokens_equals_full_attention(dcp, page, ctx, new, hkv, group, d, chunk_pages, seed):
+def test_sharded_context_plus_new_tokens_equals_full_attention(dcp, page, ctx, new, hkv, group, d, chunk_pages,
+                                                               k_vec, seed):
     """Context on dcp ranks (empty shards included) + causal new tokens, merged;
-    online softmax over chunks of one page per request, a few, or everything at once."""
+    online softmax over chunks of one page per request, a few, or everything at once.
+    Prefill-sized query runs (over ``flash.LONG_QUERY``) in the same batch take the
+    flash route, with the same chunks. K pages are row-major or column-major (vLLM's
+    ``vec`` layout; a one-page chunk of it reaches the flash kernel as a transposed view)."""
     gen = torch.Generator().manual_seed(seed)
-    q_lens = [new.draw(st.integers(1, 5)) for _ in ctx]
+    long_q = st.integers(flash.LONG_QUERY - 1, flash.LONG_QUERY + 24)
+    q_lens = [new.draw(st.integers(1, 5) | long_q) for _ in ctx]
     h = hkv * group
     scale = 1 / math.sqrt(d)
     k_seq = [torch.randn(c + n, hkv, d, generator=gen) for c, n in zip(ctx, q_lens)]
@@ -120,7 +126,11 @@ def test_sharded_context_plus_new_tokens_equals_full_attention(dcp, page, ctx, n
     parts = []
     for rank in range(dcp):
         kc, vc, table, local = _shard_pages(ctx_k, ctx_v, page, dcp, rank, num_slots, gen)
-        o, lse = paged_attention_lse(q, kc, vc, layout, layout, table, local, qsl, scale, chunk=chunk_pages * page)
+        k_layout = layout
+        if k_vec:  # element (t, d) of a page at d * page + t
+            kc = kc.view(num_slots, hkv, page, d).transpose(-1, -2).reshape(num_slots, hkv, page * d)
+            k_layout = torch.arange(page * d).view(d, page).t().contiguous()
+        o, lse = paged_attention_lse(q, kc, vc, k_layout, layout, table, local, qsl, scale, chunk=chunk_pages * page)
         parts.append({"o": o, "lse": lse})
     new_k = torch.cat([k[c:] for k, c in zip(k_seq, ctx)])
     new_v = torch.cat([v[c:] for v, c in zip(v_seq, ctx)])
@@ -128,6 +138,19 @@ def test_sharded_context_plus_new_tokens_equals_full_attention(dcp, page, ctx, n
     out, lse = dcp_merge(parts[0]["o"], parts[0]["lse"], StackGroup(dcp, 0, parts), local=local_new)
     torch.testing.assert_close(out.double(), ref_o, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+def test_flash_attend_copies_a_head_dim_with_stride():
+    """torch's CPU flash kernel ignores the head dim's stride; attend must not pass it
+    a transposed K (the regression: 94 prefill queries over a 2-token, one-page shard)."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 16, 32, generator=gen)
+    k = torch.randn(1, 32, 8, generator=gen).transpose(-1, -2)  # [1, 8, 32], head-dim stride 8
+    v = torch.randn(1, 8, 32, generator=gen)
+    o, lse = flash.attend(q, k, v, causal=False)
+    s = q.double() @ k.double().transpose(-1, -2)
+    torch.testing.assert_close(o.double(), torch.softmax(s, -1) @ v.double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-5, rtol=0)
 
 
 def test_empty_shard_and_empty_rows():
@@ -275,3 +298,28 @@ def test_peak_memory_is_bounded_by_one_chunk(dtype):
     assert peaks[1] < 1.05 * peaks[0], peaks  # 4x the context, same peak
     assert peaks[1] <= bound, (peaks[1], bound)
     assert peaks[1] * 16 < r * h * 16384 * 2 * d * a  # the per-head K/V copies alone, at 16K
+
+
+def test_long_query_peak_memory_is_bounded_by_one_chunk():
+    """A 512-token prefill chunk (8 query heads on 1 KV head) over contexts of 4K and
+    16K tokens takes the flash route: the peak does not grow with the context and
+    stays within the queries, outputs and one chunk of K and V (flash.py's bound)."""
+    nq, h, hkv, d, page, chunk = 512, 8, 1, 64, 32, 1024
+    gen = torch.Generator().manual_seed(1)
+    peaks = []
+    for length in (4096, 16384):
+        pages = length // page
+        cache = torch.randn(pages, hkv, 2 * page * d, generator=gen)
+        table = torch.arange(pages, dtype=torch.int32)[None]
+        q = torch.randn(nq, h, d, generator=gen)
+        layout = plain_layout(page, d)
+        run = lambda: paged_attention_lse(q, cache[..., : page * d], cache[..., page * d:], layout,  # noqa: E731
+                                          layout, table, torch.tensor([length]), torch.tensor([0, nq]), 0.1,
+                                          chunk=chunk)
+        paged._WORKSPACE.clear()
+        peaks.append(_peak_bytes(run))
+    a = 4
+    rows = nq * h * (d + 1) * a  # one [Q, H, D] output with its LSE
+    bound = 6 * rows + 4 * hkv * chunk * d * a  # q fold, partial, running and merged outputs; K, V raw + copies
+    assert peaks[1] < 1.05 * peaks[0], peaks
+    assert peaks[1] <= bound, (peaks[1], bound)

@@ -54,7 +54,9 @@ def _run_engine(model: str, dcp: int, out: str, dtype: str = "auto") -> None:
 
 def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> tuple[dict, int]:
     out = tmp / f"dcp{dcp}.json"
-    return run_engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}",
+    # DCP > 1: the DCP group's all-gathers run over vLLM's shared memory (vllm_compat patch 6).
+    shm = ("DCP group dcp:0 (ranks [0, 1]) gathers over shared memory",) if dcp > 1 else ()
+    return run_engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm,
                       VLLM_ENABLE_V1_MULTIPROCESSING="1")
 
 

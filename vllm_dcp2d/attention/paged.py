@@ -12,7 +12,9 @@ dimension (``[R, Hkv, Q * G, D]``), so K and V are never copied per query head.
 Keys are consumed in chunks of about ``chunk * 8 / M`` tokens per request
 (``M`` folded query rows; whole pages for paged KV, at least one) merged by an
 online softmax, so no score matrix spans the whole context.
-A row that sees no key gets ``O = 0`` and ``LSE = -inf``.
+A row that sees no key gets ``O = 0`` and ``LSE = -inf``. Requests with
+more than ``flash.LONG_QUERY`` query tokens (prefill chunks) go one at a time
+through torch's fused CPU flash kernel instead (:mod:`.flash`).
 
 **Memory per call** (``R`` requests, ``M = Qmax * G`` folded query rows,
 ``C`` chunk tokens over the batch in pages of ``bs``, ``e`` the cache element
@@ -34,6 +36,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from vllm_dcp2d.attention import flash
 
 __all__ = ["attention_lse", "gather_pages", "plain_layout", "paged_attention_lse", "varlen_attention_lse",
            "pad_tokens", "CHUNK_TOKENS"]
@@ -300,6 +304,20 @@ def paged_attention_lse(
     acc = _acc_dtype(q)
     if t == 0 or max_kv_len == 0:
         return q.new_zeros((t, h, dv), dtype=acc), q.new_full((t, h), float("-inf"), dtype=acc)
+    bs = k_layout.shape[0]
+    read_k = _page_reader(k_layout, k_cache.shape[-1])
+    # MLA: V is the first Dv columns of the latent rows K already holds.
+    v_in_k = (v_cache is k_cache and v_layout.shape[1] <= k_layout.shape[1]
+              and torch.equal(v_layout, k_layout[:, : v_layout.shape[1]]))
+    read_v = None if v_in_k else _page_reader(v_layout, v_cache.shape[-1])
+    table = block_table[:r].long()
+    flash_ok = token_kv_lens is None and read_v is not None and k_layout.shape[1] == dv
+    long = flash.long_requests(q_lens) if flash_ok else []
+    if long:
+        return _route(query_start_loc, long, (t, h, dv), acc, lambda reqs, sel, qsl: paged_attention_lse(
+            q[sel], k_cache, v_cache, k_layout, v_layout, block_table[reqs], kv_lens[reqs], qsl, scale, chunk=chunk),
+            lambda i, s, e: _flash_context(q[s:e], k_cache, v_cache, read_k, read_v, table[i], int(kv_lens[i]),
+                                           bs, acc, scale, chunk))
     max_q = int(q_lens.max())
     qf = _fold(pad_tokens(q, query_start_loc, max_q), hkv, acc, scale)  # [R, Hkv, M, Dk]
     if token_kv_lens is None:
@@ -307,14 +325,7 @@ def paged_attention_lse(
     else:
         lim = pad_tokens(token_kv_lens.long(), query_start_loc, max_q)
     lim = _fold_limits(lim, h // hkv)
-    bs = k_layout.shape[0]
     pages_per_chunk = max(1, chunk * _DECODE_ROWS // (bs * r * qf.shape[2]))
-    read_k = _page_reader(k_layout, k_cache.shape[-1])
-    # MLA: V is the first Dv columns of the latent rows K already holds.
-    v_in_k = (v_cache is k_cache and v_layout.shape[1] <= k_layout.shape[1]
-              and torch.equal(v_layout, k_layout[:, : v_layout.shape[1]]))
-    read_v = None if v_in_k else _page_reader(v_layout, v_cache.shape[-1])
-    table = block_table[:r].long()
     state = _OnlineSoftmax(r, hkv, qf.shape[2], dv, acc, q.device)
     num_pages = -(-max_kv_len // bs)
     for p0 in range(0, num_pages, pages_per_chunk):
@@ -348,6 +359,12 @@ def varlen_attention_lse(
         return q.new_zeros((0, q.shape[1], v.shape[-1]), dtype=_acc_dtype(q)), q.new_zeros(
             (0, q.shape[1]), dtype=_acc_dtype(q)
         )
+    acc = _acc_dtype(q)
+    long = flash.long_requests(q_lens) if k.shape[-1] == v.shape[-1] else []
+    if long:
+        return _route(query_start_loc, long, (t, q.shape[1], v.shape[-1]), acc,
+                      lambda reqs, sel, qsl: varlen_attention_lse(q[sel], k[sel], v[sel], qsl, scale),
+                      lambda i, s, e: _flash_causal(q[s:e], k[s:e], v[s:e], acc, scale))
     max_q = int(q_lens.max())
     o, lse = attention_lse(
         pad_tokens(q, query_start_loc, max_q),
@@ -356,3 +373,56 @@ def varlen_attention_lse(
         q_lens, q_lens, scale, causal=True,
     )
     return _unpad(o, query_start_loc, t), _unpad(lse, query_start_loc, t)
+
+
+def _route(query_start_loc: torch.Tensor, long: list[int], shape: tuple[int, int, int], acc: torch.dtype,
+           short_fn, long_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Requests ``long`` one at a time through ``long_fn(i, start, end)``, the rest in
+    one batch through ``short_fn(reqs [R'], tokens [T'], query_start_loc [R' + 1])``,
+    each returning ``(o [n, H, Dv], lse [n, H])``. shape: ``(T, H, Dv)``."""
+    qsl = query_start_loc.long()
+    o = torch.empty(shape, dtype=acc, device=qsl.device)
+    lse = torch.empty(shape[:2], dtype=acc, device=qsl.device)
+    bounds = qsl.tolist()
+    for i in long:
+        s, e = bounds[i], bounds[i + 1]
+        o[s:e], lse[s:e] = long_fn(i, s, e)
+    short = torch.ones(qsl.shape[0] - 1, dtype=torch.bool, device=qsl.device)
+    short[long] = False
+    if bool(short.any()):
+        lens = qsl[1:] - qsl[:-1]
+        reqs = torch.nonzero(short).flatten()
+        sel = torch.nonzero(torch.repeat_interleave(short, lens)).flatten()
+        sub = torch.cat([lens.new_zeros(1), torch.cumsum(lens[reqs], 0)])
+        o[sel], lse[sel] = short_fn(reqs, sel, sub)
+    return o, lse
+
+
+def _flash_context(q, k_cache, v_cache, read_k, read_v, row, kv_len, bs, acc, scale, chunk):
+    """One long request's context attention through :mod:`.flash`: q ``[Q, H, D]``
+    over the first ``kv_len`` tokens of the pages ``row [W]``, keys ``chunk`` at a time.
+    Returns ``(o [Q, H, D], lse [Q, H])`` in ``acc``."""
+    nq, h, hkv = q.shape[0], q.shape[1], k_cache.shape[1]
+    if kv_len == 0:
+        return q.new_zeros(q.shape, dtype=acc), q.new_full((nq, h), float("-inf"), dtype=acc)
+    pages = -(-kv_len // bs)
+    if pages > row.shape[0]:
+        raise ValueError(f"{kv_len} context tokens need {pages} pages, the block table row has {row.shape[0]}")
+    qf = _fold(q[None], hkv, acc, scale)[0]  # [Hkv, Q * G, D]
+    step, run = max(1, chunk // bs), None
+    for p0 in range(0, pages, step):
+        ids = row[p0:min(p0 + step, pages)][None]
+        n = min(kv_len - p0 * bs, ids.shape[1] * bs)
+        k, v = read_k(k_cache, ids, "k", acc)[0], read_v(v_cache, ids, "v", acc)[0]  # [P, Hkv, bs, D]
+        k = k.transpose(0, 1).reshape(hkv, -1, k.shape[-1])[:, :n]
+        v = v.transpose(0, 1).reshape(hkv, -1, v.shape[-1])[:, :n]
+        run = flash.merge_into(run, *flash.attend(qf, k, v, causal=False))
+    return _unfold(run[0][None], nq)[0], _unfold(run[1][None], nq)[0]
+
+
+def _flash_causal(q, k, v, acc, scale):
+    """One long request's new tokens over themselves: q ``[Q, H, D]``, k, v ``[Q, Hkv, D]``
+    -> ``(o [Q, H, D], lse [Q, H])`` in ``acc``."""
+    o, lse = flash.attend((q.to(acc) * scale).transpose(0, 1), k.to(acc).transpose(0, 1),
+                          v.to(acc).transpose(0, 1), causal=True)
+    return o.transpose(0, 1), lse.transpose(0, 1)

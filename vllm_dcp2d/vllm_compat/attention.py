@@ -33,6 +33,13 @@ why:
    MLA layer merges DCP partials with ``cp_lse_ag_out_rs``, a Triton kernel
    (Triton has no CPU backend here); the replacement all-gathers and merges
    in torch. Installed lazily by the DCP MLA impl, only when DCP > 1.
+6. :func:`install_dcp_shm`: ``CpuCommunicator.__init__``. vLLM gives only its
+   "tp" and "pp" groups the shared-memory collectives (``_CPUSHMDistributed``);
+   the "dcp" group falls back to gloo over loopback TCP, whose two all-gathers
+   per layer took about a third of a DCP=2 decode step (py-spy of a worker,
+   BENCHMARKS.md "DCP decode"). A DCP group is a subset of one instance's TP
+   ranks, so it passes the same check vLLM applies to TP (every rank agrees on
+   the shared-memory group name) and gets the same path.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from vllm_dcp2d.vllm_compat import check_vllm_version
 logger = logging.getLogger(__name__)
 
 __all__ = ["register", "cp_slot_mapping", "cpu_kv_layout", "local_context_lens", "install_mla_dcp_combine",
-           "cp_lse_combine_torch"]
+           "cp_lse_combine_torch", "install_dcp_shm"]
 
 _registered = False
 
@@ -80,11 +87,35 @@ def register() -> None:
     global _stock_slot_mapping
     _stock_slot_mapping = cpu_triton_utils._compute_slot_mapping_kernel_impl
     cpu_triton_utils._compute_slot_mapping_kernel_impl = cp_slot_mapping
+    install_dcp_shm()
     _registered = True
     logger.debug("vllm_dcp2d: CPU_ATTN and CPU_MLA overridden, CP slot mapping installed")
 
 
 _stock_slot_mapping = None
+
+
+def install_dcp_shm() -> None:
+    """Patch 6: DCP groups of more than one rank use vLLM's shared-memory CPU
+    collectives instead of gloo (idempotent; the check and the shared-memory set-up
+    are collectives over the group, run by every rank as it builds the group)."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    stock = cc.CpuCommunicator.__init__
+    if getattr(stock, "_vllm_dcp2d", False):
+        return
+
+    @functools.wraps(stock)
+    def __init__(self, cpu_group, device=None, device_group=None, unique_name="", use_all2all=False):
+        stock(self, cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+        if (unique_name.startswith("dcp") and self.world_size > 1 and self.dist_module is torch.distributed
+                and hasattr(torch.ops._C, "init_shm_manager") and self._all_group_ranks_share_shm_group_name()):
+            self.dist_module = cc._CPUSHMDistributed(self)
+            self.supports_tensor_dict = True
+            logger.info("vllm_dcp2d: DCP group %s (ranks %s) gathers over shared memory", unique_name, self.ranks)
+
+    __init__._vllm_dcp2d = True
+    cc.CpuCommunicator.__init__ = __init__
 
 
 def cp_slot_mapping(
