@@ -6,7 +6,8 @@ exact merge for its own ``H = Hg / N`` heads. Three ways, timed over gloo betwee
 ``--ranks`` real processes on loopback (what vLLM's CPU workers use):
 
 * ``ag(O|LSE)``: one all-gather of O with LSE packed as an extra column, then a
-  local merge of the kept heads (this package's ``attention/dcp.py``);
+  local merge of the kept heads (this package's ``attention/dcp.py``, with its
+  ``merge_lse_torch``);
 * ``ag(LSE)+rs(O)``: all-gather the LSE, scale O by its merge weight, reduce-scatter
   O over the heads (vLLM's GPU path, ``cp_lse_ag_out_rs``);
 * ``ag(LSE)+ar(O)``: the same with an all-reduce, for backends without reduce-scatter.
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from vllm_dcp2d.attention.merge import merge_lse_torch
 
 SHAPES = [(4, 8, 128), (64, 32, 128), (4096, 8, 128)]  # T, Hg, D: decode batch 4, batch 64, a prefill chunk
 
@@ -53,7 +56,7 @@ def ag_packed(o, lse, n, rank):
     both = torch.empty(n, *o.shape[:2], o.shape[2] + 1)
     dist.all_gather_into_tensor(both, torch.cat([o, lse[..., None]], -1)[None])
     mine = both[:, :, rank * h:(rank + 1) * h]
-    return (_weights(mine[..., -1])[..., None] * mine[..., :-1]).sum(0)
+    return merge_lse_torch(mine[..., :-1], mine[..., -1])[0]  # the package's own merge
 
 
 def ag_lse_rs(o, lse, n, rank):

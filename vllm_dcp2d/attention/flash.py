@@ -84,7 +84,8 @@ def merge_into(acc: tuple[torch.Tensor, torch.Tensor] | None, o: torch.Tensor,
                lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the partial ``(o [..., D], lse [...])`` into the running ``acc`` (or
     start it), in place: both outputs are the caller's to overwrite. Both partials
-    must have seen at least one key per row."""
+    must have seen at least one key per row. (:func:`.merge.merge_lse` would stack
+    the two partials: two more output-sized copies against the bound above.)"""
     if acc is None:
         return o, lse
     o0, lse0 = acc

@@ -106,8 +106,9 @@ def install_dcp_shm() -> None:
         return
 
     @functools.wraps(stock)
-    def __init__(self, cpu_group, device=None, device_group=None, unique_name="", use_all2all=False):
-        stock(self, cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+    def __init__(self, *args, **kwargs):
+        stock(self, *args, **kwargs)
+        unique_name = self.unique_name
         if (unique_name.startswith("dcp") and self.world_size > 1 and self.dist_module is torch.distributed
                 and hasattr(torch.ops._C, "init_shm_manager") and self._all_group_ranks_share_shm_group_name()):
             self.dist_module = cc._CPUSHMDistributed(self)
