@@ -43,7 +43,7 @@ def bench(cp: int, dcp: int, writes: int, repeat: int) -> tuple[tuple, tuple]:
             for d in range(dcp):
                 for _ in range(writes):
                     worker.record_path(r, d, 1 << 20, 64, 0.001 * (1 + i % 50))
-        worker.count("released", 3)
+        worker.count("lifted", 3)
         t0 = time.perf_counter()
         data = worker.clone_and_reset().to_dict()
         t1 = time.perf_counter()

@@ -109,7 +109,7 @@ def pd_cluster(work, place=loopback):
         return {"host": host, "netns": netns}
 
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE,
-                          dtype=DTYPE, **at("prefill"),
+                          dtype=DTYPE, engine_id="prefill", **at("prefill"),
                           extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, dtype=DTYPE,
                          block_size=PAGE, **at("decode"),

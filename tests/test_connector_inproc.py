@@ -122,9 +122,10 @@ def test_expiry_recomputes(llm):
     engine, stats = llm
     ids = prompts()["pages"]
     (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
-    port = engine.llm_engine.vllm_config.kv_transfer_config.kv_connector_extra_config["bootstrap_port"]
+    kv = engine.llm_engine.vllm_config.kv_transfer_config
     params = {"do_remote_prefill": True, "remote_request_id": "never-prefilled",
-              "remote_bootstrap_addr": f"tcp://127.0.0.1:{port}", "remote_engine_id": "x"}
+              "remote_bootstrap_addr": f"tcp://127.0.0.1:{kv.kv_connector_extra_config['bootstrap_port']}",
+              "remote_engine_id": kv.engine_id}
     free = free_blocks(engine)
     (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids

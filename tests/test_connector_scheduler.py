@@ -63,7 +63,8 @@ def test_consumer_load_spec_and_one_shot():
     assert s.build_connector_meta(sched_out()).loads == {}  # handed over once
 
 
-@pytest.mark.parametrize("given,used", [(4, 4.0), (0.5, 0.5), (-1, 60.0), ("5", 60.0), (True, 60.0)])
+@pytest.mark.parametrize("given,used", [(4, 4.0), (0.5, 0.5), (-1, 60.0), ("5", 60.0), (True, 60.0),
+                                        (600, 600.0), (86400, 600.0), (1e12, 600.0)])
 def test_consumer_per_request_timeout(given, used):
     s = side(consumer=True)
     s.update_state_after_alloc(request(params=dict(REMOTE, transfer_timeout_s=given)),
@@ -71,11 +72,31 @@ def test_consumer_per_request_timeout(given, used):
     assert s.build_connector_meta(sched_out()).loads["r"].timeout_s == used
 
 
-def test_consumer_bad_params_prefill_locally():
+def test_consumer_per_request_timeout_cap_is_a_config_key():
+    s = side(consumer=True, max_transfer_timeout_s=30.0, transfer_timeout_s=10.0)
+    s.update_state_after_alloc(request(params=dict(REMOTE, transfer_timeout_s=3600)),
+                               NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
+    assert s.build_connector_meta(sched_out()).loads["r"].timeout_s == 30.0
+
+
+@pytest.mark.parametrize("params,why", [
+    ({"do_remote_prefill": True}, "lack ['remote_request_id', 'remote_bootstrap_addr', 'remote_engine_id']"),
+    (dict(REMOTE, remote_bootstrap_addr="tcp://127.0.0.1:notaport"), "'tcp://127.0.0.1:notaport': expected"),
+    (dict(REMOTE, remote_bootstrap_addr="x"), "remote_bootstrap_addr = 'x'"),
+    (dict(REMOTE, remote_bootstrap_addr="tcp://h:70000"), "port in [1, 65535]"),
+    (dict(REMOTE, remote_bootstrap_addr=None), "remote_bootstrap_addr = None"),
+    (dict(REMOTE, remote_request_id="k" * 513), "1..512 characters (got 513)"),
+    (dict(REMOTE, remote_request_id=7), "remote_request_id = 7"),
+    (dict(REMOTE, remote_engine_id=""), "remote_engine_id = ''"),
+])
+def test_consumer_bad_params_prefill_locally(params, why, caplog):
+    """Checked at the boundary, before any worker sees them: the request is prefilled
+    here, the log names the value (a bad address used to kill the receiver thread)."""
     s = side(consumer=True)
-    req = request(params={"do_remote_prefill": True})
+    req = request(params=dict(params))
     s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1],)), 100)
     assert s.build_connector_meta(sched_out()).loads == {}
+    assert why in caplog.text and "prefilling locally" in caplog.text
 
 
 def test_producer_holds_blocks_and_answers_params():
@@ -125,6 +146,7 @@ def test_producer_aborted_before_its_prompt_completed_frees_at_once():
     assert s.request_finished(req, ([1, 2],)) == (False, None)
     meta = s.build_connector_meta(sched_out())
     assert meta.aborted == {} and meta.ready == {}
+    assert meta.dropped == {"r": "r"}  # fetches waiting for it fail now, not after prefill_wait_s
 
 
 def test_producer_aborted_after_its_prompt_completed_keeps_blocks():
@@ -138,6 +160,47 @@ def test_producer_aborted_after_its_prompt_completed_keeps_blocks():
     assert s.build_connector_meta(sched_out()).aborted == {"r": "t"}
 
 
+def test_producer_preempted_after_its_prompt_completed_rewrites_every_layer():
+    """vLLM preempts a request after the step that completed its prompt: the next
+    step lists it in ``preempted`` (the workers void its layer writes before the
+    forward), and its re-prefill is listed in ``computing`` again with its new blocks."""
+    s = side(producer=True)
+    req = request(params={"do_remote_decode": True, "transfer_id": "t"})
+    s.update_state_after_alloc(req, None, 0)
+    assert s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 100})).computing["r"].transfer_key == "t"
+    out = sched_out()
+    out.preempted_req_ids = {"r", "other"}
+    meta = s.build_connector_meta(out)
+    assert meta.preempted == {"r": "t"} and meta.computing == {}
+    s.kv_cache_manager = NS(get_block_ids=lambda rid: ([20, 21, 22, 23, 24],))  # re-admitted in new blocks
+    again = s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 101}))
+    assert again.computing["r"].block_ids == ([20, 21, 22, 23],) and again.preempted == {}
+    req.status = RequestStatus.FINISHED_STOPPED
+    assert s.request_finished(req, ([20, 21, 22, 23],))[0] is True
+
+
+def test_producer_aborted_while_preempted_fails_its_waiting_fetches():
+    """Preempted (no blocks kept), then aborted: ``dropped`` tells the workers, and the
+    transfer key is only reused once they heard of it."""
+    s = side(producer=True)
+    req = request(params={"do_remote_decode": True, "transfer_id": "t"})
+    s.update_state_after_alloc(req, None, 0)
+    s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 100}))
+    out = sched_out()
+    out.preempted_req_ids = {"r"}
+    s.build_connector_meta(out)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(req, ([],)) == (False, None)
+    other = request("o", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
+    s.update_state_after_alloc(other, None, 0)
+    assert s.request_finished(other, ([1],))[1]["remote_request_id"] == "o"  # "t" is still r's
+    meta = s.build_connector_meta(sched_out())
+    assert meta.dropped == {"r": "t"} and meta.aborted == {}
+    third = request("p", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
+    s.update_state_after_alloc(third, None, 0)
+    assert s.request_finished(third, ([2],))[1]["remote_request_id"] == "t"
+
+
 @pytest.mark.parametrize("remote,want", [(100, 100), (99, 99), ("100", -1), (None, None)])
 def test_consumer_load_spec_carries_the_producers_token_count(remote, want):
     """The workers fail a load whose remote_num_tokens differs from the prompt here."""
@@ -149,11 +212,11 @@ def test_consumer_load_spec_carries_the_producers_token_count(remote, want):
 
 
 def test_consumer_quarantine_holds_blocks_out_of_the_free_queue():
-    """Held blocks survive the request's free (vLLM's own BlockPool) and return to the
-    free queue only when every rank that held them released them."""
+    """Quarantined blocks survive the request's free (vLLM's own BlockPool) and return to
+    the free queue only when every rank that quarantined them lifted it."""
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_dcp2d.connector.scheduler import DCP2DWorkerMeta
+    from vllm_dcp2d.connector.metadata import DCP2DWorkerMeta
 
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=PAGE)
     s = side(consumer=True)
@@ -163,17 +226,17 @@ def test_consumer_quarantine_holds_blocks_out_of_the_free_queue():
     free0 = pool.get_num_free_blocks()
     out = lambda **m: NS(finished_sending=None, kv_connector_worker_meta=DCP2DWorkerMeta(**m))  # noqa: E731
     assert not s.has_pending_work()
-    s.update_connector_output(out(hold={("r", 0): ids[1:], ("r", 1): ids[1:]}))
+    s.update_connector_output(out(quarantine={("r", 0): ids[1:], ("r", 1): ids[1:]}))
     pool.free_blocks(blocks)  # vLLM frees the failed request
     assert pool.get_num_free_blocks() == free0 + 1 and s.quarantined_blocks() == 6
-    assert s.has_pending_work()  # the engine keeps stepping: only a step brings the release
-    fresh = {b.block_id for b in pool.get_new_blocks(free0 + 1)}  # nothing hands out a held block
+    assert s.has_pending_work()  # the engine keeps stepping: only a step brings the lift
+    fresh = {b.block_id for b in pool.get_new_blocks(free0 + 1)}  # nothing hands out a quarantined block
     assert not fresh & set(ids[1:])
     pool.free_blocks([pool.blocks[i] for i in fresh])
-    s.update_connector_output(out(release={("r", 0)}))
-    assert pool.get_num_free_blocks() == free0 + 1  # rank 1 still holds them
+    s.update_connector_output(out(lifted={("r", 0)}))
+    assert pool.get_num_free_blocks() == free0 + 1  # rank 1 still quarantines them
     assert s.has_pending_work()
-    s.update_connector_output(out(release={("r", 1), ("r", 1)}))
+    s.update_connector_output(out(lifted={("r", 1), ("r", 1)}))
     assert pool.get_num_free_blocks() == free0 + 4 and s.quarantined_blocks() == 0
     assert not s.has_pending_work()
 

@@ -69,7 +69,7 @@ def test_decode_expiry_recomputes(cluster):
     # the producer holds an unknown request for prefill_wait_s (120 s): only the
     # request's own transfer_timeout_s can end this fetch
     params = {"do_remote_prefill": True, "remote_request_id": "never-prefilled",
-              "remote_bootstrap_addr": bootstrap_addr(c), "remote_engine_id": "none",
+              "remote_bootstrap_addr": bootstrap_addr(c), "remote_engine_id": "prefill",
               "transfer_timeout_s": EXPIRY_S}
     t0 = time.monotonic()
     out = complete(c["decode1"].url, c["model"], prompt, kv_transfer_params=params)
@@ -197,8 +197,8 @@ def test_metrics(cluster):
             assert present == (not m.per_path or name == "decode"), (name, m.name, sorted(names))
         value = {n: v for (n, labels), v in got.items() if set(labels) == model}
         assert all(v >= 0 for n, v in value.items() if n.startswith("vllm:dcp2d_")), value
-        assert value["vllm:dcp2d_quarantined_blocks_held"] == \
-            value["vllm:dcp2d_quarantined_blocks_total"] - value["vllm:dcp2d_released_blocks_total"]
+        assert value["vllm:dcp2d_blocks_in_quarantine"] == \
+            value["vllm:dcp2d_quarantined_blocks_total"] - value["vllm:dcp2d_lifted_blocks_total"]
 
 
 def seconds_until(cond, timeout_s: float, what: str) -> float:

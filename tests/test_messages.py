@@ -12,11 +12,12 @@ from vllm_dcp2d.connector import messages as m
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, QueryRanks, RankTable,
                                            RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
                                            decode, encode)
-from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.connector.plan import KVRegions, Memory
 
 pytestmark = pytest.mark.timeout(120)
 FP = Fingerprint("glm-5.2@abc", 8, 64, "float8_e4m3fn", 36864, "cpu:[blocks,heads,block,2*head]",
                  "sha256:0123@main")
+MEMORY = Memory([4096], [16 << 20])  # holds 10 blocks of every region below
 
 
 def _request(**kw):
@@ -24,7 +25,7 @@ def _request(**kw):
                         np.array([1024, 2048]), np.array([512, 2048]))
     args = dict(transfer_key="req-1", attempt_id=7, engine_id="decode-0", consumer_rank=1, consumer_size=2,
                 session="127.0.0.1:15001", dcp_size=2, dcp_rank=1, block_ids=np.array([5, 3, 9]),
-                num_tokens=300, first_page=1, fingerprint=FP, wait_s=0.5)
+                num_tokens=300, first_page=1, fingerprint=FP, wait_s=0.5, num_blocks=10, memory=MEMORY)
     args.update(kw)
     return TransferRequest.build(regions=regions, **args)
 
@@ -45,7 +46,8 @@ SAMPLES = [
                           np.array([512, 2048]), np.array([1] * 6 + [0] * 2), np.array([False, True])),
         transfer_key="req-2", attempt_id=8, engine_id="decode-0", consumer_rank=0, consumer_size=2,
         session="127.0.0.1:15001", dcp_size=2, dcp_rank=0, block_ids=([4, 8, 1, 2, 6], [5, 3, 9]),
-        num_tokens=300, first_page=0, fingerprint=dataclasses.replace(FP, draft_layers=2), wait_s=0.5),
+        num_tokens=300, first_page=0, fingerprint=dataclasses.replace(FP, draft_layers=2), wait_s=0.5,
+        num_blocks=10, memory=MEMORY),
     _outcome(),
     _outcome(ok=True, reason="", num_tokens=130, nbytes=1 << 40, descriptors=3, batches=1, naive_bytes=1 << 41),
     _outcome(settled=False),
@@ -109,8 +111,8 @@ def _pack(d) -> bytes:
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d.update(v=1), "unsupported protocol version 1"),
     (lambda d: d.update(v=2), "unsupported protocol version 2"),
-    (lambda d: d.update(v=3), "unsupported protocol version 3"),
-    (lambda d: d.update(v=5), "unsupported protocol version 5"),
+    (lambda d: d.update(v=4), "unsupported protocol version 4"),
+    (lambda d: d.update(v=6), "unsupported protocol version 6"),
     (lambda d: d.update(v=True), "unsupported protocol version True"),
     (lambda d: d.pop("v"), "unsupported protocol version None"),
     (lambda d: d.update(type="Nope"), "unknown message type 'Nope'"),
@@ -164,7 +166,7 @@ def test_hostile_bytes(data, match):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda d: d.update(v=3), r"unsupported protocol version 3 \(this side speaks 4\)"),
+    (lambda d: d.update(v=3), r"unsupported protocol version 3 \(this side speaks 5\)"),
     (lambda d: d.pop("num_tokens"), r"missing fields \['num_tokens'\]"),
     (lambda d: d.update(attempt_id=1), r"unknown fields \[\"'attempt_id'\"\]"),
     (lambda d: d.update(consumer_rank=2), r"consumer_rank must be in \[0, consumer_size=2\)"),
@@ -198,7 +200,7 @@ def test_every_truncation_rejected():
 
 
 def test_big_block_table():
-    req = _request(block_ids=np.arange(1 << 16) * 3)
+    req = _request(block_ids=np.arange(1 << 16) * 3, num_blocks=3 << 16, memory=Memory([4096], [1 << 30]))
     data = encode(req)
     assert len(data) < (1 << 16) * 8 + 4096
     assert np.array_equal(decode(data).block_ids, np.arange(1 << 16) * 3)

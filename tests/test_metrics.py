@@ -169,7 +169,7 @@ def test_prom_metrics_equal_the_recorded_figures(steps):
         if not m.per_path and m.kind == "counter":
             assert val(m.name + "_total") == counters[m.source], m.name
             assert val(m.name + "_total", engine="0") == 0
-    assert val("vllm:dcp2d_quarantined_blocks_held") == counters["quarantined"] - counters["released"]
+    assert val("vllm:dcp2d_blocks_in_quarantine") == counters["quarantined"] - counters["lifted"]
 
 
 def test_prom_metrics_exist_from_start_and_reject_bad_data():

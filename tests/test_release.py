@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, regions, wait_until
-from vllm_dcp2d.connector import sender_lifetime
+from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
+from vllm_dcp2d.connector import send_ledger
 from vllm_dcp2d.connector.receiver import Receiver
 from vllm_dcp2d.connector.transport import MooncakeTransport
 
@@ -60,10 +60,11 @@ def test_release_during_a_write_takes_effect_when_it_settles(stack):
     """The decode gives up on a fetch (its deadline) while the prefill's write is
     held open, then releases the request: the prefill reports it finished only
     after that write returned."""
-    s = Side(stack, sender_kw={"expiry_s": 120.0}, receiver_kw={"timeout_s": 0.5, "cancel_grace_s": 0.3})
+    s = Side(stack, sender_kw={"expiry_s": 120.0}, receiver_kw={"cancel_grace_s": 0.3})
     s.sender.add_request("x", SRC_IDS, TOKENS)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
     assert s.gate.entered.wait(20)
+    deadline_now(s.recv, "x")
     f = s.recv.wait("x", 20)
     assert not f.ok and f.quarantined  # the write never answered the cancel
     s.recv.release("x", s.boot.address, TOKENS)
@@ -112,7 +113,7 @@ def test_release_before_the_request_is_added_is_remembered(stack, monkeypatch):
     s = Side(stack, sender_kw={"expiry_s": 120.0})
     s.recv.release("early", s.boot.address, TOKENS)
     s.recv.release("other-count", s.boot.address, TOKENS + 1)
-    wait_until(lambda: len(s.sender._early) == 2)
+    wait_until(lambda: len(s.sender.ledger._early) == 2)
     s.sender.add_request("early", SRC_IDS, TOKENS)
     s.sender.add_request("other-count", SRC_IDS, TOKENS)  # the key was reused: not this request's release
     assert finished_within(s.sender) == {"early": "released"}
@@ -121,11 +122,11 @@ def test_release_before_the_request_is_added_is_remembered(stack, monkeypatch):
 
 
 def test_remembered_releases_expire(stack, monkeypatch):
-    monkeypatch.setattr(sender_lifetime, "RELEASE_MEMORY_S", 0.2)
+    monkeypatch.setattr(send_ledger, "RELEASE_MEMORY_S", 0.2)
     s = Side(stack, sender_kw={"expiry_s": 120.0})
     s.recv.release("late", s.boot.address, TOKENS)
-    wait_until(lambda: "late" in s.sender._early)
-    wait_until(lambda: "late" not in s.sender._early)
+    wait_until(lambda: "late" in s.sender.ledger._early)
+    wait_until(lambda: "late" not in s.sender.ledger._early)
     s.sender.add_request("late", SRC_IDS, TOKENS)
     time.sleep(0.5)
     assert s.sender.pop_finished() == {}

@@ -10,6 +10,8 @@ import time
 import numpy as np
 import pytest
 
+from test_transfer_safety import deadline_now
+
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.messages import Fingerprint
 from vllm_dcp2d.connector.plan import KVRegions, plan_path
@@ -69,7 +71,7 @@ def wait_until(cond, timeout_s: float = 10.0) -> None:
 def test_layers_written_as_they_are_computed(pair):
     src, dst, sender, recv, boot = pair
     recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS)
-    wait_until(lambda: sender.held("r") == 1)
+    wait_until(lambda: sender.waiting("r") == 1)
     for layer in range(L):
         sender.layer_ready("r", layer, SRC_IDS, NUM_TOKENS)
         # this layer has landed before the request is complete; later layers have not
@@ -92,7 +94,7 @@ def test_remaining_layers_at_add_request(pair):
     src, dst, sender, recv, boot = pair
     sender.layer_ready("r", 0, SRC_IDS, NUM_TOKENS)  # before anyone asked: nothing to do
     recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS)
-    wait_until(lambda: sender.held("r") == 1)
+    wait_until(lambda: sender.waiting("r") == 1)
     sender.layer_ready("r", 2, SRC_IDS, NUM_TOKENS)
     sender.layer_ready("r", 3, SRC_IDS, NUM_TOKENS)
     sender.layer_ready("r", L, SRC_IDS, NUM_TOKENS)  # not this rank's layer: ignored
@@ -108,11 +110,11 @@ def test_held_fetch_expires_after_early_layers(pair):
     layer_ready writes nothing more, and the sender serves the next request."""
     src, dst, sender, recv, boot = pair
     recv.start("late", boot, DST_IDS, num_tokens=NUM_TOKENS, wait_s=0.5)
-    wait_until(lambda: sender.held("late") == 1)
+    wait_until(lambda: sender.waiting("late") == 1)
     sender.layer_ready("late", 0, SRC_IDS, NUM_TOKENS)
     f = recv.wait("late", 20)
     assert not f.ok and "not ready" in f.error.reason
-    assert sender.held("late") == 0
+    assert sender.waiting("late") == 0
     dst[:] = 0
     sender.layer_ready("late", 1, SRC_IDS, NUM_TOKENS)
     time.sleep(0.2)
@@ -128,11 +130,12 @@ def test_deadline_cancels_held_fetch(pair):
     """A fetch past its deadline is cancelled on the prefill rank: it stops holding it,
     and a later layer_ready / add_request writes nothing into the freed blocks."""
     src, dst, sender, recv, boot = pair
-    recv.start("c", boot, DST_IDS, num_tokens=NUM_TOKENS, timeout_s=0.5)  # the rank would hold it for wait_s = 20 s
-    wait_until(lambda: sender.held("c") == 1)
+    recv.start("c", boot, DST_IDS, num_tokens=NUM_TOKENS)  # the rank would hold it for wait_s = 20 s
+    wait_until(lambda: sender.waiting("c") == 1)
+    deadline_now(recv, "c")
     f = recv.wait("c", 10)
     assert f.error.timed_out and f.seconds < 5
-    assert sender.held("c") == 0
+    assert sender.waiting("c") == 0
     sender.layer_ready("c", 0, SRC_IDS, NUM_TOKENS)
     sender.add_request("c", SRC_IDS, NUM_TOKENS)
     time.sleep(0.3)
@@ -144,8 +147,10 @@ class SlowWrites:
 
     def __init__(self, transport, delay_s: float):
         self.transport, self.delay_s = transport, delay_s
+        self.started = False
 
     def write(self, peer, desc, stalls=None):
+        self.started = True
         time.sleep(self.delay_s)
         return self.transport.write(peer, desc, stalls)
 
@@ -157,9 +162,11 @@ def test_fetch_fails_only_after_the_write_in_flight(pair):
     """The decode gives up at its deadline, but reports the fetch (and so lets vLLM free
     its blocks) only once the rank confirmed the cancel, i.e. after its write finished."""
     src, dst, sender, recv, boot = pair
-    sender.transport = SlowWrites(sender.transport, 1.5)
+    slow = sender.transport = SlowWrites(sender.transport, 1.5)
     sender.add_request("w", SRC_IDS, NUM_TOKENS)
-    recv.start("w", boot, DST_IDS, num_tokens=NUM_TOKENS, timeout_s=0.3)
+    recv.start("w", boot, DST_IDS, num_tokens=NUM_TOKENS)
+    wait_until(lambda: slow.started)
+    deadline_now(recv, "w")
     f = recv.wait("w", 20)
     assert f.error.timed_out and f.seconds > 1.4, f.seconds
     # the write had landed before the fetch ended; nothing lands after it

@@ -24,8 +24,8 @@ import sys
 import numpy as np
 import pytest
 
-from test_transfer_safety import DST_IDS, SRC_IDS, TOKENS, Side, released_then_unchanged, wait_until
-from vllm_dcp2d.connector import sender_lifetime
+from test_transfer_safety import DST_IDS, SRC_IDS, TOKENS, Side, deadline_now, released_then_unchanged, wait_until
+from vllm_dcp2d.connector import send_ledger
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -57,7 +57,7 @@ def stack():
 
 
 def stalled_side(stack, monkeypatch, **receiver_kw) -> tuple[Side, StalledThenRetried]:
-    monkeypatch.setattr(sender_lifetime, "STALL_S", 1.0)  # how long re-sent cancels are answered unsettled
+    monkeypatch.setattr(send_ledger, "STALL_S", 1.0)  # how long re-sent cancels are answered unsettled
     s = Side(stack, receiver_kw=receiver_kw)
     net = StalledThenRetried(s.gate.transport)
     s.gate.transport = net
@@ -67,7 +67,7 @@ def stalled_side(stack, monkeypatch, **receiver_kw) -> tuple[Side, StalledThenRe
 
 def hand_back_then_land(s: Side, net: StalledThenRetried, f) -> None:
     """What the decode does with ``f``'s blocks: hands them to the next request when
-    the fetch ends unless it is quarantined, else when ``poll_released`` returns it.
+    the fetch ends unless it is quarantined, else when ``poll_lifted`` returns it.
     The given-up attempt's bytes land right after the fetch ended (before ``STALL_S``);
     the next request's KV in those blocks must survive them."""
     following = np.full((s.dst.shape[0], DST_IDS.size, s.dst.shape[2]), 0xAB, np.uint8)
@@ -79,9 +79,9 @@ def hand_back_then_land(s: Side, net: StalledThenRetried, f) -> None:
         reuse()
     assert net.land() > 0
     if f.quarantined:
-        assert s.recv.poll_released() == [], "released while the stalled attempt could still land"
+        assert s.recv.poll_lifted() == [], "released while the stalled attempt could still land"
         got = []
-        wait_until(lambda: got.extend(s.recv.poll_released()) or got, 20)
+        wait_until(lambda: got.extend(s.recv.poll_lifted()) or got, 20)
         assert got == [f]
         reuse()
     released_then_unchanged(s)
@@ -106,10 +106,11 @@ def test_cancel_answered_after_a_stalled_attempt_keeps_the_blocks(stack, monkeyp
     stalled, the retry then succeeded and the cancel was answered within the grace.
     That answer must not release the blocks (they were reported as plain load errors)."""
     s, net = stalled_side(stack, monkeypatch, cancel_grace_s=20.0)
-    s.recv.start("x", s.boot.address, DST_IDS, timeout_s=0.3, num_tokens=TOKENS)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
     assert s.gate.entered.wait(20)
+    deadline_now(s.recv, "x")
     # The cancel reached the rank (no write of the fetch may start any more) while one runs.
-    wait_until(lambda: any(h.closed for h in list(s.sender._fetches.values())))
+    wait_until(lambda: any(a.closed for a in list(s.sender.ledger._open.values())))
     s.gate.open()
     f = s.recv.wait("x", 20)
     assert f.error.timed_out, f.error

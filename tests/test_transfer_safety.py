@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_dcp2d.connector import sender_lifetime
+from vllm_dcp2d.connector import send_ledger
 from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
 from _fake_rank import FakeRank, outcome
 
@@ -44,6 +44,14 @@ def wait_until(cond, timeout_s: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
+
+
+def deadline_now(recv: Receiver, key: str) -> None:
+    """The fetch of ``key`` reaches its deadline now: a test forces the race it is
+    about (the deadline passing while a write is in flight) instead of hoping a
+    short timeout falls after the fetch reached the rank on a loaded machine."""
+    (f,) = [f for f in recv.ledger.active() if f.transfer_key == key]
+    f.deadline = time.monotonic()
 
 
 class Gate:
@@ -118,11 +126,12 @@ def released_then_unchanged(side: Side, settle_s: float = 0.5) -> None:
 def test_expiry_waits_for_the_write_in_flight(stack):
     """Item 1: send_timeout_s passes while a write reads the request's blocks. The
     sender reports the request (the owner frees its blocks) only after that write."""
-    s = Side(stack, sender_kw={"expiry_s": 0.3})
+    s = Side(stack, sender_kw={"expiry_s": 60.0})
     s.sender.add_request("x", SRC_IDS, TOKENS)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
     assert s.gate.entered.wait(20)
-    time.sleep(0.6)  # past expiry_s, write still in flight
+    s.sender.ledger._requests["x"].expires = time.monotonic()  # send_timeout_s passes now, not by luck
+    time.sleep(0.5)  # several expiry polls, write still in flight
     assert s.sender.pop_finished() == {}, "blocks freed while a write reads them"
     assert s.sender.writes_in_flight() == 1
     s.gate.open()
@@ -144,7 +153,9 @@ def test_cancel_overtakes_queued_work(stack):
     s.recv.start("a", s.boot.address, DST_IDS, num_tokens=TOKENS)
     assert s.gate.entered.wait(20)  # the only worker is stuck in a's write
     other = np.array([0, 2, 5, 6])  # b's blocks (disjoint from a's)
-    s.recv.start("b", s.boot.address, other, timeout_s=0.3, num_tokens=TOKENS)
+    s.recv.start("b", s.boot.address, other, num_tokens=TOKENS)
+    wait_until(lambda: any(a.req.transfer_key == "b" for a in list(s.sender.ledger._open.values())))
+    deadline_now(s.recv, "b")
     f = s.recv.wait("b", 20)  # failed at its deadline; the cancel was confirmed while a still writes
     assert f.error.timed_out and not f.quarantined and f.seconds < 4, (f.error, f.quarantined, f.seconds)
     assert not s.gate.ended
@@ -161,15 +172,18 @@ def test_stalled_write_past_the_deadline_is_quarantined_until_it_ends(stack):
     are released only after the write ended and the rank confirmed."""
     s = Side(stack)
     s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, timeout_s=0.3, num_tokens=TOKENS)
+    s.recv.start("x", s.boot.address, DST_IDS, timeout_s=60.0, num_tokens=TOKENS)
+    assert s.gate.entered.wait(20)
+    (active,) = s.recv.ledger.active()
+    active.deadline = time.monotonic()  # the deadline passes now, with the write in flight (not by luck)
     f = s.recv.wait("x", 20)
     assert f.error.timed_out and list(f.quarantined) == [0] and "no answer to the cancel" in f.quarantined[0]
-    assert not s.gate.ended and s.recv.poll_released() == []
+    assert not s.gate.ended and s.recv.poll_lifted() == []
     time.sleep(1.5)  # cancels go out again; the rank still writes, so it does not confirm
-    assert s.recv.poll_released() == []
+    assert s.recv.poll_lifted() == []
     s.gate.open()
     got = []
-    wait_until(lambda: got.extend(s.recv.poll_released()) or got)
+    wait_until(lambda: got.extend(s.recv.poll_lifted()) or got)
     released_at = time.monotonic()
     assert got == [f] and s.gate.ended[-1] <= released_at
     assert np.array_equal(s.dst, s.expected())  # the late write landed while quarantined
@@ -183,7 +197,7 @@ def silent(stack):
     stack.callback(t.close)
     dst = np.zeros((L, BLOCKS, PAGE_BYTES), np.uint8)
     recv = Receiver(t, regions(dst), FP, engine_id="D", buffers=[(dst.ctypes.data, dst.nbytes)],
-                    timeout_s=0.3, cancel_grace_s=0.3)
+                    timeout_s=30.0, cancel_grace_s=0.3)
     stack.callback(recv.close)
     rank = FakeRank(boot.address, FP)
     stack.callback(rank.close)
@@ -196,14 +210,16 @@ def test_rank_that_never_answers_stays_quarantined_until_it_answers(silent):
     backoff, and are released when it finally confirms."""
     boot, recv, rank = silent
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
+    wait_until(lambda: rank.seen)
+    deadline_now(recv, "x")
     f = recv.wait("x", 20)
     assert f.error.timed_out and list(f.quarantined) == [0]
-    time.sleep(3.5)
-    assert 3 <= rank.cancels() <= 5, rank.cancels()  # t = 0.6, 1.6, 3.6 s: backoff, not a flood
-    assert recv.poll_released() == []
+    wait_until(lambda: rank.cancels() >= 3, 20)  # the cancel, then again 1 s and 3 s after the grace
+    assert rank.cancels() <= 4, rank.cancels()  # backoff, not a flood
+    assert recv.poll_lifted() == []
     rank.answer_cancels = True
     got = []
-    wait_until(lambda: got.extend(recv.poll_released()) or got, 20)
+    wait_until(lambda: got.extend(recv.poll_lifted()) or got, 20)
     assert got == [f]
 
 
@@ -218,10 +234,10 @@ def test_unsettled_answer_keeps_the_quarantine(silent):
     assert not f.ok and not f.error.timed_out and list(f.quarantined) == [0]
     assert "a write timed out" in f.quarantined[0]
     time.sleep(1.5)
-    assert recv.poll_released() == []  # re-sent cancels answered, but unsettled
+    assert recv.poll_lifted() == []  # re-sent cancels answered, but unsettled
     rank.settled = True
     got = []
-    wait_until(lambda: got.extend(recv.poll_released()) or got, 20)
+    wait_until(lambda: got.extend(recv.poll_lifted()) or got, 20)
     assert got == [f]
     # The decode rank renewed its Mooncake engine (its target may be wedged): the
     # next request names the new session.
@@ -237,7 +253,7 @@ def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
     """The producer side of the above: a write that failed after a stall is answered
     ``settled=False``, and so are re-sent cancels until Mooncake has dropped that
     connection (``STALL_S`` without progress); then ``settled=True``."""
-    monkeypatch.setattr(sender_lifetime, "STALL_S", 1.0)
+    monkeypatch.setattr(send_ledger, "STALL_S", 1.0)
     s = Side(stack)
 
     def stalled(peer, desc, stalls=None):
@@ -251,7 +267,7 @@ def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
     f = s.recv.wait("x", 20)
     assert not f.ok and "a write timed out" in f.quarantined[0]
     got = []
-    wait_until(lambda: got.extend(s.recv.poll_released()) or got, 20)
+    wait_until(lambda: got.extend(s.recv.poll_lifted()) or got, 20)
     assert got == [f]  # answered settled once STALL_S had passed
 
 
@@ -323,10 +339,10 @@ def test_dropped_link_during_a_write_does_not_release_blocks(stack):
     relays[0].cut()
     f = s.recv.wait("x", 20)
     assert "connection lost" in f.error.reason and list(f.quarantined) == [0], (f.error, f.quarantined)
-    assert s.recv.poll_released() == [] and not s.gate.ended
+    assert s.recv.poll_lifted() == [] and not s.gate.ended
     s.gate.open()
     got = []
-    wait_until(lambda: got.extend(s.recv.poll_released()) or got)
+    wait_until(lambda: got.extend(s.recv.poll_lifted()) or got)
     released_at = time.monotonic()
     assert got == [f] and s.gate.ended[-1] <= released_at
     released_then_unchanged(s)
@@ -363,7 +379,7 @@ def test_abort_waits_for_layer_writes(stack):
     fails, and the sender reports the request only after that write ended."""
     s = Side(stack, receiver_kw={"wait_s": 20.0})
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    wait_until(lambda: s.sender.held("x") == 1)
+    wait_until(lambda: s.sender.waiting("x") == 1)
     s.sender.layer_ready("x", 0, SRC_IDS, TOKENS)
     assert s.gate.entered.wait(20)
     s.sender.abort("x")

@@ -167,9 +167,10 @@ def test_fingerprint_mismatch(cluster):
     assert not res["ok"]
     assert "kv_dtype: ours 'bfloat16', peer 'uint8'" in res["error"], res["error"]
     # The producer checks too (a consumer that skips the bootstrap check): direct request.
-    req = TransferRequest.build(regions=_fake_regions(), transfer_key="fp", attempt_id=1, engine_id="x",
-                                consumer_rank=0, consumer_size=1, session="127.0.0.1:1", dcp_size=1, dcp_rank=0,
-                                block_ids=np.arange(8), num_tokens=8 * 16, first_page=0,
+    regions, memory = _fake_regions()
+    req = TransferRequest.build(regions=regions, memory=memory, num_blocks=8, transfer_key="fp", attempt_id=1,
+                                engine_id="x", consumer_rank=0, consumer_size=1, session="127.0.0.1:1", dcp_size=1,
+                                dcp_rank=0, block_ids=np.arange(8), num_tokens=8 * 16, first_page=0,
                                 fingerprint=fingerprint(num_layers=6), wait_s=0.0)
     out = bs.request(cluster.prefill[1].call("info")["address"], req, (TransferOutcome, Reply), 5.0)
     assert isinstance(out, TransferOutcome) and not out.ok
@@ -180,9 +181,14 @@ def test_fingerprint_mismatch(cluster):
     cluster.verify("decB", [(src, dst, 0)])
 
 
+_FAKE_KV = np.zeros((L, 8, 1024), np.uint8)  # never written: the request fails its fingerprint check
+
+
 def _fake_regions():
     from xfer_procs import regions
-    return regions(np.zeros((L, 4, 1024), np.uint8), range(L))
+
+    from vllm_dcp2d.connector.plan import Memory
+    return regions(_FAKE_KV, range(L)), Memory([_FAKE_KV.ctypes.data], [_FAKE_KV.nbytes])
 
 
 @pytest.mark.timeout(60)
@@ -257,7 +263,7 @@ def test_prefill_rank_killed(cluster):
     res = dec.call("wait", "orphan", 30.0)
     assert not res["ok"] and res["cp_rank"] == 1 and "connection lost" in res["error"], res
     # A lost link does not prove the rank stopped writing: it stays quarantined.
-    assert res["quarantined"] == [1] and dec.call("released") == []
+    assert res["quarantined"] == [1] and dec.call("lifted") == []
     assert time.monotonic() - t_kill < 5
     assert len(dec.call("registered")) == 1  # only its KV buffer
     cluster.state["decB", 0] = dec.call("dump")  # rank 0's pages landed: destination now undefined
@@ -273,4 +279,4 @@ def test_prefill_rank_killed(cluster):
         cluster.verify(g, [(s, d, f) for gg, _, s, d, f in jobs if gg == g])
     # The instance's new rank table lists rank 1 elsewhere while the old link is down:
     # the old process is gone, so the quarantine ends.
-    assert dec.call("released") == ["orphan"]
+    assert dec.call("lifted") == ["orphan"]

@@ -65,7 +65,7 @@ def test_silent_rank_times_out(receiver, server):
         assert list(f.quarantined) == [0] and "no answer to the cancel" in f.quarantined[0]
         assert isinstance(rank.seen[-1], CancelTransfer) and rank.seen[-1].attempt_id == rank.seen[0].attempt_id
         time.sleep(3.5)  # cancels go out again 1 s and 3 s after it ended (1, 2, 4 s backoff), unanswered
-        assert sum(isinstance(m, CancelTransfer) for m in rank.seen) >= 3 and receiver.poll_released() == []
+        assert sum(isinstance(m, CancelTransfer) for m in rank.seen) >= 3 and receiver.poll_lifted() == []
     finally:
         rank.close()
 

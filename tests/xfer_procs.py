@@ -136,8 +136,8 @@ class DecodeRank:
             r.start(request_id, bootstrap, block_ids, num_tokens=PAGE_SIZE * len(block_ids) * self.args["dcp_size"])
             return _fetch_dict(r.wait(request_id, 15.0))
 
-    def released(self):
-        return [f.transfer_key for f in self.receiver.poll_released()]
+    def lifted(self):
+        return [f.transfer_key for f in self.receiver.poll_lifted()]
 
     def dump(self):
         return self.kv.copy()

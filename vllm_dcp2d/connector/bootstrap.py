@@ -39,7 +39,7 @@ from vllm_dcp2d.connector.messages import (MessageError, QueryRanks, RankTable, 
                                            encode)
 
 __all__ = ["BootstrapError", "BootstrapServer", "Backoff", "TableQuery", "Waker", "request", "register_rank",
-           "query_ranks", "bind"]
+           "query_ranks", "bind", "send_nowait"]
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -64,6 +64,29 @@ def socket(kind: int) -> zmq.Socket:
     # connection, which the disconnect monitors see.
     s.setsockopt(zmq.HANDSHAKE_IVL, 0)
     return s
+
+
+def send_nowait(sock: zmq.Socket, payload: bytes) -> bool:
+    """Queue ``payload`` on ``sock`` without blocking: False when its queue is full
+    (``SNDHWM`` messages for a peer that does not read). No thread here ever blocks
+    on a peer: a dead one fills a queue, and the caller gives up on that message."""
+    try:
+        sock.send(payload, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
+def connect(sock: zmq.Socket, monitor: zmq.Socket, address: str) -> None:
+    """``sock.connect(address)``; if ZMQ refuses the address, close both sockets and
+    raise ValueError naming it (the caller fails only what needed that peer)."""
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as e:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+        raise ValueError(f"cannot connect to {address!r}: {e}") from None
 
 
 def bind(sock: zmq.Socket, host: str, port: int = 0) -> str:
@@ -116,7 +139,8 @@ def request(address: str, msg, expect, timeout_s: float):
     sock = socket(zmq.DEALER)
     try:
         sock.connect(address)
-        sock.send(encode(msg))
+        if not send_nowait(sock, encode(msg)):
+            raise BootstrapError(f"could not queue {type(msg).__name__} for {address}")
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise BootstrapError(f"no reply from {address} within {timeout_s:.1f}s to {type(msg).__name__}")
         try:
@@ -194,8 +218,10 @@ class BootstrapServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self._sock = socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.address = bind(self._sock, host, port)
         self.port = int(self.address.rsplit(":", 1)[1])
+        self.failed = ""  # why the server thread died ("" while it runs)
         self._lock = threading.Lock()
         self._ranks: dict[int, RegisterRank] = {}
         self._stop = threading.Event()
@@ -220,22 +246,36 @@ class BootstrapServer:
         try:
             while not self._stop.is_set():
                 if self._sock.poll(int(POLL_S * 1000), zmq.POLLIN):
-                    frames = self._sock.recv_multipart()
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
                     if len(frames) == 2:
-                        self._sock.send_multipart([frames[0], encode(self._handle(frames[1]))])
+                        self._answer(frames[0], self._handle(frames[1]))
+        except Exception:
+            self.failed = "bootstrap thread died"
+            log.exception("bootstrap %s: %s", self.address, self.failed)
         finally:
             self._sock.close()
 
+    def _answer(self, identity: bytes, reply) -> None:
+        try:  # ROUTER_MANDATORY: a peer that went away raises instead of blocking
+            self._sock.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("bootstrap %s: answer to a peer dropped: %s", self.address, e)
+
     def _handle(self, payload: bytes):
+        """One message's answer; whatever the message holds, the server goes on."""
         try:
             msg = decode(payload, (RegisterRank, QueryRanks))
         except MessageError as e:
             log.warning("bootstrap %s: rejected message: %s", self.address, e)
             return Reply(False, f"rejected: {e}")
-        with self._lock:
-            if isinstance(msg, RegisterRank):
-                return self._register(msg)
-            return self._table(msg)
+        try:
+            with self._lock:
+                if isinstance(msg, RegisterRank):
+                    return self._register(msg)
+                return self._table(msg)
+        except Exception as e:  # a bug, not bad input: answer it, keep serving
+            log.exception("bootstrap %s: handling %s failed", self.address, type(msg).__name__)
+            return Reply(False, f"bootstrap could not handle {type(msg).__name__}: {type(e).__name__}: {e}")
 
     def _register(self, msg: RegisterRank) -> Reply:
         for other in self._ranks.values():
@@ -282,7 +322,7 @@ class TableQuery:
         self.address, self.engine_id, self.fingerprint = address, engine_id, fingerprint
         self.sock = socket(zmq.DEALER)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(address)
+        connect(self.sock, self.monitor, address)
         self.table: RankTable | None = None
         self.last_reason = "no answer"
         self._asked = 0.0      # when the unanswered query went out (0: none out)
@@ -296,7 +336,8 @@ class TableQuery:
             self._backoff.next()
             self._asked = 0.0
         if not self._asked and now >= self._retry_at:
-            self.sock.send(encode(QueryRanks(self.engine_id)))
+            # a full queue (server unreachable for long): asked again after the next wait
+            send_nowait(self.sock, encode(QueryRanks(self.engine_id)))
             self._asked = now
 
     def read(self) -> RankTable | None:

@@ -24,6 +24,7 @@ class DCP2DConfig:
     cp_size: int = 0
     layer_split: str = "auto"
     transfer_timeout_s: float = 60.0
+    max_transfer_timeout_s: float = 600.0
     send_timeout_s: float = 120.0
     prefill_wait_s: float = 30.0
     cancel_grace_s: float = 2.0
@@ -54,7 +55,11 @@ KEYS: dict[str, tuple[str, str]] = {
                            "a request's KV until all of it must have arrived. Past it the request's "
                            "blocks are reported as load errors, so `kv_load_failure_policy` decides: "
                            "`\"fail\"` ends the request with an error, `\"recompute\"` prefills it locally. "
-                           "A request's `kv_transfer_params` may carry its own `transfer_timeout_s`."),
+                           "A request's `kv_transfer_params` may carry its own `transfer_timeout_s`, "
+                           "at most `max_transfer_timeout_s`."),
+    "max_transfer_timeout_s": ("consumer", "Cap on a request's own `kv_transfer_params[\"transfer_timeout_s\"]`: "
+                               "a larger value is cut to this (logged), so no client can hold a decode's blocks "
+                               "longer. An invalid value (not a number > 0) falls back to `transfer_timeout_s`."),
     "send_timeout_s": ("producer", "Prefill-side expiry, the backstop for a decode instance that vanished: "
                        "seconds a finished request's KV blocks are held for decode ranks that have neither "
                        "fetched their pages nor released them (`release_unfetched`); then they are freed."),
@@ -122,7 +127,8 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "cp_size" in extra:
         v = extra["cp_size"]
         _expect("cp_size", v, _is_int(v) and v >= 0, "an int >= 0 (0 = tensor-parallel size)")
-    for key in ("transfer_timeout_s", "send_timeout_s", "prefill_wait_s", "cancel_grace_s"):
+    for key in ("transfer_timeout_s", "max_transfer_timeout_s", "send_timeout_s", "prefill_wait_s",
+                "cancel_grace_s"):
         if key in extra:
             v = extra[key]
             _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")
@@ -139,7 +145,11 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "protocol" in extra:
         v = extra["protocol"]
         _expect("protocol", v, v in ("tcp", "rdma"), 'one of "tcp", "rdma"')
-    return DCP2DConfig(**extra)
+    cfg = DCP2DConfig(**extra)
+    if cfg.transfer_timeout_s > cfg.max_transfer_timeout_s:
+        raise ConfigError(f"kv_connector_extra_config['transfer_timeout_s'] = {cfg.transfer_timeout_s}: expected "
+                          f"at most max_transfer_timeout_s = {cfg.max_transfer_timeout_s}")
+    return cfg
 
 
 def markdown_table() -> str:

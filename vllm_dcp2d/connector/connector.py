@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_dcp2d.connector.config import parse_extra_config
 from vllm_dcp2d.connector.prom import DCP2DPromMetrics
-from vllm_dcp2d.connector.scheduler import DCP2DMetadata, SchedulerSide
+from vllm_dcp2d.connector.metadata import DCP2DMetadata
+from vllm_dcp2d.connector.scheduler import SchedulerSide
 from vllm_dcp2d.connector.stats import DCP2DStats
 from vllm_dcp2d.vllm_compat import connector as compat
 
@@ -102,6 +103,12 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         super().clear_connector_metadata()
         if self._worker is not None:
             self._worker.bind(None)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """Called by the model runner at the start of every step, before anything of
+        the step's forward runs: requests preempted while this step was scheduled
+        lose the layers written from their (now free) blocks (``worker``)."""
+        self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())

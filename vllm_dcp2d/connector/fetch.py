@@ -19,6 +19,7 @@ from vllm_dcp2d.connector.messages import RankTable, encode
 __all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
 
 CANCEL_RESEND_MAX_S = 30.0  # a quarantining rank is asked again after 1, 2, 4, ... 30 s
+SEND_HWM = 1000  # messages queued to one rank (ZMQ's default); past it a send fails instead of blocking
 
 
 class FetchError(RuntimeError):
@@ -39,6 +40,7 @@ class Fetch:
 
     transfer_key: str
     bootstrap: str
+    remote_engine_id: str | None  # the prefill engine the caller expects (None: any)
     block_ids: tuple  # int64 arrays: this rank's block table of each KV cache group
     num_tokens: int
     first_page: int
@@ -46,7 +48,7 @@ class Fetch:
     wait_s: float
     started: float = field(default_factory=time.monotonic)
     table: RankTable | None = None
-    inflight: dict = field(default_factory=dict)     # cp_rank -> (rank address, attempt_id)
+    inflight: dict = field(default_factory=dict)     # cp_rank -> (rank address, attempt_id); FetchLedger
     outcomes: dict = field(default_factory=dict)     # cp_rank -> TransferOutcome
     error: FetchError | None = None
     seconds: float = 0.0
@@ -71,25 +73,26 @@ class Fetch:
 
 class Rank:
     """A DEALER to one prefill CP rank's side channel, with its link monitor and
-    what is outstanding there, by attempt id."""
+    when the cancels of its quarantined attempts go out again."""
 
     def __init__(self, address: str, poller: zmq.Poller, identity: bytes):
         self.address = address
         self.sock = bs.socket(zmq.DEALER)
         # Same routing id after a reconnect: the rank's answers still reach us.
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-        self.sock.connect(address)
+        bs.connect(self.sock, self.monitor, address)
         for s in (self.sock, self.monitor):
             poller.register(s, zmq.POLLIN)
         self.down = False                     # the link is disconnected now
-        self.inflight: dict[int, Fetch] = {}  # attempt id -> fetch it may still answer
-        self.limbo: dict[int, Fetch] = {}     # attempt id -> ended fetch it may still write into
-        self.cancel_at = 0.0                  # when the limbo's cancels go out again
+        self.cancel_at = 0.0                  # when the quarantined attempts' cancels go out again
         self.backoff = bs.Backoff(CANCEL_RESEND_MAX_S)
 
-    def send(self, msg) -> None:
-        self.sock.send(encode(msg))
+    def send(self, msg) -> bool:
+        """Queue ``msg`` without blocking; False if ``SEND_HWM`` messages already wait
+        for a rank that does not read them (unreachable, or gone)."""
+        return bs.send_nowait(self.sock, encode(msg))
 
     def close(self, poller: zmq.Poller) -> None:
         for s in (self.sock, self.monitor):

@@ -37,12 +37,12 @@ import numpy as np
 
 from vllm_dcp2d.connector.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
                                         Str, StrList, fields_from_wire, fields_to_wire)
-from vllm_dcp2d.connector.plan import KVRegions, block_tables
+from vllm_dcp2d.connector.plan import KVRegions, Memory, block_tables, region_ends
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
     "TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer", "RegisterRank", "QueryRanks", "RankTable", "Reply",
-    "encode", "decode",
+    "encode", "decode", "attempt_of", "MAX_NAME",
 ]
 
 # History: 1 = first release. 2 = the transfer key and the per-attempt id are
@@ -53,14 +53,20 @@ __all__ = [
 # layer_group and group_sharded say which table and sharding each layer uses;
 # Fingerprint.draft_layers; TransferOutcome.replicated_bytes. 4 = ReleaseTransfer
 # (a decode rank that will not fetch a request tells the prefill to free it).
-PROTOCOL_VERSION = 4
+# 5 = TransferRequest.num_blocks and memory_addr/memory_bytes (the consumer's
+# registered memory: a request that would write outside it is refused); a
+# rejected message is answered with a TransferOutcome for its attempt when the
+# attempt id can be read.
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_COUNT = 1 << 48        # pages, bytes, descriptors
 MAX_GROUPS = 256           # KV cache groups of one request
+MAX_NAME = 512             # characters of a transfer key or engine id
+MAX_RANGES = 1 << 16       # registered memory ranges of one consumer rank
 
 
-_NAME = Str(512)
+_NAME = Str(MAX_NAME)
 _SECONDS = Float(1e7)
 
 
@@ -134,6 +140,10 @@ class TransferRequest(_Message):
     num_tokens:    prompt tokens the consumer expects; the producer fails the
                    fetch if its request holds another count.
     first_page:    first sequence page to send (earlier ones are cached on decode).
+    num_blocks:    blocks of each of the consumer's regions; every block id is below it.
+    memory_addr, memory_bytes: int64 ``[m]`` the ranges the consumer registered with
+                   Mooncake; every region's ``num_blocks`` blocks lie inside one of them,
+                   so no planned write can land outside (``validate``).
     layer_ids:     int64 ``[L]``; base: int64 ``[L*R]`` row-major ``[L, R]``;
     page_stride, page_bytes: int64 ``[R]``; layer_group: int64 ``[L]``;
     group_sharded: int64 ``[G]`` (1 or 0): the consumer's ``KVRegions``.
@@ -154,6 +164,9 @@ class TransferRequest(_Message):
     group_sizes: np.ndarray
     num_tokens: int
     first_page: int
+    num_blocks: int
+    memory_addr: np.ndarray
+    memory_bytes: np.ndarray
     layer_ids: np.ndarray
     base: np.ndarray
     page_stride: np.ndarray
@@ -166,18 +179,21 @@ class TransferRequest(_Message):
     SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR), "engine_id": _NAME,
               "consumer_rank": Int(0, 1 << 16), "consumer_size": Int(1, 1 << 16), "session": Str(256),
               "dcp_size": Int(1, 1 << 12), "dcp_rank": Int(0, 1 << 12), "block_ids": Ids(MAX_IDS, hi=MAX_COUNT),
-              "num_tokens": Int(0, MAX_COUNT), "first_page": Int(0, MAX_COUNT), "layer_ids": Ids(1 << 16, hi=1 << 16, min_n=1),
+              "num_tokens": Int(0, MAX_COUNT), "first_page": Int(0, MAX_COUNT), "num_blocks": Int(1, MAX_IDS),
+              "memory_addr": Ids(MAX_RANGES, lo=1, min_n=1), "memory_bytes": Ids(MAX_RANGES, lo=1, min_n=1),
+              "layer_ids": Ids(1 << 16, hi=1 << 16, min_n=1),
               "base": Ids(1 << 20, min_n=1), "page_stride": Ids(64, lo=1, min_n=1),
               "page_bytes": Ids(64, lo=1, min_n=1), "fingerprint": Nested(Fingerprint),
               "wait_s": Float(3600.0), "group_sizes": Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),
               "layer_group": Ids(1 << 16, hi=MAX_GROUPS - 1, min_n=1), "group_sharded": Ids(MAX_GROUPS, hi=1, min_n=1)}
 
     @classmethod
-    def build(cls, *, regions: KVRegions, block_ids, **kw) -> TransferRequest:
-        """Fill the KV fields from ``regions``; ``block_ids``: an int sequence (one
-        group) or a tuple of them, one per group of ``regions``."""
+    def build(cls, *, regions: KVRegions, memory: Memory, block_ids, **kw) -> TransferRequest:
+        """Fill the KV fields from ``regions`` and ``memory`` (what the consumer
+        registered); ``block_ids``: an int sequence (one group) or a tuple of them,
+        one per group of ``regions``."""
         tables = block_tables("block_ids", block_ids, regions.num_groups)
-        return cls(layer_ids=regions.layer_ids, base=regions.base.reshape(-1), page_stride=regions.page_stride,
+        return cls(layer_ids=regions.layer_ids, memory_addr=memory.addr, memory_bytes=memory.nbytes, base=regions.base.reshape(-1), page_stride=regions.page_stride,
                    page_bytes=regions.page_bytes, layer_group=regions.layer_group,
                    group_sharded=regions.group_sharded.astype(np.int64),
                    block_ids=np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64),
@@ -210,9 +226,26 @@ class TransferRequest(_Message):
             raise MessageError(f"group_sharded has {self.group_sharded.size} groups, group_sizes "
                                f"{self.group_sizes.size}")
         try:
-            self.regions()
+            regions = self.regions()
         except ValueError as e:
             raise MessageError(f"bad KV regions: {e}") from None
+        if self.block_ids.size and int(self.block_ids.max()) >= self.num_blocks:
+            raise MessageError(f"block_ids must be < num_blocks={self.num_blocks}, got {int(self.block_ids.max())}")
+        if self.memory_addr.size != self.memory_bytes.size:
+            raise MessageError(f"memory_addr has {self.memory_addr.size} ranges, memory_bytes "
+                               f"{self.memory_bytes.size}")
+        try:
+            memory = Memory(self.memory_addr, self.memory_bytes)
+            ends = region_ends(regions, self.num_blocks)
+        except ValueError as e:
+            raise MessageError(f"memory_addr/memory_bytes, base, page_stride, num_blocks: {e}") from None
+        inside = memory.holds(regions.base.reshape(-1), (ends - regions.base).reshape(-1)).reshape(ends.shape)
+        if not inside.all():
+            k, j = map(int, np.argwhere(~inside)[0])
+            raise MessageError(f"layer {int(regions.layer_ids[k])} region {j}: [{int(regions.base[k, j]):#x}, "
+                               f"{int(ends[k, j]):#x}) ({self.num_blocks} blocks of page_stride "
+                               f"{int(regions.page_stride[j])}) is not inside the memory the consumer registered "
+                               f"(memory_addr/memory_bytes)")
 
 
 @dataclass(frozen=True)
@@ -373,11 +406,36 @@ _TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, CancelTransf
 
 
 def encode(msg) -> bytes:
-    """Pack ``msg`` (one of the message classes) as msgpack bytes."""
-    if type(msg).__name__ not in _TYPES or not isinstance(msg, _TYPES[type(msg).__name__]):
-        raise TypeError(f"not a message: {type(msg).__name__}")
-    wire = {"v": PROTOCOL_VERSION, "type": type(msg).__name__, **fields_to_wire(msg)}
-    return msgpack.packb(wire, use_bin_type=True)
+    """Pack ``msg`` (one of the message classes) as msgpack bytes. Raises
+    ``MessageError`` for a field ``decode`` would refuse (a key over ``MAX_NAME``
+    characters, say): the sender learns it, not the peer."""
+    name = type(msg).__name__
+    if name not in _TYPES or not isinstance(msg, _TYPES[name]):
+        raise TypeError(f"not a message: {name}")
+    try:
+        fields_ = fields_to_wire(msg)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise MessageError(f"{name}: a field cannot be encoded: {e}") from None
+    fields_from_wire(type(msg), dict(fields_), name)  # the peer's checks, here
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": name, **fields_}, use_bin_type=True)
+
+
+def attempt_of(data: bytes) -> tuple[str, int] | None:
+    """``(transfer_key, attempt_id)`` of a message ``decode`` refused, if both can
+    still be read (so its sender can be answered for that attempt only); else None."""
+    try:
+        raw = msgpack.unpackb(bytes(data), raw=False, max_str_len=1 << 16, max_bin_len=MAX_MESSAGE_BYTES,
+                              max_array_len=1 << 12, max_map_len=64, max_ext_len=0)
+    except Exception:  # msgpack raises a zoo of types for bad input
+        return None
+    if type(raw) is not dict:
+        return None
+    key, attempt = raw.get("transfer_key"), raw.get("attempt_id")
+    if type(attempt) is not int or not 0 <= attempt <= MAX_ADDR:
+        return None
+    if type(key) is not str or not 1 <= len(key) <= MAX_NAME:
+        key = "?"  # the answer still names the attempt; the consumer matches by attempt id
+    return key, attempt
 
 
 def decode(data: bytes, expect=None):

@@ -35,7 +35,10 @@ import numpy as np
 
 from vllm_dcp2d.layout import _check_rank, _check_size, cdiv, cp_layer_range, dcp_pages_for_rank
 
-__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request", "block_tables"]
+__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request", "block_tables", "Memory", "region_ends",
+           "blocks_within"]
+
+MAX_ADDR = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,72 @@ class Descriptors:
         for s in range(0, len(self), max_entries):
             yield Descriptors(self.src[s:s + max_entries], self.dst[s:s + max_entries],
                               self.length[s:s + max_entries])
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Address ranges a transport registered: ``[addr[k], addr[k] + nbytes[k])``,
+    sorted and disjoint. addr, nbytes: int64 ``[m]``."""
+
+    addr: np.ndarray
+    nbytes: np.ndarray
+
+    def __post_init__(self):
+        addr = np.asarray(self.addr, dtype=np.int64).reshape(-1)
+        nbytes = np.asarray(self.nbytes, dtype=np.int64).reshape(-1)
+        if addr.size != nbytes.size or addr.size == 0:
+            raise ValueError(f"need as many range starts as sizes, at least one: got {addr.size} and {nbytes.size}")
+        if (addr <= 0).any() or (nbytes <= 0).any() or (addr > MAX_ADDR - nbytes).any():
+            raise ValueError("every range needs addr > 0, nbytes > 0 and addr + nbytes < 2^63")
+        order = np.argsort(addr, kind="stable")
+        addr, nbytes = addr[order], nbytes[order]
+        if (addr[1:] < addr[:-1] + nbytes[:-1]).any():
+            raise ValueError("registered ranges overlap")
+        object.__setattr__(self, "addr", addr)
+        object.__setattr__(self, "nbytes", nbytes)
+
+    @classmethod
+    def of(cls, ranges) -> Memory:
+        """From ``[(addr, nbytes), ...]`` (e.g. ``MooncakeTransport.registered().items()``)."""
+        pairs = np.asarray(list(ranges), dtype=np.int64).reshape(-1, 2)
+        return cls(pairs[:, 0], pairs[:, 1])
+
+    def room(self, start: np.ndarray) -> np.ndarray:
+        """Bytes from each ``start`` (int64 ``[n]``) to the end of the range holding
+        it; -1 where no range holds it."""
+        k = np.searchsorted(self.addr, start, side="right") - 1
+        end = self.addr[np.maximum(k, 0)] + self.nbytes[np.maximum(k, 0)]
+        return np.where((k >= 0) & (start < end), end - start, -1)
+
+    def holds(self, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """bool ``[n]``: ``[start, start + length)`` lies inside one range."""
+        return length <= self.room(start)
+
+
+def region_ends(regions: KVRegions, num_blocks: int) -> np.ndarray:
+    """int64 ``[L, R]``: one past the last byte ``num_blocks`` blocks of each
+    (layer, region) reach, ``base + (num_blocks - 1) * page_stride + page_bytes``;
+    raises ValueError (naming the layer) where that passes 2^63."""
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    room = MAX_ADDR - regions.base - regions.page_bytes[None, :]  # no overflow: all terms in [0, 2^63)
+    bad = (room < 0) | ((num_blocks - 1) > room // regions.page_stride[None, :])
+    if bad.any():
+        k, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"layer {int(regions.layer_ids[k])} region {j}: base {int(regions.base[k, j])} + "
+                         f"{num_blocks - 1} x page_stride {int(regions.page_stride[j])} overflows int64")
+    return regions.base + (num_blocks - 1) * regions.page_stride[None, :] + regions.page_bytes[None, :]
+
+
+def blocks_within(regions: KVRegions, memory: Memory) -> int:
+    """The most blocks every (layer, region) of ``regions`` has inside ``memory``;
+    raises ValueError (naming the layer) where a region starts outside it."""
+    room = memory.room(regions.base.reshape(-1)).reshape(regions.base.shape)
+    if (room < regions.page_bytes[None, :]).any():
+        k, j = map(int, np.argwhere(room < regions.page_bytes[None, :])[0])
+        raise ValueError(f"layer {int(regions.layer_ids[k])} region {j} at {int(regions.base[k, j]):#x} "
+                         f"is not inside registered memory")
+    return int(((room - regions.page_bytes[None, :]) // regions.page_stride[None, :]).min()) + 1
 
 
 def _check_compatible(src: KVRegions, dst: KVRegions) -> None:

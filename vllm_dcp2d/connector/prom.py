@@ -67,10 +67,10 @@ METRICS: tuple[Metric, ...] = (
            "`send_timeout_s` without every decode rank served."),
     Metric("vllm:dcp2d_quarantined_blocks", "counter", False, "decode", "quarantined",
            "Blocks put in quarantine: a failed fetch whose prefill rank may still write into them."),
-    Metric("vllm:dcp2d_released_blocks", "counter", False, "decode", "released",
-           "Quarantined blocks given back once their prefill rank settled."),
-    Metric("vllm:dcp2d_quarantined_blocks_held", "gauge", False, "decode", "quarantined - released",
-           "Blocks in quarantine now (out of use): quarantined minus released since start."),
+    Metric("vllm:dcp2d_lifted_blocks", "counter", False, "decode", "lifted",
+           "Quarantined blocks given back once their prefill rank settled (the quarantine lifted)."),
+    Metric("vllm:dcp2d_blocks_in_quarantine", "gauge", False, "decode", "quarantined - lifted",
+           "Blocks in quarantine now (out of use): quarantined minus lifted since start."),
     Metric("vllm:dcp2d_prefix_broadcast_bytes", "counter", False, "prefill", "prefix_broadcast_bytes",
            "Layer-split storage: bytes sent or received over the TP group filling transient layer slots."),
     Metric("vllm:dcp2d_stalls", "counter", False, "prefill", "stalls",
@@ -147,6 +147,6 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
         for m in METRICS:
             if not m.per_path and m.kind == "counter" and data[m.source]:
                 self._inst[m.source][engine_idx].inc(data[m.source])
-        held = data["quarantined"] - data["released"]
-        if held:
-            self._inst["quarantined - released"][engine_idx].inc(held)
+        level = data["quarantined"] - data["lifted"]
+        if level:
+            self._inst["quarantined - lifted"][engine_idx].inc(level)

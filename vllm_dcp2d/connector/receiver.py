@@ -3,18 +3,26 @@
 ``start(transfer_key, bootstrap, block_ids, num_tokens=...)`` gets the rank table
 of the prefill instance behind ``bootstrap`` (``bootstrap.TableQuery``, cached
 per instance), sends every prefill CP rank one ``TransferRequest`` carrying this
-rank's ``(dcp_size, dcp_rank)``, block table, token count and KV regions, and
-collects their ``TransferOutcome``s. The pages are in place when every CP rank
-answered ok for the same token count; any failure, count mismatch or deadline
-fails the whole fetch, naming the CP rank and the reason (the destination
-blocks are then undefined). Nothing blocks the caller: a background thread owns
-the sockets, ``poll()`` returns finished fetches.
+rank's ``(dcp_size, dcp_rank)``, block table, token count, KV regions and the
+memory it registered, and collects their ``TransferOutcome``s. The pages are in
+place when every CP rank answered ok for the same token count; any failure,
+count mismatch, engine id mismatch or deadline fails the whole fetch, naming
+the CP rank and the reason (the destination blocks are then undefined).
+Nothing blocks the caller: a background thread owns the sockets, ``poll()``
+returns finished fetches.
 
 Block lifetime (docs/connector.md): a failing fetch cancels the CP ranks still
-writing and may end with some of them quarantined; ``receiver_lifetime``
-(``ReceiverLifetime``, the ending half of this class) says how and when its
-blocks may be used again. This module holds the public API, the socket loop,
-dispatch and reading answers; ``fetch`` the state of one fetch.
+writing and may end with some of them quarantined. The ``FetchLedger``
+(``fetch_ledger.py``, with its invariants) records every attempt by the address
+it went to and decides when a fetch ends and when its blocks may be used again
+(``poll_lifted``); this module holds the public API, the socket loop, dispatch
+and reading answers; ``fetch`` the state of one fetch and one rank's link.
+
+Failure rule: each fetch, release, answer and timer runs in its own guard, so
+one bad input fails only its own fetch, with a reason naming it; no send
+blocks (a rank that stopped reading fails the fetches sent to it). A thread
+that dies anyway sets ``failed``: every fetch in flight fails, ``start``
+raises, and the owner turns it into an engine error.
 
 Public API
 ----------
@@ -25,11 +33,13 @@ Public API
     ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
 ``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
            dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0)``
-    ``.start(transfer_key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens)``
+    ``.start(transfer_key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens,
+             remote_engine_id=None)``
     ``.release(transfer_key, bootstrap, num_tokens)``  this rank will never fetch it: tell every CP rank.
     ``.poll() -> list[Fetch]``           finished fetches since the last call (any thread).
-    ``.poll_released() -> list[Fetch]``  quarantined fetches whose ranks all settled since.
+    ``.poll_lifted() -> list[Fetch]``    quarantined fetches whose attempts all settled since.
     ``.wait(transfer_key, timeout_s) -> Fetch``  blocking helper (tests, benches).
+    ``.failed -> str``                   why the thread died ("" while it runs).
     ``.close()``                         fails what is in flight, unregisters ``buffers``.
 """
 
@@ -46,24 +56,26 @@ import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_events
+from vllm_dcp2d.connector.fetch_ledger import FetchLedger
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, ReleaseTransfer,
                                            Reply, TransferOutcome, TransferRequest, decode)
-from vllm_dcp2d.connector.plan import KVRegions, block_tables
-from vllm_dcp2d.connector.receiver_lifetime import ReceiverLifetime
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.connector.plan import KVRegions, Memory, block_tables, blocks_within
+from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError"]
 
 log = logging.getLogger(__name__)
 
 
-class Receiver(ReceiverLifetime):
+class Receiver:
     """Fetches requests' KV pages for one decode DCP rank.
 
     transport:   this rank's Mooncake transport (the prefill ranks write into it).
     regions:     this rank's KV regions (all layers); ``buffers``: ``[(addr, nbytes)]``
                  to register on ``transport`` now and unregister on ``close``
-                 (leave empty if the owner registers the KV itself).
+                 (leave empty if the owner registered the KV itself). Every region
+                 must lie inside what ``transport`` has registered: that memory, and
+                 the blocks each region has inside it, travel with every request.
     dcp_size, dcp_rank: this rank's DCP topology, sent with every request.
     consumer_rank, consumer_size: this worker among the decode instance's workers.
     timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
@@ -85,17 +97,18 @@ class Receiver(ReceiverLifetime):
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
             transport.register(a, n)
+        self.memory = Memory.of(transport.registered().items())
+        self.num_blocks = blocks_within(regions, self.memory)
+        self.failed = ""
+        self.ledger = FetchLedger()
         self._attempts = itertools.count(1)
         self._identity = b"dcp2d-" + uuid.uuid4().bytes
         self._new: queue.Queue = queue.Queue()
-        self._releases: queue.Queue = queue.Queue()  # (transfer key, bootstrap, num_tokens) to announce
-        self._done: queue.Queue = queue.Queue()
-        self._released: queue.Queue = queue.Queue()
-        self._active: dict[str, Fetch] = {}
+        self._releases: queue.Queue = queue.Queue()  # (transfer key, bootstrap, num_tokens, deadline) to announce
         self._renewed = 0.0  # when the transport was last renewed after a timed-out write
         self._stop = threading.Event()
         self._waker = bs.Waker()
-        self._thread = threading.Thread(target=self._loop, name=f"dcp2d-recv-{dcp_rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"dcp2d-recv-{dcp_rank}", daemon=True)
         self._thread.start()
 
     def __enter__(self):
@@ -105,7 +118,8 @@ class Receiver(ReceiverLifetime):
         self.close()
 
     def start(self, transfer_key: str, bootstrap: str, block_ids, first_page: int = 0,
-              timeout_s: float | None = None, wait_s: float | None = None, *, num_tokens: int) -> None:
+              timeout_s: float | None = None, wait_s: float | None = None, *, num_tokens: int,
+              remote_engine_id: str | None = None) -> None:
         """Begin fetching ``transfer_key`` from the prefill instance at ``bootstrap``.
 
         block_ids:  int ``[n]`` this rank's block table of the request; sequence
@@ -113,13 +127,18 @@ class Receiver(ReceiverLifetime):
                     With several KV cache groups (``regions.group_sharded``), a tuple of
                     tables, one per group; a replicated group gets page ``i`` in ``[i]``.
         num_tokens: the prompt tokens this side expects; every CP rank must hold exactly as many.
+        remote_engine_id: the prefill engine expected behind ``bootstrap`` (None: any);
+                    a rank table of another engine fails the fetch, naming both.
+        Raises RuntimeError if the receiver is closed or its thread died.
         """
+        if self.failed:
+            raise RuntimeError(f"DCP2D receiver of DCP rank {self.dcp_rank} is dead: {self.failed}")
         if self._stop.is_set():
             raise RuntimeError("receiver is closed")
         ids = tuple(t.copy() for t in block_tables("block_ids", block_ids, self.regions.num_groups))
         t = self.timeout_s if timeout_s is None else timeout_s
         w = self.wait_s if wait_s is None else wait_s
-        self._new.put(Fetch(transfer_key, bootstrap, ids, int(num_tokens), int(first_page),
+        self._new.put(Fetch(transfer_key, bootstrap, remote_engine_id, ids, int(num_tokens), int(first_page),
                             time.monotonic() + t, w))
         self._waker.wake()
 
@@ -130,35 +149,31 @@ class Receiver(ReceiverLifetime):
         ``send_timeout_s``. Fire and forget: if the rank table cannot be had within
         ``timeout_s``, the prefill's timeout frees it. The caller must not release
         a key it is still fetching."""
-        if self._stop.is_set():
+        if self._stop.is_set() or self.failed:
             return
         self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.timeout_s))
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
-        return drain(self._done)
+        return self.ledger.poll()
 
-    def poll_released(self) -> list[Fetch]:
+    def poll_lifted(self) -> list[Fetch]:
         """Fetches that ended with ``quarantined`` ranks, all of which settled since
         the last call: their blocks may be used again."""
-        return drain(self._released)
+        return self.ledger.poll_lifted()
 
     def wait(self, transfer_key: str, timeout_s: float) -> Fetch:
-        """Block until ``transfer_key`` finishes (other finished fetches stay queued for ``poll``)."""
+        """Block until ``transfer_key`` finishes (other finished fetches stay for ``poll``)."""
         deadline = time.monotonic() + timeout_s
-        held = []
-        try:
-            while True:
-                try:
-                    f = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise TimeoutError(f"fetch of {transfer_key!r} not finished within {timeout_s}s") from None
-                if f.transfer_key == transfer_key:
-                    return f
-                held.append(f)
-        finally:
-            for f in held:
-                self._done.put(f)
+        while True:
+            done = self.poll()
+            mine = [f for f in done if f.transfer_key == transfer_key]
+            self.ledger.unpoll([f for f in done if f.transfer_key != transfer_key])
+            if mine:
+                return mine[0]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"fetch of {transfer_key!r} not finished within {timeout_s}s")
+            time.sleep(0.005)
 
     def close(self, timeout_s: float = 5.0) -> None:
         if not self._stop.is_set():
@@ -171,51 +186,64 @@ class Receiver(ReceiverLifetime):
 
     # ---- background thread: owns every socket ----
 
-    def _loop(self):
+    def _run(self):
         self._poller = zmq.Poller()
         self._poller.register(self._waker.socket, zmq.POLLIN)
         self._ranks: dict[str, Rank] = {}
         self._queries: dict[str, bs.TableQuery] = {}
         self._waiting: dict[str, list[Fetch]] = {}  # bootstrap -> fetches waiting for its table
         self._unsent: dict[str, list[tuple]] = {}  # bootstrap -> releases waiting for its table
+        reason = "receiver closed"
         try:
-            while not self._stop.is_set():
-                events = dict(self._poller.poll(int(bs.POLL_S * 1000)))
-                if self._waker.socket in events:
-                    self._waker.drain()
-                while not self._new.empty():
-                    self._begin(self._new.get())
-                for rel in drain(self._releases):
-                    self._unsent.setdefault(rel[1], []).append(rel)
-                    self._query(rel[1])
-                self._send_releases()
-                for q in list(self._queries.values()):
-                    if q.monitor in events and link_events(q.monitor)[0]:
-                        self._no_table(q, "connection lost")
-                    if q.sock in events:
-                        self._read_table(q)
-                for r in list(self._ranks.values()):
-                    if r.monitor in events:
-                        self._link(r)
-                    if r.sock in events:
-                        self._read(r)
-                self._tick()
+            self._loop()
+        except Exception as e:  # a bug: every fetch fails, and start() raises from now on
+            reason = self.failed = f"{threading.current_thread().name} died: {type(e).__name__}: {e}"
+            log.exception("decode rank %d: %s", self.dcp_rank, reason)
         finally:
-            for f in list(self._active.values()):
-                self._finish(f, FetchError(f.transfer_key, None, "receiver closed"))
+            self.ledger.fail_all(reason)
+            for f in drain(self._new):
+                self.ledger.finish(f, FetchError(f.transfer_key, None, reason), track=False)
             for q in self._queries.values():
-                for s in (q.sock, q.monitor):
-                    self._poller.unregister(s)
                 q.close()
             for r in self._ranks.values():
                 r.close(self._poller)
 
+    def _loop(self):
+        while not self._stop.is_set():
+            events = dict(self._poller.poll(int(bs.POLL_S * 1000)))
+            if self._waker.socket in events:
+                self._waker.drain()
+            for f in drain(self._new):
+                self._guard(self._begin, f, fetch=f)
+            for rel in drain(self._releases):
+                self._guard(self._queue_release, rel)
+            self._guard(self._send_releases)
+            for q in list(self._queries.values()):
+                if q.monitor in events and link_events(q.monitor)[0]:
+                    self._guard(self._no_table, q, "connection lost")
+                if q.sock in events:
+                    self._guard(self._read_table, q)
+            for r in list(self._ranks.values()):
+                if r.monitor in events:
+                    self._guard(self._link, r)
+                if r.sock in events:
+                    self._guard(self._read, r)
+            self._guard(self._tick)
+
+    def _guard(self, step, *args, fetch: Fetch | None = None) -> None:
+        """Run one step; if it raises, fail only ``fetch`` (if given) and go on."""
+        try:
+            step(*args)
+        except Exception as e:
+            log.exception("decode rank %d: %s failed", self.dcp_rank, step.__name__)
+            if fetch is not None:
+                self._fail(fetch, FetchError(fetch.transfer_key, None, f"{type(e).__name__}: {e}"))
+
     def _begin(self, f: Fetch):
-        if f.transfer_key in self._active:
-            self._finish(f, FetchError(f.transfer_key, None, "a fetch of this request is already running"),
-                         track=False)
+        if not self.ledger.begin(f):
+            self.ledger.finish(f, FetchError(f.transfer_key, None, "a fetch of this request is already running"),
+                               track=False)
             return
-        self._active[f.transfer_key] = f
         q = self._query(f.bootstrap)
         if q.table is not None:
             self._dispatch(f, q.table)
@@ -225,7 +253,8 @@ class Receiver(ReceiverLifetime):
     def _query(self, bootstrap: str) -> bs.TableQuery:
         q = self._queries.get(bootstrap)
         if q is None:
-            q = self._queries[bootstrap] = bs.TableQuery(bootstrap, self.engine_id, self.fingerprint)
+            q = bs.TableQuery(bootstrap, self.engine_id, self.fingerprint)  # raises on a malformed address
+            self._queries[bootstrap] = q
             for s in (q.sock, q.monitor):
                 self._poller.register(s, zmq.POLLIN)
         return q
@@ -235,6 +264,10 @@ class Receiver(ReceiverLifetime):
         if rank is None:
             rank = self._ranks[addr] = Rank(addr, self._poller, self._identity)
         return rank
+
+    def _queue_release(self, rel: tuple) -> None:
+        self._query(rel[1])
+        self._unsent.setdefault(rel[1], []).append(rel)
 
     def _send_releases(self):
         """Send the releases whose prefill's rank table is known; drop those whose
@@ -247,7 +280,8 @@ class Receiver(ReceiverLifetime):
                 if table is not None:
                     msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self.consumer_size, num_tokens)
                     for addr in table.addresses:
-                        self._rank(addr).send(msg)
+                        if not self._rank(addr).send(msg):
+                            log.info("release of %r not sent to %s: its queue is full", key, addr)
                 elif deadline <= now:
                     log.info("release of %r not sent: no rank table from %s (%s)", key, bootstrap,
                              self._queries[bootstrap].last_reason)
@@ -260,17 +294,27 @@ class Receiver(ReceiverLifetime):
 
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
+        if f.remote_engine_id is not None and f.remote_engine_id != table.engine_id:
+            return self._fail(f, FetchError(f.transfer_key, None, (
+                f"the request names prefill engine {f.remote_engine_id!r}, but {f.bootstrap} serves engine "
+                f"{table.engine_id!r} (restarted, or another instance on that address)")))
         for cp_rank, addr in enumerate(table.addresses):
-            rank = self._rank(addr)
             attempt = next(self._attempts)
-            rank.inflight[attempt] = f
-            f.inflight[cp_rank] = (addr, attempt)
-            rank.send(TransferRequest.build(
-                regions=self.regions, transfer_key=f.transfer_key, attempt_id=attempt, engine_id=self.engine_id,
-                consumer_rank=self.consumer_rank, consumer_size=self.consumer_size,
+            msg = TransferRequest.build(
+                regions=self.regions, memory=self.memory, transfer_key=f.transfer_key, attempt_id=attempt,
+                engine_id=self.engine_id, consumer_rank=self.consumer_rank, consumer_size=self.consumer_size,
                 session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                 block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
-                fingerprint=self.fingerprint, wait_s=f.wait_s))
+                num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s)
+            try:
+                sent = self._rank(addr).send(msg)
+            except MessageError as e:  # this request cannot be put on the wire (a key too long, ...)
+                return self._fail(f, FetchError(f.transfer_key, cp_rank, f"cannot send the request: {e}"))
+            if not sent:
+                return self._fail(f, FetchError(f.transfer_key, cp_rank, (
+                    f"the side channel to {addr} is full: the rank has not read its last messages")),
+                    peer_fault=True)
+            self.ledger.sent(f, cp_rank, addr, attempt)
 
     # ---- the bootstrap server ----
 
@@ -283,14 +327,26 @@ class Receiver(ReceiverLifetime):
             return
         self._forget_restarted(q.address, table)
         for f in self._waiting.pop(q.address, []):
-            if self._active.get(f.transfer_key) is f:
-                self._dispatch(f, table)
+            if self.ledger.is_active(f):
+                self._guard(self._dispatch, f, table, fetch=f)
         self._send_releases()
 
     def _no_table(self, q: bs.TableQuery, why: str):
         q.forget()
         for f in self._waiting.pop(q.address, []):
             self._finish(f, FetchError(f.transfer_key, None, f"bootstrap {q.address}: {why}"))
+
+    def _forget_restarted(self, bootstrap: str, table: RankTable):
+        """Quarantined attempts on ranks of ``bootstrap`` whose link is down and whose
+        address the instance's new rank table no longer lists were restarted: their
+        old process, the only one that could write into those blocks, is gone."""
+        for addr, rank in list(self._ranks.items()):
+            if not rank.down or addr in table.addresses:
+                continue
+            self.ledger.settle_rank(addr, bootstrap, "restarted")
+            if not self.ledger.busy(addr):
+                rank.close(self._poller)
+                del self._ranks[addr]
 
     # ---- the CP ranks ----
 
@@ -301,35 +357,46 @@ class Receiver(ReceiverLifetime):
 
     def _read(self, rank: Rank):
         try:
-            msg = decode(rank.sock.recv(), (TransferOutcome, Reply))
+            payload = rank.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            msg = decode(payload, (TransferOutcome, Reply))
         except MessageError as e:
             return self._lost(rank, f"malformed reply: {e}")
-        if isinstance(msg, Reply):  # the rank rejected one of our messages: we cannot tell which
+        if isinstance(msg, Reply):  # the rank could not read a message of ours at all (its protocol differs)
             return self._lost(rank, f"rejected: {msg.reason}")
-        f = rank.inflight.pop(msg.attempt_id, None)
-        if f is None or f.transfer_key != msg.transfer_key:
-            f = rank.limbo.get(msg.attempt_id)
-            if f is not None and f.transfer_key == msg.transfer_key and msg.settled:
-                del rank.limbo[msg.attempt_id]
-                self._settle(f, msg.cp_rank, "answered")
-            return  # else a late answer to a fetch that already ended
-        f.inflight.pop(msg.cp_rank, None)
+        where = (rank.address, msg.attempt_id)
+        how, f, cp_rank = self.ledger.answered(*where)
+        if how == "unknown":
+            return  # a late answer to a fetch that already ended
+        if msg.cp_rank != cp_rank:  # not the process we sent it to: it proves nothing about that one
+            why = f"an answer from {rank.address} names cp rank {msg.cp_rank}, the attempt went to cp rank {cp_rank}"
+            if how == "inflight":
+                self.ledger.quarantine(f, cp_rank, where, why)
+                self._fail(f, FetchError(f.transfer_key, cp_rank, why), peer_fault=True)
+            return
+        if how == "limbo":
+            if msg.settled:
+                self.ledger.settle(where, "answered")
+            return
         if not msg.settled:
             why = msg.reason or "a Mooncake write attempt stalled, then its retry succeeded"  # may still land
-            self._quarantine(f, msg.cp_rank, (rank.address, msg.attempt_id), f"a write timed out: {why}")
+            self.ledger.quarantine(f, cp_rank, where, f"a write timed out: {why}")
+            self._backoff(rank)
             self._renew_target()
         if f.failing is not None:  # any answer means that rank writes nothing more
             if not f.inflight:
                 self._finish(f, f.failing, peer_fault=f.peer_fault)
             return
         if not msg.ok:
-            return self._fail(f, FetchError(f.transfer_key, msg.cp_rank, msg.reason))
+            return self._fail(f, FetchError(f.transfer_key, cp_rank, msg.reason))
         pages = -(-f.num_tokens // self.fingerprint.page_size)
         if (msg.num_tokens, msg.num_pages) != (f.num_tokens, pages):
-            return self._fail(f, FetchError(f.transfer_key, msg.cp_rank, (
+            return self._fail(f, FetchError(f.transfer_key, cp_rank, (
                 f"length mismatch: this decode expects {f.num_tokens} tokens ({pages} pages), the prefill "
                 f"wrote {msg.num_tokens} tokens ({msg.num_pages} pages)")))
-        f.outcomes[msg.cp_rank] = msg
+        f.outcomes[cp_rank] = msg
         if not f.inflight:
             self._finish(f, None)
 
@@ -340,38 +407,78 @@ class Receiver(ReceiverLifetime):
         for q in self._queries.values():
             if q.table is not None and rank.address in q.table.addresses:
                 q.forget()  # the rank may come back elsewhere: ask the bootstrap again
-        for attempt, f in list(rank.inflight.items()):
+        for f, cp_rank, _ in self.ledger.on_rank(rank.address):
             if f.failing is None:
-                cp_rank = next((r for r, (_, a) in f.inflight.items() if a == attempt), None)
                 self._fail(f, FetchError(f.transfer_key, cp_rank, f"{why} ({rank.address})"), peer_fault=True)
+
+    # ---- how a fetch ends ----
+
+    def _fail(self, f: Fetch, error: FetchError, peer_fault: bool = False):
+        """Fail ``f`` once no CP rank can still write into its blocks: the attempts still
+        in flight get a ``CancelTransfer``; ``f`` ends when each answered, at the
+        latest ``cancel_grace_s`` later with the silent ones quarantined."""
+        for addr, attempt in self.ledger.fail(f, error, self.cancel_grace_s, peer_fault):
+            if addr in self._ranks:  # a full queue: the attempt is quarantined at the grace
+                self._ranks[addr].send(CancelTransfer(f.transfer_key, attempt))
+
+    def _finish(self, f: Fetch, error: FetchError | None, peer_fault: bool = False):
+        self.ledger.finish(f, error, peer_fault=peer_fault)
+        if (peer_fault or f.peer_fault) and f.bootstrap in self._queries:
+            self._queries[f.bootstrap].forget()  # re-query: a rank may have moved
+
+    def _backoff(self, rank: Rank) -> None:
+        """A new attempt is quarantined on ``rank``: ask it again from the first wait."""
+        rank.backoff.reset()
+        rank.cancel_at = time.monotonic() + rank.backoff.next()
+
+    def _renew_target(self):
+        """A prefill rank's write to us timed out. Seen with Mooncake 0.3.13.post1 TCP:
+        fresh initiator engines stalled on the same target too, so the target engine
+        was wedged. Later requests name a fresh engine (``TransferRequest.session``);
+        the old one stays alive with the KV registered, so a late write into
+        quarantined blocks still lands only there. At most once per ``STALL_S``."""
+        now = time.monotonic()
+        if now - self._renewed < STALL_S:
+            return
+        self._renewed = now
+        old = self.transport.session_id
+        try:
+            self.transport.renew()
+        except TransportError as e:
+            log.warning("decode rank %d: renewing Mooncake engine %s failed: %s", self.dcp_rank, old, e)
+            return
+        log.warning("decode rank %d: a write to Mooncake session %s timed out; new requests name %s",
+                    self.dcp_rank, old, self.transport.session_id)
 
     # ---- timers: table queries, cancel re-sends, deadlines ----
 
     def _tick(self):
         now = time.monotonic()
         for bootstrap, waiting in list(self._waiting.items()):
-            self._waiting[bootstrap] = [f for f in waiting if self._active.get(f.transfer_key) is f]
+            self._waiting[bootstrap] = [f for f in waiting if self.ledger.is_active(f)]
             if self._waiting[bootstrap]:
                 self._queries[bootstrap].ask(now)
         for bootstrap in self._unsent:
             self._queries[bootstrap].ask(now)
         self._send_releases()
         for rank in self._ranks.values():  # ask quarantining ranks again, less and less often
-            if rank.limbo and now >= rank.cancel_at:
-                for attempt, f in rank.limbo.items():
-                    rank.send(CancelTransfer(f.transfer_key, attempt))
+            limbo = self.ledger.limbo_on(rank.address)
+            if limbo and now >= rank.cancel_at:
+                for attempt, f in limbo:
+                    if not rank.send(CancelTransfer(f.transfer_key, attempt)):
+                        break  # its queue is full: nothing more to queue until it reads
                 rank.cancel_at = now + rank.backoff.next()
-        for f in [f for f in self._active.values() if f.failing is not None and f.settle_by <= now]:
+        for f in [f for f in self.ledger.active() if f.failing is not None and f.settle_by <= now]:
             for cp_rank, where in list(f.inflight.items()):
-                self._quarantine(f, cp_rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
+                self.ledger.quarantine(f, cp_rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
+                self._backoff(self._ranks[where[0]])
             self._finish(f, f.failing, peer_fault=f.peer_fault)
-        for f in [f for f in self._active.values() if f.failing is None and f.deadline <= now]:
+        for f in [f for f in self.ledger.active() if f.failing is None and f.deadline <= now]:
             if f.table is None:
                 q = self._queries.get(f.bootstrap)
                 cp_rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({q and q.last_reason})"
             else:
                 pending = sorted(f.inflight)
-                cp_rank, why = pending[0], f"no outcome from cp ranks {pending}"
+                cp_rank, why = (pending[0] if pending else None), f"no outcome from cp ranks {pending}"
             self._fail(f, FetchError(f.transfer_key, cp_rank, f"timed out after {now - f.started:.1f}s: {why}"),
                        peer_fault=True)
-

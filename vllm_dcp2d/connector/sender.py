@@ -8,25 +8,22 @@ decode's token count, plans ``plan_path(layers = this rank's layers,
 dcp_size/dcp_rank from the request)`` (the topology is per request, seed
 §6.7), writes the descriptors with Mooncake and answers a ``TransferOutcome``.
 
-A request whose id is not known yet (prefill still running) is held for the
-request's ``wait_s`` seconds. While it is held, ``layer_ready`` (called by the
+A request whose id is not known yet (prefill still running) waits for the
+request's ``wait_s`` seconds. While it waits, ``layer_ready`` (called by the
 prefill worker from ``save_kv_layer``, right after a layer's KV is computed)
 writes that layer to it at once: the layer-pipelined transfer. ``add_request``
-then writes the layers not written yet and answers; past ``wait_s`` the held
-request fails with "not ready". A request is finished when ``consumer_size``
-distinct consumer ranks of one consumer engine got their pages or released it
-(``ReleaseTransfer``: that rank will never fetch it), or after ``expiry_s`` (the
-backstop for a decode that vanished); ``abort`` ends a request that will never
-be added.
+then writes the layers not written yet and answers; past ``wait_s`` the waiting
+request fails with "not ready". ``restart`` voids the early layers of a request
+vLLM preempted; ``abort`` / ``drop`` end a request that will never be added.
 
-Block lifetime (docs/connector.md): ``sender_lifetime`` holds the fetch and
-request records and the bookkeeping half of this class (``SenderLifetime``):
-one answer per fetch, write counting, releases and consumer coverage, expiry.
-This module holds the owner API, the I/O loop and the plan + write workers.
+When blocks may be freed and when each attempt is answered is decided by the
+rank's ``SendLedger`` (``send_ledger.py``, with its invariants); this module
+moves the bytes: the owner API, the I/O loop and the plan + write workers.
 
 Threads: an I/O thread owns the socket; ``num_workers`` threads plan and write.
-One slow or frozen decode peer therefore holds one worker for up to
-``MC_TRANSFER_TIMEOUT``.
+Each message and each job runs in its own guard: one bad input fails only its
+attempt, with the reason in the answer. A thread that dies anyway sets
+``failed``, which the owner turns into an engine error (never a hang).
 
 Public API
 ----------
@@ -36,11 +33,14 @@ Public API
     ``.layers -> range``              the layers this rank sends.
     ``.layer_ready(key, layer, block_ids, num_tokens, event=None)``  one layer of it is computed.
     ``.add_request(key, block_ids, num_tokens)``  KV of the request is ready.
-    ``.abort(key)``                   the request will not be added; fail its held fetches.
-    ``.held(key) -> int``             fetches of it waiting for its KV.
-    ``.pop_finished() -> dict[str, str]``  key -> "done" | "expired" | "aborted"; the owner frees blocks.
+    ``.restart(key)``                 vLLM preempted it: written layers count for nothing.
+    ``.abort(key)`` / ``.drop(key)``  it will not be added; fail its waiting attempts
+                                      (``abort``: reported "aborted" once no layer write reads it).
+    ``.waiting(key) -> int``          attempts of it waiting for its KV.
+    ``.pop_finished() -> dict[str, str]``  key -> "done" | "released" | "expired" | "aborted".
     ``.writes_in_flight() -> int``    writes running now (all requests).
     ``.errors -> deque[str]``         the last 100 failure reasons; ``.malformed``: messages rejected.
+    ``.failed -> str``                why a thread of it died ("" while all run).
     ``.close()``                      stops threads; leaves the transport to its owner.
 """
 
@@ -58,10 +58,10 @@ import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
-                                           ReleaseTransfer, Reply, TransferOutcome, TransferRequest, decode,
-                                           encode)
-from vllm_dcp2d.connector.plan import KVRegions, block_tables, plan_path
-from vllm_dcp2d.connector.sender_lifetime import Held, Request, SenderLifetime
+                                           ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
+                                           decode, encode)
+from vllm_dcp2d.connector.plan import KVRegions, Memory, block_tables, plan_path
+from vllm_dcp2d.connector.send_ledger import Attempt, Request, SendLedger
 from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 
@@ -70,11 +70,11 @@ __all__ = ["Sender"]
 log = logging.getLogger(__name__)
 
 
-class Sender(SenderLifetime):
+class Sender:
     """Serves ``TransferRequest``s for one prefill CP rank.
 
     transport:   the rank's Mooncake transport; the KV memory behind ``regions``
-                 must be registered on it by the owner.
+                 must be registered on it by the owner, before the Sender is built.
     regions:     this rank's KV (must hold ``cp_layer_range(num_layers, cp_size, cp_rank)``).
     fingerprint: this side's KV format; requests with another one fail.
     bootstrap:   the instance's ``BootstrapServer`` address to register with (or None).
@@ -88,22 +88,17 @@ class Sender(SenderLifetime):
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank)
         regions.rows(np.arange(self.layers.start, self.layers.stop), "producer")  # raises if not held
+        if not transport.registered():
+            raise ValueError("register this rank's KV memory on the transport before building its Sender")
+        self._memory = Memory.of(transport.registered().items())  # what any write may read
         self.expiry_s = expiry_s
-        self._lock = threading.Lock()
-        self._requests: dict[str, Request] = {}
-        self._pending: dict[str, list[Held]] = {}  # key -> fetches held until add_request
-        self._fetches: dict[tuple, Held] = {}  # (consumer identity, attempt id) -> fetch not answered yet
-        self._finished: dict[str, str] = {}
-        self._aborting: dict[str, list[Held]] = {}  # key -> its fetches with a layer write in flight
-        self._unsettled: dict[tuple, float] = {}  # (identity, attempt id) -> when its stalled write is dropped
-        self._early: dict[str, tuple[float, list[ReleaseTransfer]]] = {}  # key not added yet -> releases for it
-        self._gone: dict[str, float] = {}  # key -> until when releases for it are ignored (just finished)
-        self._releasing: set[str] = set()  # covered keys waiting for another engine's open fetches
-        self._writes = 0
         self.errors: deque[str] = deque(maxlen=100)
         self.malformed = 0
+        self.failed = ""
+        self._out: queue.Queue = queue.Queue()  # (identity, message) for the I/O thread
+        self.ledger = SendLedger(lambda ident, msg: self._out.put((ident, msg)), self._failed, self._ok,
+                                 f"cp rank {cp_rank}")
         self._work: queue.Queue = queue.Queue()
-        self._out: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._sock = bs.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not blocks
@@ -111,9 +106,10 @@ class Sender(SenderLifetime):
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.address = bs.bind(self._sock, host, port)
         self._waker = bs.Waker()
-        self._threads = [threading.Thread(target=self._io_loop, name=f"dcp2d-send-io-{cp_rank}", daemon=True)]
-        self._threads += [threading.Thread(target=self._work_loop, name=f"dcp2d-send-{cp_rank}.{i}", daemon=True)
-                          for i in range(num_workers)]
+        self._threads = [threading.Thread(target=self._guarded, args=(self._io_loop,), name=f"dcp2d-send-io-{cp_rank}",
+                                          daemon=True)]
+        self._threads += [threading.Thread(target=self._guarded, args=(self._work_loop,),
+                                           name=f"dcp2d-send-{cp_rank}.{i}", daemon=True) for i in range(num_workers)]
         for t in self._threads:
             t.start()
         if bootstrap is not None:
@@ -136,70 +132,67 @@ class Sender(SenderLifetime):
         """The KV of ``transfer_key``'s ``num_tokens`` prompt tokens is complete in
         ``block_ids`` (int ``[P]``, this rank's block of each sequence page,
         ``P >= cdiv(num_tokens, page_size)``; a tuple of them, one per KV cache
-        group, when ``regions`` has several); serves fetches already waiting."""
+        group, when ``regions`` has several); serves attempts already waiting."""
         ids, pages = self._blocks(block_ids, num_tokens)
-        with self._lock:
-            state = self._requests[transfer_key] = Request(ids, int(num_tokens), pages,
-                                                            time.monotonic() + self.expiry_s)
-            waiting = self._pending.pop(transfer_key, [])
-            self._gone.pop(transfer_key, None)
-            for msg in self._early.pop(transfer_key, (0.0, []))[1]:  # the decode dropped it before we had it
-                self._release(state, transfer_key, msg)
-        for held in waiting:
-            self._work.put(partial(self._answer, held))
+        for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s):
+            self._work.put(partial(self._answer, a))
+        self._flush()
 
     def layer_ready(self, transfer_key: str, layer: int, block_ids, num_tokens: int, event=None) -> None:
         """Layer ``layer`` of ``transfer_key`` is computed in ``block_ids`` (int ``[P]``)
-        for its ``num_tokens`` prompt tokens: write it now to every fetch held for it.
+        for its ``num_tokens`` prompt tokens: write it now to every attempt waiting for it.
 
         Called by the owner from its forward pass (``save_kv_layer``), so it only
         queues work. ``event``: a ``torch.cuda.Event`` recorded after the layer's
         KV write on the compute stream (None on CPU), waited for before reading.
         A no-op for layers of other CP ranks or requests nobody asked for yet.
-        The owner must call ``abort`` (and wait for ``pop_finished``) before it
-        frees the blocks of a request that is not added.
+        The owner must call ``restart`` before vLLM reuses the blocks of a
+        preempted request, and ``abort`` (then wait for ``pop_finished``) before it
+        frees the blocks of a request that will not be added.
         """
         if layer not in self.layers:
             return
-        with self._lock:
-            held = list(self._pending.get(transfer_key, ()))
-        if not held:
+        waiting = self.ledger.waiting(transfer_key)
+        if not waiting:
             return
         ids, _ = self._blocks(block_ids, num_tokens)
-        for h in held:
-            self._work.put(partial(self._write_layer, h, layer, ids, int(num_tokens), event))
+        for a, epoch in waiting:
+            self._work.put(partial(self._write_layer, a, layer, ids, int(num_tokens), event, epoch))
+
+    def restart(self, transfer_key: str) -> int:
+        """vLLM preempted ``transfer_key`` after its prompt completed (its blocks are
+        free now): layers written so far count for nothing, queued layer writes are
+        skipped, and every layer is written again after the re-prefill. Returns the
+        number of attempts restarted (``SendLedger.restart``)."""
+        return self.ledger.restart(transfer_key)
 
     def abort(self, transfer_key: str) -> None:
-        """``transfer_key`` will never be added (its prefill was aborted): its held fetches
-        fail, and ``pop_finished`` reports it "aborted" once no layer write reading
-        its blocks is in flight."""
-        with self._lock:
-            held = self._pending.pop(transfer_key, [])
-            for h in held:
-                self._close(h, f"request {transfer_key!r} was aborted on the prefill (cp rank {self.cp_rank})")
-            if any(h.writes for h in held):
-                self._aborting[transfer_key] = held
-            else:
-                self._finished[transfer_key] = "aborted"
+        """``transfer_key`` will never be added (its prefill was aborted after its prompt
+        completed): its waiting attempts fail, and ``pop_finished`` reports it
+        "aborted" once no layer write reading its blocks is in flight."""
+        self.ledger.abort(transfer_key)
         self._flush()
 
-    def held(self, transfer_key: str) -> int:
-        """How many fetches of ``transfer_key`` are held, waiting for its KV."""
-        with self._lock:
-            return len(self._pending.get(transfer_key, ()))
+    def drop(self, transfer_key: str) -> None:
+        """Like ``abort`` for a request whose blocks vLLM did not keep (aborted before
+        its prompt completed, or while preempted): its waiting attempts fail now;
+        nothing is reported."""
+        self.ledger.abort(transfer_key, report=False)
+        self._flush()
+
+    def waiting(self, transfer_key: str) -> int:
+        """How many attempts of ``transfer_key`` wait for its KV."""
+        return len(self.ledger.waiting(transfer_key))
 
     def pop_finished(self) -> dict[str, str]:
         """Requests the owner may free now: transfer key -> "done" (all consumer ranks
         of an engine served), "released" (every rank of an engine released it, some
         without fetching), "expired" (nobody finished within ``expiry_s``) or
         "aborted"; none has a write in flight or can start one."""
-        with self._lock:
-            out, self._finished = self._finished, {}
-        return out
+        return self.ledger.pop_finished()
 
     def writes_in_flight(self) -> int:
-        with self._lock:
-            return self._writes
+        return self.ledger.writes_in_flight()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -216,6 +209,19 @@ class Sender(SenderLifetime):
                                  f"{self.fingerprint.page_size}), got {ids.size} block ids")
         return tables, pages
 
+    def _flush(self) -> None:
+        if not self._out.empty():
+            self._waker.wake()
+
+    def _guarded(self, loop) -> None:
+        """Run a thread's loop; if it ever raises, record why: the owner fails the
+        engine on it (``WorkerSide.get_finished``) rather than let requests hang."""
+        try:
+            loop()
+        except Exception as e:
+            self.failed = f"{threading.current_thread().name} died: {type(e).__name__}: {e}"
+            log.exception("cp rank %d: %s", self.cp_rank, self.failed)
+
     # ---- I/O thread: owns the ROUTER socket ----
 
     def _io_loop(self):
@@ -229,7 +235,7 @@ class Sender(SenderLifetime):
                     self._receive()
                 if self._waker.socket in events:
                     self._waker.drain()
-                self._expire()
+                self.ledger.expire(time.monotonic())
                 while not self._out.empty():
                     self._send(*self._out.get())
         finally:
@@ -238,61 +244,58 @@ class Sender(SenderLifetime):
     def _send(self, identity: bytes, msg) -> None:
         try:
             self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # the consumer went away: nothing to tell it
-            log.warning("cp rank %d: reply to a vanished consumer dropped: %s", self.cp_rank, e)
+        except (zmq.ZMQError, MessageError) as e:  # the consumer went away: nothing to tell it
+            log.warning("cp rank %d: reply to a consumer dropped: %s", self.cp_rank, e)
 
     def _receive(self):
-        frames = self._sock.recv_multipart()
+        """One message off the socket; whatever it holds, only its own attempt fails."""
+        frames = self._sock.recv_multipart(zmq.NOBLOCK)
         if len(frames) != 2:
             return
         identity, payload = frames
         try:
+            self._handle(identity, payload)
+        except Exception as e:  # a bug, not bad input (decode names that): fail the attempt, keep serving
+            log.exception("cp rank %d: handling a message failed", self.cp_rank)
+            self._reject(identity, payload, f"cp rank {self.cp_rank} could not handle it: {type(e).__name__}: {e}")
+
+    def _handle(self, identity: bytes, payload: bytes) -> None:
+        try:
             req = decode(payload, (TransferRequest, CancelTransfer, ReleaseTransfer))
         except MessageError as e:
             self.malformed += 1
-            self.errors.append(f"rejected message: {e}")
-            log.warning("cp rank %d: rejected message: %s", self.cp_rank, e)
-            self._send(identity, Reply(False, f"cp rank {self.cp_rank} rejected message: {e}"))
-            return
+            return self._reject(identity, payload, f"cp rank {self.cp_rank} rejected message: {e}")
         if isinstance(req, CancelTransfer):
-            return self._cancel(identity, req)
+            why = f"cancelled by the consumer on cp rank {self.cp_rank}"
+            known, settled = self.ledger.cancel(identity, req.attempt_id, why)
+            if not known:  # nothing of it can be in flight: answered at once
+                self._send(identity, self._failed(req, why, settled=settled))
+            return self._flush()
         if isinstance(req, ReleaseTransfer):
-            self._on_release(req)
+            self.ledger.release(req)
             return self._flush()
         try:
             self.fingerprint.check(req.fingerprint)
         except MessageError as e:
-            self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
-            return
-        h = Held(identity, req, time.monotonic() + req.wait_s)
-        with self._lock:
-            known = req.transfer_key in self._requests
-            if known or req.wait_s > 0:
-                self._fetches[(identity, req.attempt_id)] = h
-            if not known and req.wait_s > 0:
-                self._pending.setdefault(req.transfer_key, []).append(h)
-                return
-        if known:
-            self._work.put(partial(self._answer, h))
-        else:
+            return self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
+        a = Attempt(identity, req, time.monotonic() + req.wait_s)
+        how = self.ledger.arrive(a)
+        if how == "serve":
+            self._work.put(partial(self._answer, a))
+        elif how == "unknown":
             self._send(identity, self._failed(req, f"unknown request id {req.transfer_key!r} on cp rank "
                                                    f"{self.cp_rank} (not added, or already finished/expired)"))
 
-    def _cancel(self, identity: bytes, msg: CancelTransfer) -> None:
-        """The consumer gave up on a fetch. Handled here, ahead of queued work: no
-        write of it starts any more, and it is answered once none is in flight. A
-        fetch this rank does not know has nothing in flight: answered at once."""
-        why = f"cancelled by the consumer on cp rank {self.cp_rank}"
-        with self._lock:
-            h = self._fetches.get((identity, msg.attempt_id))
-            if h is not None:
-                items = self._pending.get(h.req.transfer_key, [])
-                if h in items:
-                    items.remove(h)
-                self._close(h, why)
-            settled = self._unsettled.get((identity, msg.attempt_id), 0.0) <= time.monotonic()
-        if h is None:
-            self._send(identity, self._failed(msg, why, settled=settled))
+    def _reject(self, identity: bytes, payload: bytes, reason: str) -> None:
+        """Answer a message this rank could not take: for its attempt if the attempt
+        id can be read (the consumer fails only that fetch), else a ``Reply``."""
+        self.errors.append(reason)
+        log.warning("%s", reason)
+        which = attempt_of(payload)
+        if which is None:
+            return self._send(identity, Reply(False, reason[:4096]))
+        key, attempt_id = which
+        self._send(identity, self._failed(CancelTransfer(key, attempt_id), reason))
 
     # ---- workers: plan + write ----
 
@@ -302,17 +305,35 @@ class Sender(SenderLifetime):
                 job = self._work.get(timeout=bs.POLL_S)
             except queue.Empty:
                 continue
-            job()
+            try:
+                job()
+            except Exception:  # the jobs answer their own failures; this is a bug in one of them
+                log.exception("cp rank %d: a write job failed", self.cp_rank)
             self._flush()
 
-    def _plan_write(self, h: Held, block_ids, layers, num_pages: int) -> None:
-        """Plan and write ``layers`` x pages(the fetch's DCP rank) into ``h``'s totals.
-        Raises ValueError (cannot plan) or TransportError."""
-        req = h.req
+    def _reason(self, e: Exception) -> str:
+        if isinstance(e, ValueError):
+            return f"cannot plan on cp rank {self.cp_rank}: {e}"
+        if isinstance(e, TransportError):
+            return f"cp rank {self.cp_rank}: {e}"
+        log.exception("cp rank %d: unexpected error in a write", self.cp_rank)
+        return f"cp rank {self.cp_rank}: unexpected {type(e).__name__}: {e}"
+
+    def _plan_write(self, a: Attempt, block_ids, layers, num_pages: int) -> None:
+        """Plan and write ``layers`` x pages(the attempt's DCP rank) into ``a``'s totals.
+        Raises ValueError (cannot plan, or a write would leave registered memory)
+        or TransportError."""
+        req = a.req
         t0 = time.perf_counter()
         dst = req.regions()
         desc = plan_path(self.regions, block_ids, layers, dst, req.tables(),
                          req.dcp_size, req.dcp_rank, req.first_page, num_pages)
+        # TransferRequest.validate keeps every destination inside what the consumer
+        # registered; this checks the plan against it, and the source against ours.
+        if not Memory(req.memory_addr, req.memory_bytes).holds(desc.dst, desc.length).all():
+            raise ValueError("a planned write falls outside the memory the consumer registered")
+        if not self._memory.holds(desc.src, desc.length).all():
+            raise ValueError("a planned read falls outside the memory this rank registered")
         layers = np.asarray(layers, dtype=np.int64)
         replicated = int((~dst.group_sharded[dst.groups_of(layers, "consumer")]).sum()) if layers.size else 0
         t1 = time.perf_counter()
@@ -320,81 +341,58 @@ class Sender(SenderLifetime):
         try:
             nbytes = self.transport.write(req.session, desc, stalls)
         finally:
-            # An attempt given up after a stall may still deliver its queued bytes,
+            # A write given up after a stall may still deliver its queued bytes,
             # also when a retry on a fresh engine then succeeded: not settled.
             if stalls:
-                h.settled = False
-        h.nbytes += nbytes
-        h.replicated_bytes += replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
-        h.descriptors += len(desc)
-        h.plan_s += t1 - t0
-        h.write_s += time.perf_counter() - t1
+                self.ledger.mark_unsettled(a)
+        a.nbytes += nbytes
+        a.replicated_bytes += replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
+        a.descriptors += len(desc)
+        a.plan_s += t1 - t0
+        a.write_s += time.perf_counter() - t1
 
-    def _write_layer(self, h: Held, layer: int, block_ids, num_tokens: int, event) -> None:
-        """One layer to one held fetch (a worker-thread job queued by ``layer_ready``)."""
+    def _write_layer(self, a: Attempt, layer: int, block_ids, num_tokens: int, event, epoch: int) -> None:
+        """One layer to one waiting attempt (a worker-thread job queued by ``layer_ready``)."""
         if event is not None:
             event.synchronize()
-        with h.lock:
-            with self._lock:
-                # Once the request was added, its blocks stay with vLLM only while a write is
-                # counted on it too: expiry or release must not free blocks this write reads.
-                state = self._requests.get(h.req.transfer_key)
-                if layer in h.sent or h.error or h.req.num_tokens != num_tokens or not self._begin(h, state):
-                    return
+        with a.lock:
+            token = self.ledger.begin_layer(a, layer, num_tokens, epoch)
+            if token is None:
+                return
+            error = ""
             try:
-                self._plan_write(h, block_ids, [layer], cdiv(num_tokens, self.fingerprint.page_size))
-                h.sent.add(layer)
-            except (ValueError, TransportError) as e:
-                h.error = f"layer {layer} (written early): {e}"
+                self._plan_write(a, block_ids, [layer], cdiv(num_tokens, self.fingerprint.page_size))
+            except Exception as e:
+                error = self._reason(e)
             finally:
-                with self._lock:
-                    self._end(h, state, h.req.transfer_key)
+                self.ledger.end_layer(a, token, layer, epoch, error)
 
-    def _answer(self, h: Held) -> None:
-        """Write what fetch ``h`` still lacks (all of this rank's layers, or those
+    def _answer(self, a: Attempt) -> None:
+        """Write what attempt ``a`` still lacks (all of this rank's layers, or those
         ``layer_ready`` did not write yet) and answer it."""
-        req, key = h.req, h.req.transfer_key
-        with h.lock:  # after any layer write of h
-            with self._lock:
-                state = self._requests.get(key)
-                if state is None:
-                    return self._close(h, f"request {key!r} finished or expired on cp rank {self.cp_rank}")
-                if req.num_tokens != state.num_tokens:
-                    return self._close(h, f"length mismatch on cp rank {self.cp_rank}: the decode claims "
-                                          f"{req.num_tokens} prompt tokens, the prefill has {state.num_tokens}")
-                if not self._begin(h, state):
-                    return
-            error = h.error
+        with a.lock:  # after any layer write of a
+            begun = self.ledger.begin_answer(a)
+            if begun is None:
+                return
+            state, error, sent = begun
             try:
                 if not error:
-                    todo = [layer for layer in self.layers if layer not in h.sent]
-                    self._plan_write(h, state.block_ids, todo, state.num_pages)
-            except ValueError as e:
-                error = f"cannot plan on cp rank {self.cp_rank}: {e}"
-            except TransportError as e:
-                error = f"cp rank {self.cp_rank}: {e}"
-            with self._lock:
-                if not h.closed:
-                    h.closed = "answered"
-                    if error:
-                        self._reply(h, self._failed(req, error, state.num_pages, h.settled))
-                    else:
-                        self._reply(h, self._ok(h, state))
-                        state.done.setdefault(req.engine_id, set()).add(req.consumer_rank)
-                        state.sizes[req.engine_id] = req.consumer_size
-                if not state.closing:
-                    self._try_close(key, state)
-                self._end(h, state, key)
+                    todo = [layer for layer in self.layers if layer not in sent]
+                    self._plan_write(a, state.block_ids, todo, state.num_pages)
+            except Exception as e:
+                error = self._reason(e)
+            finally:
+                self.ledger.end_answer(a, state, error)
 
-    def _ok(self, h: Held, state: Request) -> TransferOutcome:
-        n = h.descriptors
-        naive = len(self.layers) * max(0, state.num_pages - h.req.first_page) * int(self.regions.page_bytes.sum())
+    def _ok(self, a: Attempt, state: Request) -> TransferOutcome:
+        n = a.descriptors
+        naive = len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
         return TransferOutcome(
-            transfer_key=h.req.transfer_key, attempt_id=h.req.attempt_id, cp_rank=self.cp_rank,
+            transfer_key=a.req.transfer_key, attempt_id=a.req.attempt_id, cp_rank=self.cp_rank,
             cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
-            num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=h.nbytes, descriptors=n,
-            batches=-(-n // self.transport.max_batch), naive_bytes=naive, plan_s=h.plan_s, write_s=h.write_s,
-            early_layers=len(h.sent), settled=h.settled, replicated_bytes=h.replicated_bytes)
+            num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=a.nbytes, descriptors=n,
+            batches=-(-n // self.transport.max_batch), naive_bytes=naive, plan_s=a.plan_s, write_s=a.write_s,
+            early_layers=len(a.sent), settled=a.settled, replicated_bytes=a.replicated_bytes)
 
     def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0,
                 settled: bool = True) -> TransferOutcome:

@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVATIONS"]
 
-_COUNTERS = ("failed", "expired", "quarantined", "released", "prefix_broadcast_bytes", "stalls", "retries")
+_COUNTERS = ("failed", "expired", "quarantined", "lifted", "prefix_broadcast_bytes", "stalls", "retries")
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
 # Write durations kept per path between two snapshots, for the histogram. A
 # snapshot covers one engine step, so a path sees at most one write per request
@@ -56,7 +56,7 @@ def _new_path() -> dict[str, Any]:
 @dataclass
 class DCP2DStats(KVConnectorStats):
     """``data = {"paths": {"r,d": {"transfers", "bytes", "replicated_bytes", "descriptors", "seconds",
-    "write_seconds": [float]}}, "failed": int, "expired": int, "quarantined": int, "released": int,
+    "write_seconds": [float]}}, "failed": int, "expired": int, "quarantined": int, "lifted": int,
     "prefix_broadcast_bytes": int, "stalls": int, "retries": int}``.
 
     bytes:       everything the path moved; replicated_bytes: the part that went to
@@ -70,7 +70,7 @@ class DCP2DStats(KVConnectorStats):
                  ``transfer_timeout_s``, or prefill blocks freed after ``send_timeout_s``.
     quarantined: decode blocks kept out of use because a prefill rank may still
                  write into them (docs/connector.md, "Block lifetime").
-    released:    quarantined blocks given back once their rank settled.
+    lifted:      quarantined blocks given back once their rank settled.
     prefix_broadcast_bytes: prefill with layer-split storage: bytes this rank sent
                  or received filling transient slots (``prefill/layer_split.py``).
     stalls:      Mooncake writes (batches) this rank gave up after ``STALL_S`` without

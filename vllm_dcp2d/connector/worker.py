@@ -12,8 +12,9 @@ its ``Receiver`` asks every producer CP rank for this rank's pages, written
 by Mooncake straight into vLLM's DCP layout (page ``i`` -> local block
 ``block_ids[i // dcp_size]``). No copy or reshuffle happens on decode.
 
-Hook order per engine step (vLLM 0.32 ``KVConnectorModelRunnerMixin``): the
-step's metadata is bound -> forward (``wait_for_layer_load`` / ``save_kv_layer``
+Hook order per engine step (vLLM 0.32 ``KVConnectorModelRunnerMixin``):
+``handle_preemptions`` (before anything of the step runs) -> the step's
+metadata is bound -> forward (``wait_for_layer_load`` / ``save_kv_layer``
 around each attention layer) -> ``start_load_kv`` (after the forward: our loads
 are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
 ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats``.
@@ -21,7 +22,7 @@ are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
 Layer pipelining (``save_kv_layer``): decode ranks may ask for a request
 before its prefill finished (a router that sends the decode request at once,
 with the client's ``transfer_id`` as ``remote_request_id``; see
-``vllm-dcp2d proxy --pipelined``). The sender holds such fetches, and in the
+``vllm-dcp2d proxy --pipelined``). Such fetches wait at the sender, and in the
 step that completes the prompt each layer goes to them right after it is
 computed (``Sender.layer_ready``), overlapping the transfer with the rest of
 the forward. ``request_finished`` then hands the whole request over; the
@@ -43,7 +44,7 @@ from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.config import ConfigError, DCP2DConfig
 from vllm_dcp2d.connector.messages import Fingerprint
 from vllm_dcp2d.connector.receiver import Fetch, Receiver
-from vllm_dcp2d.connector.scheduler import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
+from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
 from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.transport import MooncakeTransport
@@ -91,7 +92,7 @@ class WorkerSide:
         self.receiver: Receiver | None = None
         self._loading: dict[str, tuple[str, list[int], int]] = {}  # transfer key -> (req id, blocks, first page)
         self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
-        self._holds: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks) while held
+        self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
         self._meta = DCP2DWorkerMeta()
         self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
         self._finished_sending: set[str] = set()
@@ -196,10 +197,36 @@ class WorkerSide:
                                    "context_blocks: the owners cannot fill the transient slots")
             self.layer_split.bind(blocks)
 
+    def handle_preemptions(self, meta) -> None:
+        """Called by the model runner first thing in every step, before the forward
+        that may overwrite the blocks of requests preempted while it was scheduled.
+        Producer: their attempts start over (``Sender.restart``): a layer written, or
+        being written, from the freed blocks counts for nothing, and every layer is
+        written again from the re-prefill's blocks. Nothing waits here: writes of an
+        attempt are ordered by its lock, so a stale write that is still reading
+        lands before its replacement, and no answer goes out until the last one."""
+        self._check_threads()
+        if self.sender is None or not isinstance(meta, DCP2DMetadata):
+            return
+        for req_id, key in meta.preempted.items():
+            n = self.sender.restart(key)
+            log.info("DCP2D: request %s (transfer key %r) preempted after its prompt completed on CP rank %d; "
+                     "%d waiting fetches rewrite every layer after its re-prefill", req_id, key, self.tp_rank, n)
+
+    def _check_threads(self) -> None:
+        """A connector thread that died fails the engine (so its health check fails)
+        instead of leaving requests waiting for it forever."""
+        for part in (self.sender, self.receiver, self.bootstrap):
+            if part is not None and part.failed:
+                raise RuntimeError(f"DCP2D {type(part).__name__} of TP rank {self.tp_rank} stopped: {part.failed}")
+
     def start_load_kv(self, meta) -> None:
         """Called by the model runner every step with this step's metadata bound.
         Producer: hands finished prefills to the sender, aborts aborted ones.
         Consumer: starts fetches; tells the producers about requests it will not fetch."""
+        for key in meta.dropped.values():
+            if self.sender is not None:
+                self.sender.drop(key)
         for req_id, key in meta.aborted.items():
             if self.sender is None:  # TP rank beyond cp_size: owns no layers to send
                 self._finished_sending.add(req_id)
@@ -227,7 +254,8 @@ class WorkerSide:
             else:
                 self._loading[key] = (req_id, spec.block_ids, spec.first_page)
                 self.receiver.start(key, spec.bootstrap_addr, spec.block_ids, spec.first_page,
-                                    timeout_s=spec.timeout_s, num_tokens=spec.num_tokens)
+                                    timeout_s=spec.timeout_s, num_tokens=spec.num_tokens,
+                                    remote_engine_id=spec.remote_engine_id)
                 continue
             self._refused.append((req_id, spec, why))
             self._release(key, spec.bootstrap_addr, spec.num_tokens)  # no-op for the duplicate key
@@ -249,6 +277,7 @@ class WorkerSide:
           one's blocks are in ``get_block_ids_with_load_errors``, unless it is in
         * failed: failed as a whole, to be recomputed in fresh blocks while the
           old ones are quarantined (``build_worker_meta``)."""
+        self._check_threads()
         sending, recving = self._finished_sending, set()
         self._finished_sending = set()
         if self.sender is not None:
@@ -263,10 +292,10 @@ class WorkerSide:
                     log.warning("DCP2D: request %s expired on CP rank %d after send_timeout_s=%.0f s; "
                                 "blocks freed", req_id, self.tp_rank, self.cfg.send_timeout_s)
         if self.receiver is not None:
-            # Releases first: the receiver reports a fetch as done before it can release
-            # it, so every release drained here belongs to a fetch drained just below
-            # or in an earlier call, and its hold is registered before it is dropped.
-            released = self.receiver.poll_released()
+            # Lifted quarantines first: the receiver reports a fetch as done before it can
+            # lift its quarantine, so every one drained here belongs to a fetch drained
+            # just below or in an earlier call, whose quarantine is registered first.
+            lifted = self.receiver.poll_lifted()
             for f in self.receiver.poll():
                 req_id, block_ids, first_page = self._loading.pop(f.transfer_key, (None, None, 0))
                 if req_id is None:
@@ -277,10 +306,10 @@ class WorkerSide:
                 else:
                     self._fail(req_id, f.transfer_key, f, block_ids, first_page)
                     self._release(f.transfer_key, f.bootstrap, f.num_tokens)
-            for f in released:
-                _, req_id, n = self._holds.pop(id(f))
-                self._meta.release.add((req_id, self.tp_rank))
-                self.stats.count("released", n)
+            for f in lifted:
+                _, req_id, n = self._quarantines.pop(id(f))
+                self._meta.lifted.add((req_id, self.tp_rank))
+                self.stats.count("lifted", n)
         refused, self._refused = self._refused, []
         for req_id, spec, why in refused:
             recving.add(req_id)
@@ -289,9 +318,9 @@ class WorkerSide:
         return sending, recving, failed
 
     def build_worker_meta(self) -> DCP2DWorkerMeta | None:
-        """Called by the model runner after ``get_finished``: blocks to hold out of
-        use and holds to drop, for the scheduler side."""
-        if not (self._meta.hold or self._meta.release):
+        """Called by the model runner after ``get_finished``: blocks to quarantine and
+        quarantines lifted, for the scheduler side."""
+        if not (self._meta.quarantine or self._meta.lifted):
             return None
         meta, self._meta = self._meta, DCP2DWorkerMeta()
         return meta
@@ -317,10 +346,10 @@ class WorkerSide:
         reason = why or str(f.error)
         if f is not None and f.quarantined:
             # A prefill rank may still write into these blocks: recompute the whole
-            # request in fresh blocks while the scheduler holds these out of use.
+            # request in fresh blocks while the scheduler keeps these out of use.
             self._failed_recving.add(req_id)
-            self._meta.hold[(req_id, self.tp_rank)] = blocks
-            self._holds[id(f)] = (f, req_id, len(blocks))
+            self._meta.quarantine[(req_id, self.tp_rank)] = blocks
+            self._quarantines[id(f)] = (f, req_id, len(blocks))
             self.stats.count("quarantined", len(blocks))
             what = f"{len(blocks)} blocks quarantined until cp ranks {sorted(f.quarantined)} settle"
         elif len(self.group_sharded) > 1:
@@ -341,7 +370,7 @@ class WorkerSide:
     def save_kv_layer(self, layer_name: str, kv_layer, meta) -> None:
         """Called by the attention layer right after it computed (and cached) the KV
         of ``layer_name`` in this step's forward (``meta``: this step's metadata).
-        Producer: fetches already held for a request whose prompt completes in this
+        Producer: fetches already waiting for a request whose prompt completes in this
         step (``meta.computing``) get this layer now."""
         ptr = self._kv_ptrs.get(layer_name)
         if ptr is not None and kv_layer.data_ptr() != ptr:
@@ -349,7 +378,7 @@ class WorkerSide:
                                f"{kv_layer.data_ptr():#x}; transfers would write freed memory")
         if self.sender is None:
             return
-        waiting = [spec for spec in meta.computing.values() if self.sender.held(spec.transfer_key)]
+        waiting = [spec for spec in meta.computing.values() if self.sender.waiting(spec.transfer_key)]
         if not waiting:  # the usual case: nobody asked before the prefill finished
             return
         layer = self.layer_ids[layer_name]

@@ -121,19 +121,20 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
                 tp: int = 1, dcp: int = 1, block_size: int | None = None, cpu: bool = True,
                 kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024, failure_policy: str = "fail",
                 dtype: str | None = None, host: str = "127.0.0.1", netns: str | None = None,
-                args: tuple[str, ...] = ()) -> Process:
+                args: tuple[str, ...] = (), engine_id: str | None = None) -> Process:
     """``vllm serve MODEL ...`` running DCP2DConnector on ``host:port`` (``role=""``:
     a plain instance without the connector, e.g. a colocated reference).
 
     On another host than loopback, the connector's advertised addresses follow
     ``host`` unless ``extra_config`` names them: the bootstrap server
     (``bootstrap_host``, producer) and the Mooncake engine (``local_hostname``).
+    ``engine_id``: the connector's engine id (vLLM draws one when it is not given).
     """
     if host != "127.0.0.1":
         extra_config = {"local_hostname": host, **({"bootstrap_host": host} if role != "kv_consumer" else {}),
                         **extra_config}
     kv = {"kv_connector": "DCP2DConnector", "kv_role": role, "kv_load_failure_policy": failure_policy,
-          "kv_connector_extra_config": extra_config}
+          "kv_connector_extra_config": extra_config, **({"engine_id": engine_id} if engine_id else {})}
     cmd = [bin_path("vllm"), "serve", model, "--port", str(port), "--host", host,
            "--tensor-parallel-size", str(tp), "--max-model-len", str(max_model_len),
            "--disable-uvicorn-access-log"] + (["--kv-transfer-config", json.dumps(kv)] if role else [])

@@ -43,7 +43,8 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "bound_kv_caches", "tp_cp_group",
-           "fills_transient_slot", "layer_split_applies", "hold_blocks", "release_blocks", "sleep_between_shm_polls"]
+           "fills_transient_slot", "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
+           "preempted"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -139,6 +140,12 @@ def scheduled_tokens(scheduler_output):
     cached = scheduler_output.scheduled_cached_reqs
     for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
         yield req_id, computed + n.get(req_id, 0)
+
+
+def preempted(scheduler_output) -> set[str]:
+    """Ids of the requests vLLM preempted while scheduling this step (their blocks are
+    already back in the free queue; the step's forward may overwrite them)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
 def scheduled_context(scheduler_output):
@@ -297,17 +304,17 @@ def model_config_id(vllm_config) -> str:
 
 # ---- 1. block quarantine (vLLM 0.32.0: KVCacheManager.block_pool, BlockPool.touch/free_blocks) ----
 
-def hold_blocks(kv_cache_manager, block_ids) -> list:
+def quarantine_blocks(kv_cache_manager, block_ids) -> list:
     """Take one extra reference on each block: a later free of the request leaves
-    it out of the free queue. Returns the blocks, for ``release_blocks``."""
+    it out of the free queue. Returns the blocks, for ``lift_quarantine``."""
     pool = kv_cache_manager.block_pool
     blocks = [pool.blocks[int(i)] for i in block_ids]
     pool.touch(blocks)
     return blocks
 
 
-def release_blocks(kv_cache_manager, blocks: list) -> None:
-    """Drop the reference ``hold_blocks`` took; unused blocks go back to the free queue."""
+def lift_quarantine(kv_cache_manager, blocks: list) -> None:
+    """Drop the reference ``quarantine_blocks`` took; unused blocks go back to the free queue."""
     kv_cache_manager.block_pool.free_blocks(blocks)
 
 

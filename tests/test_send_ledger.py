@@ -1,0 +1,239 @@
+"""``SendLedger`` on its own: each invariant of its module doc, forced directly,
+and a property test that drives it with drawn sequences of everything its
+callers do and checks the invariants after every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_dcp2d.connector import send_ledger
+from vllm_dcp2d.connector.messages import Fingerprint, ReleaseTransfer, TransferOutcome, TransferRequest
+from vllm_dcp2d.connector.plan import KVRegions, Memory
+from vllm_dcp2d.connector.send_ledger import Attempt, SendLedger
+
+FP = Fingerprint("m", 2, 16, "uint8", 256, "test", "cfg")
+KV = np.zeros((2, 8, 256), np.uint8)
+
+
+def request(key="k", attempt=1, engine="D", rank=0, size=1, tokens=40, wait_s=5.0) -> TransferRequest:
+    regions = KVRegions.uniform([0, 1], KV.ctypes.data + np.arange(2) * KV[0].nbytes, 256)
+    return TransferRequest.build(
+        regions=regions, memory=Memory([KV.ctypes.data], [KV.nbytes]), block_ids=np.arange(3), transfer_key=key,
+        attempt_id=attempt, engine_id=engine, consumer_rank=rank, consumer_size=size, session="s:1", dcp_size=1,
+        dcp_rank=0, num_tokens=tokens, first_page=0, num_blocks=8, fingerprint=FP, wait_s=wait_s)
+
+
+class Book:
+    """A ledger whose answers are recorded: ``answers[attempt key] -> [outcome, ...]``."""
+
+    def __init__(self):
+        self.answers: dict[tuple, list[TransferOutcome]] = {}
+        self.ledger = SendLedger(self._reply, self._failed, self._ok, "cp rank 0")
+        self.attempts: dict[int, Attempt] = {}
+
+    def _reply(self, identity, outcome):
+        self.answers.setdefault((identity, outcome.attempt_id), []).append(outcome)
+
+    @staticmethod
+    def _outcome(req, ok, reason, settled, num_tokens=0):
+        return TransferOutcome(transfer_key=req.transfer_key, attempt_id=req.attempt_id, cp_rank=0, cp_size=1, ok=ok,
+                               reason=reason, layer_start=0, layer_end=2, num_tokens=num_tokens, num_pages=0,
+                               nbytes=0, descriptors=0, batches=0, naive_bytes=0, plan_s=0.0, write_s=0.0,
+                               early_layers=0, settled=settled)
+
+    def _failed(self, req, reason, num_pages=0, settled=True):
+        return self._outcome(req, False, reason, settled)
+
+    def _ok(self, a, state):
+        return self._outcome(a.req, True, "", a.settled, state.num_tokens)
+
+    def arrive(self, attempt=1, **kw) -> tuple[Attempt, str]:
+        a = Attempt(b"id", request(attempt=attempt, **kw), deadline=1e18)
+        self.attempts[attempt] = a
+        return a, self.ledger.arrive(a)
+
+    def add(self, key="k", tokens=40, expiry_s=60.0):
+        return self.ledger.add(key, (np.arange(3),), tokens, 3, expiry_s)
+
+    def answered(self, attempt=1) -> list[TransferOutcome]:
+        return self.answers.get((b"id", attempt), [])
+
+
+def test_invariant_1_no_free_while_a_write_reads():
+    b = Book()
+    b.add()
+    a, how = b.arrive()
+    assert how == "serve"
+    state, _, _ = b.ledger.begin_answer(a)
+    b.ledger.expire(now=1e19)  # expired while the write runs
+    assert b.ledger.pop_finished() == {}
+    b.ledger.end_answer(a, state, "")
+    assert b.ledger.pop_finished() == {"k": "expired"}
+    assert [o.ok for o in b.answered()] == [True]
+
+
+def test_invariant_2_one_answer_after_the_last_write():
+    b = Book()
+    a, how = b.arrive()
+    assert how == "wait"
+    token = b.ledger.begin_layer(a, 0, 40, epoch=0)
+    assert b.ledger.cancel(b"id", 1, "cancelled") == (True, True)
+    assert b.answered() == []  # a write is in flight: not yet
+    assert b.ledger.cancel(b"id", 1, "cancelled again") == (True, True)
+    b.ledger.end_layer(a, token, 0, 0, "")
+    assert [o.reason for o in b.answered()] == ["cancelled"]
+    assert b.ledger.begin_layer(a, 1, 40, epoch=0) is None  # closed: no write starts
+    b.ledger.expire(now=1e19)
+    assert len(b.answered()) == 1
+
+
+def test_invariant_3_a_preemption_voids_the_layers_written_and_in_flight():
+    b = Book()
+    a, _ = b.arrive()
+    (_, epoch), = b.ledger.waiting("k")
+    done = b.ledger.begin_layer(a, 0, 40, epoch)
+    b.ledger.end_layer(a, done, 0, epoch, "")
+    running = b.ledger.begin_layer(a, 1, 40, epoch)
+    assert b.ledger.restart("k") == 1
+    b.ledger.end_layer(a, running, 1, epoch, "")  # it read the freed blocks: counts for nothing
+    assert b.ledger.begin_layer(a, 0, 40, epoch) is None  # queued before the preemption: skipped
+    b.add()
+    state, error, sent = b.ledger.begin_answer(a)
+    assert sent == frozenset() and error == ""  # the answer writes both layers again
+    b.ledger.end_answer(a, state, "")
+    assert [o.ok for o in b.answered()] == [True]
+
+
+def test_invariant_4_a_stalled_write_answers_unsettled(monkeypatch):
+    monkeypatch.setattr(send_ledger, "STALL_S", 0.0)
+    b = Book()
+    b.add()
+    a, _ = b.arrive()
+    state, _, _ = b.ledger.begin_answer(a)
+    b.ledger.mark_unsettled(a)
+    b.ledger.end_answer(a, state, "write timed out")
+    assert [o.settled for o in b.answered()] == [False]
+    known, settled = b.ledger.cancel(b"id", 1, "again")
+    assert not known and settled  # STALL_S (0 here) passed
+
+
+def test_invariant_4_cancels_unsettled_until_stall_s():
+    b = Book()
+    b.add()
+    a, _ = b.arrive()
+    state, _, _ = b.ledger.begin_answer(a)
+    b.ledger.mark_unsettled(a)
+    b.ledger.end_answer(a, state, "")
+    assert b.ledger.cancel(b"id", 1, "again") == (False, False)
+
+
+def test_invariant_5_a_release_waits_for_another_engines_open_attempt():
+    b = Book()
+    b.add()
+    a, _ = b.arrive(attempt=2, engine="other")
+    b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 40))
+    b.ledger.expire(now=0.0)
+    assert b.ledger.pop_finished() == {}  # "other" fetches it
+    state, _, _ = b.ledger.begin_answer(a)
+    b.ledger.end_answer(a, state, "")
+    assert b.ledger.pop_finished() == {"k": "done"}
+    b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 41))  # after it finished: ignored
+    assert b.ledger.pop_finished() == {}
+
+
+def test_release_of_another_token_count_is_ignored():
+    b = Book()
+    b.add()
+    b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 41))
+    assert b.ledger.pop_finished() == {}
+
+
+def test_abort_and_drop():
+    b = Book()
+    a, _ = b.arrive()
+    token = b.ledger.begin_layer(a, 0, 40, 0)
+    b.ledger.abort("k")
+    assert b.ledger.pop_finished() == {}  # its layer write reads the blocks
+    b.ledger.end_layer(a, token, 0, 0, "")
+    assert b.ledger.pop_finished() == {"k": "aborted"}
+    assert [o.ok for o in b.answered()] == [False]
+    a2, _ = b.arrive(attempt=2, key="j")
+    b.ledger.abort("j", report=False)
+    assert b.ledger.pop_finished() == {} and "aborted" in b.answered(2)[0].reason
+
+
+# ---- the property: drawn sequences of every caller action ----
+
+OPS = st.lists(st.tuples(st.sampled_from(["arrive", "add", "cancel", "layer", "end_layer", "answer",
+                                          "end_answer", "release", "expire", "restart", "abort", "unsettle"]),
+                         st.integers(0, 3)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_invariants_hold_under_any_sequence(ops):
+    b = Book()
+    running: dict[int, list] = {}  # attempt -> writes begun and not ended: (kind, token, layer, epoch)
+    added = set()
+    n = 0
+    for op, x in ops:
+        attempts = list(b.attempts.values())
+        a = attempts[x % len(attempts)] if attempts else None
+        if op == "arrive":
+            n += 1
+            b.arrive(attempt=n, engine=["D", "E"][x % 2])
+        elif op == "add" and "k" not in added:
+            added.add("k")
+            b.add()  # the Sender queues an answer for the attempts that waited: the "answer" op runs it
+        elif op == "cancel" and a is not None:
+            b.ledger.cancel(b"id", a.req.attempt_id, "cancelled")
+        elif op == "layer" and a is not None:
+            epoch = a.epoch
+            token = b.ledger.begin_layer(a, x % 2, 40, epoch)
+            if token is not None:
+                running.setdefault(a.req.attempt_id, []).append(("layer", token, x % 2, epoch))
+        elif op == "answer" and a is not None and "k" in added:
+            begun = b.ledger.begin_answer(a)
+            if begun is not None:
+                running.setdefault(a.req.attempt_id, []).append(("answer", begun[0], None, None))
+        elif op in ("end_layer", "end_answer") and running:
+            aid = sorted(running)[x % len(running)]
+            kind, token, layer, epoch = running[aid].pop()
+            if not running[aid]:
+                del running[aid]
+            w = b.attempts[aid]
+            if kind == "layer":
+                b.ledger.end_layer(w, token, layer, epoch, "")
+            else:
+                b.ledger.end_answer(w, token, "")
+        elif op == "release":
+            b.ledger.release(ReleaseTransfer("k", ["D", "E"][x % 2], 0, 1, 40))
+        elif op == "expire":
+            b.ledger.expire(now=1e19 if x == 3 else 0.0)
+        elif op == "restart":
+            b.ledger.restart("k")
+        elif op == "abort" and "k" not in added:
+            b.ledger.abort("k", report=bool(x % 2))
+        elif op == "unsettle" and a is not None:
+            b.ledger.mark_unsettled(a)
+        finished = b.ledger.pop_finished()
+        in_flight = sum(len(v) for v in running.values())
+        assert b.ledger.writes_in_flight() == in_flight
+        if finished:  # invariant 1: nothing freed while a write reads it
+            assert not any(kind == "answer" or token[0] is not None
+                           for v in running.values() for kind, token, *_ in v), (finished, running)
+        for w in b.attempts.values():  # invariant 2
+            got = b.answered(w.req.attempt_id)
+            assert len(got) <= 1
+            if got:
+                assert w.req.attempt_id not in running
+    for aid in list(running):  # every write returns: each attempt ends with at most one answer
+        for kind, token, layer, epoch in running.pop(aid):
+            w = b.attempts[aid]
+            (b.ledger.end_layer(w, token, layer, epoch, "") if kind == "layer" else b.ledger.end_answer(w, token, ""))
+    b.ledger.expire(now=1e19)
+    for w in b.attempts.values():  # closed means answered exactly once; open means not yet
+        assert len(b.answered(w.req.attempt_id)) == (1 if w.closed else 0), w

@@ -1,0 +1,181 @@
+"""The decode side's block lifetime, in one object: ``FetchLedger`` (docs/connector.md,
+"Block lifetime").
+
+A ``Receiver`` (one per decode DCP rank) owns the sockets; its ledger owns what
+every fetch is waiting for and decides when a fetch ends and when its blocks may
+be used again. The receiver's background thread is the only writer; ``poll`` and
+``poll_lifted`` may be called from any thread.
+
+Every attempt is known by where it was sent: ``(rank address, attempt_id)``.
+An answer is matched by that pair only, never by the CP rank or transfer key
+it names, so a process that took over a rank's port cannot settle or end
+another process's attempt.
+
+Invariants (each tested directly in ``tests/test_fetch_ledger.py``)
+-------------------------------------------------------------------
+1. A fetch ends (``poll``) only once every attempt of it answered or was
+   quarantined: no attempt it sent is still in flight, unaccounted for.
+2. A quarantined attempt (no answer to its cancel in time, or an answer
+   ``settled=False``) keeps the fetch's blocks out of use: the fetch reaches
+   ``poll_lifted`` only once each of them settled (answered its cancel settled,
+   or its rank was seen restarted), and never before it reached ``poll``.
+3. Each fetch is reported by ``poll`` once, and by ``poll_lifted`` at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from vllm_dcp2d.connector.fetch import Fetch, FetchError
+
+__all__ = ["FetchLedger"]
+
+log = logging.getLogger(__name__)
+
+
+class FetchLedger:
+    """What one decode rank's fetches wait for (see the module doc)."""
+
+    def __init__(self):
+        self._active: dict[str, Fetch] = {}  # transfer key -> fetch not ended
+        self._inflight: dict[tuple[str, int], tuple[Fetch, int]] = {}  # (addr, attempt) -> (fetch, cp rank)
+        self._limbo: dict[tuple[str, int], tuple[Fetch, int]] = {}  # quarantined attempts, same keys
+        self._out = threading.Lock()
+        self._done: list[Fetch] = []
+        self._lifted: list[Fetch] = []
+
+    # ---- fetches ----
+
+    def begin(self, f: Fetch) -> bool:
+        """Track ``f``; False if a fetch of the same key is running (the caller ends
+        ``f`` untracked)."""
+        if f.transfer_key in self._active:
+            return False
+        self._active[f.transfer_key] = f
+        return True
+
+    def is_active(self, f: Fetch) -> bool:
+        return self._active.get(f.transfer_key) is f
+
+    def active(self) -> list[Fetch]:
+        return list(self._active.values())
+
+    def sent(self, f: Fetch, cp_rank: int, addr: str, attempt: int) -> None:
+        """Attempt ``attempt`` of ``f`` went to CP rank ``cp_rank`` at ``addr``."""
+        self._inflight[(addr, attempt)] = (f, cp_rank)
+        f.inflight[cp_rank] = (addr, attempt)
+
+    def fail(self, f: Fetch, error: FetchError, grace_s: float, peer_fault: bool = False) -> list[tuple[str, int]]:
+        """``f`` failed. Returns the ``(addr, attempt)`` still in flight, to cancel;
+        ``f`` ends when each answered (``answered``), at the latest ``grace_s`` later
+        (``overdue``). With none in flight it ends now."""
+        if not f.inflight:
+            self.finish(f, error, peer_fault=peer_fault)
+            return []
+        if f.failing is None:
+            f.failing, f.peer_fault = error, peer_fault
+            f.settle_by = time.monotonic() + grace_s
+        return list(f.inflight.values())
+
+    def finish(self, f: Fetch, error: FetchError | None, track: bool = True, peer_fault: bool = False) -> None:
+        """End ``f`` (invariant 1: the caller quarantined or heard from every attempt)."""
+        if track:
+            if self._active.get(f.transfer_key) is not f:
+                return
+            del self._active[f.transfer_key]
+        for where in f.inflight.values():
+            self._inflight.pop(where, None)
+        f.inflight = {}
+        f.peer_fault = f.peer_fault or peer_fault
+        if f.quarantined and error is None:
+            error = FetchError(f.transfer_key, min(f.quarantined), "a write may still land: "
+                               + "; ".join(f"cp rank {r}: {w}" for r, w in sorted(f.quarantined.items())))
+        f.error, f.seconds = error, time.monotonic() - f.started
+        if error is not None:
+            log.warning("%s%s", error, f" (blocks quarantined: {f.quarantined})" if f.quarantined else "")
+        with self._out:
+            self._done.append(f)
+            if f.quarantined and not f.limbo:  # every quarantined attempt settled before the fetch ended
+                self._lifted.append(f)
+
+    # ---- attempts ----
+
+    def answered(self, addr: str, attempt: int) -> tuple[str, Fetch | None, int]:
+        """An answer came from ``addr`` for ``attempt``: ``("inflight", fetch, cp_rank)``
+        (no longer in flight), ``("limbo", fetch, cp_rank)`` (quarantined; the caller
+        settles it if the answer is settled), or ``("unknown", None, -1)`` (late)."""
+        hit = self._inflight.pop((addr, attempt), None)
+        if hit is not None:
+            f, cp_rank = hit
+            f.inflight.pop(cp_rank, None)
+            return "inflight", f, cp_rank
+        hit = self._limbo.get((addr, attempt))
+        if hit is not None:
+            return "limbo", hit[0], hit[1]
+        return "unknown", None, -1
+
+    def on_rank(self, addr: str) -> list[tuple[Fetch, int, int]]:
+        """``(fetch, cp_rank, attempt)`` in flight to ``addr``."""
+        return [(f, r, a) for (ad, a), (f, r) in self._inflight.items() if ad == addr]
+
+    def quarantine(self, f: Fetch, cp_rank: int, where: tuple[str, int], why: str) -> None:
+        """Attempt ``where`` of ``f`` (CP rank ``cp_rank``) may still write into its blocks."""
+        self._inflight.pop(where, None)
+        f.inflight.pop(cp_rank, None)
+        self._limbo[where] = (f, cp_rank)
+        f.limbo[cp_rank] = where
+        f.quarantined[cp_rank] = why
+
+    def limbo_on(self, addr: str) -> list[tuple[int, Fetch]]:
+        """``(attempt, fetch)`` quarantined on ``addr`` (their cancels are re-sent)."""
+        return [(a, f) for (ad, a), (f, _) in self._limbo.items() if ad == addr]
+
+    def settle(self, where: tuple[str, int], how: str) -> None:
+        """Quarantined attempt ``where`` can no longer write (invariant 2)."""
+        hit = self._limbo.pop(where, None)
+        if hit is None:
+            return
+        f, cp_rank = hit
+        f.limbo.pop(cp_rank, None)
+        log.info("fetch of %r: quarantined cp rank %d settled (%s)", f.transfer_key, cp_rank, how)
+        if not f.limbo and self._active.get(f.transfer_key) is not f:
+            with self._out:
+                self._lifted.append(f)
+
+    def settle_rank(self, addr: str, bootstrap: str, how: str) -> None:
+        """Every attempt quarantined on ``addr`` for a prefill at ``bootstrap`` settled
+        (that rank's old process is gone)."""
+        for attempt, f in self.limbo_on(addr):
+            if f.bootstrap == bootstrap:
+                self.settle((addr, attempt), how)
+
+    def busy(self, addr: str) -> bool:
+        """Whether anything is in flight or quarantined on ``addr``."""
+        return any(ad == addr for ad, _ in self._inflight) or any(ad == addr for ad, _ in self._limbo)
+
+    # ---- outputs (any thread) ----
+
+    def poll(self) -> list[Fetch]:
+        with self._out:
+            out, self._done = self._done, []
+        return out
+
+    def unpoll(self, fetches: list[Fetch]) -> None:
+        """Put fetches taken by ``poll`` back, ahead of later ones."""
+        with self._out:
+            self._done[:0] = fetches
+
+    def poll_lifted(self) -> list[Fetch]:
+        with self._out:
+            out, self._lifted = self._lifted, []
+        return out
+
+    def fail_all(self, reason: str) -> None:
+        """The receiver is closing or its thread died: every fetch ends failed, what
+        is still in flight quarantined (nobody will hear its answer)."""
+        for f in self.active():
+            for cp_rank, where in list(f.inflight.items()):
+                self.quarantine(f, cp_rank, where, reason)
+            self.finish(f, FetchError(f.transfer_key, None, reason))

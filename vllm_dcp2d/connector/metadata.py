@@ -1,0 +1,129 @@
+"""What the connector's two halves tell each other every engine step.
+
+vLLM builds the connector once in the engine core (``scheduler.SchedulerSide``)
+and once per worker (``worker.WorkerSide``). They never share memory: the
+scheduler side hands ``DCP2DMetadata`` to every worker with each step's
+``SchedulerOutput``, and every worker hands ``DCP2DWorkerMeta`` back in its
+``KVConnectorOutput`` (vLLM aggregates it over the TP ranks). This module is
+that contract; neither side imports the other.
+
+Words used on both sides (docs/connector.md, "Request flow"):
+
+* **transfer key**: what decode ranks fetch a producer request by
+  (``kv_transfer_params["remote_request_id"]``).
+* **load**: a consumer request whose KV the workers fetch from a producer.
+* **release**: a consumer tells the producer it will never fetch a request
+  (``ReleaseTransfer``); the producer may free those blocks at once.
+* **quarantine**: consumer blocks a prefill rank may still write into; kept out
+  of vLLM's free queue until it is **lifted** (the rank confirmed, or was seen
+  restarted).
+* **preempted**: a producer request vLLM preempted after its prompt completed;
+  layer writes of the freed blocks are void and every layer is written again
+  after the re-prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_dcp2d.vllm_compat import connector as compat
+
+__all__ = ["SendSpec", "LoadSpec", "ReleaseSpec", "DCP2DMetadata", "DCP2DWorkerMeta"]
+
+
+@dataclass
+class SendSpec:
+    """A producer request's KV: ``block_ids``, one list per KV cache group, each
+    int ``[cdiv(num_tokens, page_size)]``.
+
+    transfer_key: the id decode ranks fetch it by (``remote_request_id``): the client's
+    ``transfer_id`` when it gave one, so a router can send the decode request
+    before the prefill finished (layer pipelining), else vLLM's request id.
+    """
+
+    block_ids: tuple[list[int], ...]
+    num_tokens: int
+    transfer_key: str
+
+
+@dataclass
+class LoadSpec:
+    """What a consumer worker fetches for one request.
+
+    transfer_key:      what the producer knows the request by (``remote_request_id``).
+    bootstrap_addr:    producer's bootstrap server, "tcp://host:port".
+    remote_engine_id:  producer's engine id; the fetch fails if the bootstrap's rank
+                       table names another (the prefill restarted on that address).
+    block_ids:         the request's block tables on this instance, one list per KV
+                       cache group (in a DCP-sharded group one block per ``dcp_size``
+                       pages, in a replicated one a block per page).
+    first_page:        first page to fetch (earlier ones are cached locally).
+    num_tokens:        prompt tokens of the request here; each prefill rank must hold as many.
+    remote_num_tokens: what the producer said it computed (``kv_transfer_params``), None if absent.
+    timeout_s:         deadline of the fetch (``params.load_params``).
+    """
+
+    transfer_key: str
+    bootstrap_addr: str
+    remote_engine_id: str
+    block_ids: tuple[list[int], ...]
+    first_page: int
+    num_tokens: int
+    remote_num_tokens: int | None
+    timeout_s: float
+
+
+@dataclass
+class ReleaseSpec:
+    """A producer request this consumer will never fetch: ``transfer_key``
+    (``remote_request_id``) of ``num_tokens`` prompt tokens at ``bootstrap_addr``."""
+
+    transfer_key: str
+    bootstrap_addr: str
+    num_tokens: int
+
+
+@dataclass
+class DCP2DMetadata(compat.KVConnectorMetadata):
+    """Scheduler -> workers, once per step (request id -> spec in every dict).
+
+    loads:     consumer requests to fetch.
+    releases:  consumer requests that will never be fetched (tell the producer).
+    computing: producer requests whose prompt completes in this step: each layer
+               goes to the fetches already waiting right after it is computed.
+    ready:     producer requests that finished: serve them to every decode rank.
+    aborted:   transfer key of producer requests aborted after their prompt
+               completed; their blocks are kept until no layer write reads them.
+    dropped:   transfer key of producer requests that ended without blocks to
+               keep (aborted before their prompt completed, or while preempted):
+               fail the fetches waiting for them now.
+    preempted: transfer key of producer requests vLLM preempted after their prompt
+               completed (``handle_preemptions``, before this step's forward).
+    context_blocks: sorted ids of the blocks that hold the scheduled requests' tokens
+               computed before this step (producer with layer-split storage: the
+               owners broadcast them; else None).
+    """
+
+    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    releases: dict[str, ReleaseSpec] = field(default_factory=dict)
+    computing: dict[str, SendSpec] = field(default_factory=dict)
+    ready: dict[str, SendSpec] = field(default_factory=dict)
+    aborted: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    preempted: dict[str, str] = field(default_factory=dict)
+    context_blocks: list[int] | None = None
+
+
+@dataclass
+class DCP2DWorkerMeta(compat.KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step (vLLM aggregates it over TP ranks).
+
+    quarantine: ``(request id, tp rank) -> block ids`` to keep out of the free queue.
+    lifted:     ``(request id, tp rank)`` quarantines that ended.
+    """
+
+    quarantine: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    lifted: set[tuple[str, int]] = field(default_factory=set)
+
+    def aggregate(self, other: DCP2DWorkerMeta) -> DCP2DWorkerMeta:
+        return DCP2DWorkerMeta({**self.quarantine, **other.quarantine}, self.lifted | other.lifted)

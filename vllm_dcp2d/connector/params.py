@@ -1,0 +1,70 @@
+"""A consumer request's ``kv_transfer_params``, checked at the boundary.
+
+They come from the client (or a router, or the prefill's answer copied
+verbatim), so nothing in them is trusted: the scheduler side turns them into a
+``LoadSpec`` here, or into the reason it prefills the request locally instead.
+Workers only ever see a spec that passed. The limits are the wire's
+(``messages``): a key or engine id the wire would refuse is refused here, by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from vllm_dcp2d.connector.config import DCP2DConfig
+from vllm_dcp2d.connector.metadata import LoadSpec
+from vllm_dcp2d.connector.messages import MAX_NAME
+
+__all__ = ["REQUIRED", "check_bootstrap_addr", "load_params", "timeout_s"]
+
+REQUIRED = ("remote_request_id", "remote_bootstrap_addr", "remote_engine_id")
+_ADDR = re.compile(r"tcp://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})")
+
+
+def check_bootstrap_addr(addr) -> str:
+    """``addr`` if it is ``tcp://host:port`` with a port in [1, 65535]; raises
+    ValueError naming the value and the form expected."""
+    m = _ADDR.fullmatch(addr) if isinstance(addr, str) else None
+    if m is None or not 1 <= int(m["port"]) <= 65535:
+        raise ValueError(f"remote_bootstrap_addr = {addr!r}: expected 'tcp://<host>:<port>' with a port in "
+                         f"[1, 65535]")
+    return addr
+
+
+def _name(params: dict, key: str) -> str:
+    v = params[key]
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_NAME:
+        shown = v if not isinstance(v, str) or len(v) <= 40 else v[:40] + "..."
+        raise ValueError(f"{key} = {shown!r}: expected a string of 1..{MAX_NAME} characters"
+                         + (f" (got {len(v)})" if isinstance(v, str) else f" (got {type(v).__name__})"))
+    return v
+
+
+def timeout_s(params: dict, cfg: DCP2DConfig) -> tuple[float, str]:
+    """The fetch deadline a request asks for, within ``max_transfer_timeout_s``:
+    ``(seconds, warning or "")``."""
+    v = params.get("transfer_timeout_s", cfg.transfer_timeout_s)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        return cfg.transfer_timeout_s, (f"kv_transfer_params['transfer_timeout_s'] = {v!r} is not seconds > 0; "
+                                        f"using transfer_timeout_s = {cfg.transfer_timeout_s}")
+    if v > cfg.max_transfer_timeout_s:
+        return cfg.max_transfer_timeout_s, (f"kv_transfer_params['transfer_timeout_s'] = {v!r} exceeds "
+                                            f"max_transfer_timeout_s; using {cfg.max_transfer_timeout_s}")
+    return float(v), ""
+
+
+def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], ...], num_tokens: int,
+                first_page: int) -> tuple[LoadSpec, str]:
+    """A ``LoadSpec`` from a consumer request's ``params`` plus what the scheduler
+    allocated, and a warning ("" if none). Raises ValueError naming the first bad
+    field: the request is then prefilled locally."""
+    missing = [k for k in REQUIRED if k not in params]
+    if missing:
+        raise ValueError(f"kv_transfer_params lack {missing} (got {sorted(params)})")
+    key, engine = _name(params, "remote_request_id"), _name(params, "remote_engine_id")
+    addr = check_bootstrap_addr(params["remote_bootstrap_addr"])
+    timeout, warning = timeout_s(params, cfg)
+    remote = params.get("remote_num_tokens")
+    return LoadSpec(transfer_key=key, bootstrap_addr=addr, remote_engine_id=engine, block_ids=block_ids,
+                    first_page=first_page, num_tokens=num_tokens, timeout_s=timeout,
+                    remote_num_tokens=None if remote is None else remote if type(remote) is int else -1), warning

@@ -1,0 +1,395 @@
+"""The prefill side's block lifetime, in one object: ``SendLedger`` (docs/connector.md,
+"Block lifetime").
+
+A ``Sender`` (one per prefill CP rank) moves bytes; its ledger decides when.
+Every decision that can free a block or answer a decode rank is made here,
+under the ledger's one lock, and no other object holds that state.
+
+Records
+-------
+``Attempt``: one decode rank's ``TransferRequest`` to this CP rank, from arrival
+to its one answer (keyed by the decode's socket identity and ``attempt_id``).
+``Request``: a request whose KV is complete on this rank (``add``), until it is
+freed.
+
+Invariants (each tested directly in ``tests/test_send_ledger.py``)
+------------------------------------------------------------------
+1. ``pop_finished`` reports a request (its owner then frees the blocks) only once
+   no write reading them is in flight, and none can start after that.
+2. An attempt gets exactly one answer, queued only once none of its writes is
+   in flight and none can start.
+3. A layer written before the request was added (layer pipelining) counts only
+   if the request was not preempted since (``restart``): a write of the old
+   blocks never marks a layer as sent, so the answer rewrites it from the new ones.
+4. An answer is ``settled=False`` once a write of the attempt was given up after
+   a stall (its bytes may still land); cancels of it are answered unsettled
+   until ``STALL_S`` after the answer.
+5. Releases free a request only once some consumer engine is *covered* (each of
+   its ``consumer_size`` ranks served or released) and no attempt of another
+   engine is open; a release naming another token count is ignored (a reused key).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_dcp2d.connector.messages import ReleaseTransfer, TransferOutcome, TransferRequest
+from vllm_dcp2d.connector.transport import STALL_S
+
+__all__ = ["Attempt", "Request", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
+
+log = logging.getLogger(__name__)
+
+RELEASE_MEMORY_S = 30.0  # how long a release for a request not added yet (or just finished) is remembered
+MAX_EARLY_RELEASES = 4096  # releases remembered for requests not added yet (oldest dropped)
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One decode rank's ``TransferRequest``. ``lock`` serializes its writes (held by
+    the writer for the whole write); the fields below it belong to the ledger."""
+
+    identity: bytes
+    req: TransferRequest
+    deadline: float  # when waiting for the request's prefill ends
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: set = field(default_factory=set)  # layers written (of the current epoch)
+    epoch: int = 0       # bumped by a preemption: writes of an older epoch count for nothing
+    nbytes: int = 0
+    replicated_bytes: int = 0  # the part of nbytes written to the consumer's replicated groups
+    descriptors: int = 0
+    plan_s: float = 0.0
+    write_s: float = 0.0
+    error: str = ""      # a layer written early failed: the destination is undefined
+    writes: int = 0      # writes of this attempt in flight
+    closed: str = ""     # why no write may start any more ("" = open)
+    result: tuple | None = None  # (request, error) of its final write: the answer once no write runs
+    answered: bool = False
+    settled: bool = True  # False once a write stalled, retried or not (bytes may still land)
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        return self.identity, self.req.attempt_id
+
+
+@dataclass(eq=False)
+class Request:
+    """A request added on this rank: its blocks and who finished with them."""
+
+    block_ids: tuple  # int64 arrays, one per KV cache group of this rank
+    num_tokens: int
+    num_pages: int
+    expires: float
+    done: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks served
+    released: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks that will not fetch
+    sizes: dict = field(default_factory=dict)  # engine_id -> its consumer_size
+    writes: int = 0     # writes reading block_ids in flight
+    closing: str = ""   # "done" | "released" | "expired": reported by pop_finished once writes == 0
+
+
+Failed = Callable[..., TransferOutcome]  # (req, reason, num_pages=0, settled=True) -> outcome
+
+
+class SendLedger:
+    """Block lifetime of one prefill CP rank (see the module doc for the invariants).
+
+    reply:  called with ``(identity, outcome)`` for each attempt's one answer, under
+            the ledger's lock (it must only queue it).
+    failed: builds a failed outcome ``(req, reason, num_pages=0, settled=True)``.
+    ok:     builds the ok outcome of an attempt ``(attempt, request)``.
+    name:   how log lines name this rank ("cp rank 1").
+    """
+
+    def __init__(self, reply: Callable[[bytes, TransferOutcome], None], failed: Failed,
+                 ok: Callable[[Attempt, Request], TransferOutcome], name: str):
+        self._reply_fn, self._failed, self._ok, self.name = reply, failed, ok, name
+        self._lock = threading.Lock()
+        self._requests: dict[str, Request] = {}
+        self._waiting: dict[str, list[Attempt]] = {}  # key -> attempts waiting for add()
+        self._open: dict[tuple, Attempt] = {}  # attempt key -> attempt not answered yet
+        self._finished: dict[str, str] = {}
+        self._aborting: dict[str, list[Attempt]] = {}  # key -> its attempts with a layer write in flight
+        self._unsettled: dict[tuple, float] = {}  # attempt key -> until when cancels are answered unsettled
+        self._early: dict[str, tuple[float, list[ReleaseTransfer]]] = {}  # key not added yet -> releases
+        self._gone: dict[str, float] = {}  # key -> until when releases for it are ignored (just finished)
+        self._releasing: set[str] = set()  # covered keys waiting for another engine's open attempts
+        self._writes = 0
+
+    # ---- requests: the owner's side ----
+
+    def add(self, key: str, block_ids: tuple, num_tokens: int, num_pages: int, expiry_s: float) -> list[Attempt]:
+        """The KV of ``key`` is complete in ``block_ids``; returns the attempts that
+        waited for it (the caller serves them)."""
+        with self._lock:
+            state = self._requests[key] = Request(block_ids, num_tokens, num_pages, time.monotonic() + expiry_s)
+            waiting = self._waiting.pop(key, [])
+            self._gone.pop(key, None)
+            for msg in self._early.pop(key, (0.0, []))[1]:  # the decode dropped it before we had it
+                self._count_release(state, key, msg)
+            return waiting
+
+    def abort(self, key: str, report: bool = True) -> None:
+        """``key`` will never be added: its waiting attempts fail. ``report``: the
+        owner keeps its blocks, so ``pop_finished`` reports it "aborted" once no layer
+        write reading them is in flight (False: the owner kept none)."""
+        with self._lock:
+            waiting = self._waiting.pop(key, [])
+            for a in waiting:
+                self._close(a, f"request {key!r} was aborted on the prefill ({self.name})")
+            if not report:
+                return
+            if any(a.writes for a in waiting):
+                self._aborting[key] = waiting
+            else:
+                self._finished[key] = "aborted"
+
+    def restart(self, key: str) -> int:
+        """vLLM preempted ``key`` after its prompt completed and freed its blocks: the
+        layers written so far (or being written) read blocks that may now hold
+        another request's KV. Every waiting attempt starts over (invariant 3): its
+        layers are written again after the re-prefill, each write ordered after the
+        old one by the attempt's lock. Returns how many attempts restarted."""
+        with self._lock:
+            waiting = self._waiting.get(key, [])
+            for a in waiting:
+                a.epoch += 1
+                a.sent.clear()
+                a.error = ""
+            return len(waiting)
+
+    def waiting(self, key: str) -> list[tuple[Attempt, int]]:
+        """Attempts waiting for ``key``, each with its epoch (a layer write queued now
+        carries it)."""
+        with self._lock:
+            return [(a, a.epoch) for a in self._waiting.get(key, ())]
+
+    def pop_finished(self) -> dict[str, str]:
+        """Keys the owner may free now: "done" | "released" | "expired" | "aborted"."""
+        with self._lock:
+            out, self._finished = self._finished, {}
+            return out
+
+    def writes_in_flight(self) -> int:
+        with self._lock:
+            return self._writes
+
+    # ---- attempts: the decode's side ----
+
+    def arrive(self, a: Attempt) -> str:
+        """A ``TransferRequest`` came in: "serve" (its request is added), "wait" (it
+        waits for the prefill), or "unknown" (the caller answers it failed)."""
+        with self._lock:
+            known = a.req.transfer_key in self._requests
+            if known or a.req.wait_s > 0:
+                self._open[a.key] = a
+            if known:
+                return "serve"
+            if a.req.wait_s > 0:
+                self._waiting.setdefault(a.req.transfer_key, []).append(a)
+                return "wait"
+            return "unknown"
+
+    def cancel(self, identity: bytes, attempt_id: int, why: str) -> tuple[bool, bool]:
+        """The consumer gave up on an attempt: no write of it starts any more, and it is
+        answered once none is in flight. Returns ``(known, settled)``: an attempt the
+        ledger does not know is the caller's to answer, ``settled`` as given."""
+        with self._lock:
+            a = self._open.get((identity, attempt_id))
+            if a is not None:
+                items = self._waiting.get(a.req.transfer_key, [])
+                if a in items:
+                    items.remove(a)
+                self._close(a, why)
+                return True, True
+            return False, self._unsettled.get((identity, attempt_id), 0.0) <= time.monotonic()
+
+    # ---- writes: the workers' side ----
+
+    def begin_layer(self, a: Attempt, layer: int, num_tokens: int, epoch: int) -> tuple[Request | None] | None:
+        """Count an early write of ``layer`` for ``a`` if it is still wanted; returns
+        ``(request or None,)`` to pass to ``end_layer``, or None (skip it)."""
+        with self._lock:
+            state = self._requests.get(a.req.transfer_key)
+            # Once added, a request's blocks stay with vLLM only while a write is counted
+            # on it too: expiry or a release must not free blocks this write reads.
+            if (epoch != a.epoch or layer in a.sent or a.error or a.req.num_tokens != num_tokens
+                    or not self._begin(a, state)):
+                return None
+            return (state,)
+
+    def end_layer(self, a: Attempt, token: tuple[Request | None], layer: int, epoch: int, error: str) -> None:
+        """An early write counted by ``begin_layer`` returned (``error``: "" if ok)."""
+        with self._lock:
+            if epoch == a.epoch:  # else preempted meanwhile: it read freed blocks, and counts for nothing
+                if error:
+                    a.error = f"layer {layer} (written early): {error}"
+                else:
+                    a.sent.add(layer)
+            self._end(a, token[0], a.req.transfer_key)
+
+    def begin_answer(self, a: Attempt) -> tuple[Request, str, frozenset] | None:
+        """Count the final write of ``a`` (what it still lacks); returns ``(request,
+        error so far, layers already sent)``, or None when it was answered instead
+        (its request is gone, the token counts differ, or it was closed)."""
+        key = a.req.transfer_key
+        with self._lock:
+            state = self._requests.get(key)
+            if state is None:
+                self._close(a, f"request {key!r} finished or expired on {self.name}")
+                return None
+            if a.req.num_tokens != state.num_tokens:
+                self._close(a, f"length mismatch on {self.name}: the decode claims {a.req.num_tokens} prompt "
+                               f"tokens, the prefill has {state.num_tokens}")
+                return None
+            if not self._begin(a, state):
+                return None
+            return state, a.error, frozenset(a.sent)
+
+    def end_answer(self, a: Attempt, state: Request, error: str) -> None:
+        """The final write of ``a`` returned: answer it (ok counts its consumer rank
+        served), then maybe close the request."""
+        key, req = a.req.transfer_key, a.req
+        with self._lock:
+            if not a.closed:
+                a.closed, a.result = "answered", (state, error)
+                if not error:
+                    state.done.setdefault(req.engine_id, set()).add(req.consumer_rank)
+                    state.sizes[req.engine_id] = req.consumer_size
+            if not state.closing:
+                self._try_close(key, state)
+            self._end(a, state, key)  # answers it, unless another write of it is still in flight
+
+    def mark_unsettled(self, a: Attempt) -> None:
+        """A write of ``a`` was given up after a stall: its bytes may still land."""
+        with self._lock:
+            a.settled = False
+
+    # ---- releases and expiry ----
+
+    def release(self, msg: ReleaseTransfer) -> None:
+        """A decode rank will never fetch ``msg.transfer_key``."""
+        key = msg.transfer_key
+        with self._lock:
+            state = self._requests.get(key)
+            if state is not None:
+                return self._count_release(state, key, msg)
+            if key in self._gone:
+                log.debug("%s: release of %r ignored: already finished", self.name, key)
+                return
+            log.debug("%s: release of unknown %r remembered for %.0fs", self.name, key, RELEASE_MEMORY_S)
+            _, msgs = self._early.pop(key, (0.0, []))
+            self._early[key] = (time.monotonic() + RELEASE_MEMORY_S, [*msgs[-255:], msg])
+            while len(self._early) > MAX_EARLY_RELEASES:
+                del self._early[next(iter(self._early))]
+
+    def expire(self, now: float) -> None:
+        """Called on every poll: requests past their expiry, attempts waiting too long."""
+        with self._lock:
+            for table in (self._unsettled, self._gone):
+                for k in [k for k, t in table.items() if t <= now]:
+                    del table[k]
+            for k in [k for k, (until, _) in self._early.items() if until <= now]:
+                del self._early[k]
+            for key in list(self._releasing):
+                state = self._requests.get(key)
+                if state is None:
+                    self._releasing.discard(key)
+                else:
+                    self._try_close(key, state)
+            for key in [k for k, v in self._requests.items() if v.expires <= now]:
+                state = self._requests.pop(key)
+                self._releasing.discard(key)
+                self._gone[key] = now + RELEASE_MEMORY_S
+                state.closing = "expired"
+                if state.writes == 0:
+                    self._finished[key] = "expired"
+            for key, items in list(self._waiting.items()):
+                for a in [a for a in items if a.deadline <= now]:
+                    items.remove(a)
+                    self._close(a, f"request {key!r} not ready on {self.name} after waiting {a.req.wait_s:.1f}s")
+                if not items:
+                    del self._waiting[key]
+
+    # ---- internals, all under _lock ----
+
+    def _close(self, a: Attempt, why: str) -> None:
+        """No write of ``a`` may start any more. Answers it now if none is in flight,
+        else the last one's ``_end`` does (invariant 2)."""
+        if a.closed:
+            return
+        a.closed = why
+        if a.writes == 0:
+            self._answer(a)
+
+    def _answer(self, a: Attempt) -> None:
+        """The one answer of closed attempt ``a``, none of whose writes is in flight."""
+        if a.result is None:
+            return self._reply(a, self._failed(a.req, a.closed, settled=a.settled))
+        state, error = a.result
+        self._reply(a, self._failed(a.req, error, state.num_pages, a.settled) if error else self._ok(a, state))
+
+    def _reply(self, a: Attempt, outcome: TransferOutcome) -> None:
+        if a.answered:
+            return
+        a.answered = True
+        self._open.pop(a.key, None)  # known until answered
+        if not outcome.settled:
+            self._unsettled[a.key] = time.monotonic() + STALL_S
+        self._reply_fn(a.identity, outcome)
+
+    def _begin(self, a: Attempt, state: Request | None) -> bool:
+        if a.closed or (state is not None and state.closing):
+            return False
+        a.writes += 1
+        self._writes += 1
+        if state is not None:
+            state.writes += 1
+        return True
+
+    def _end(self, a: Attempt, state: Request | None, key: str) -> None:
+        a.writes -= 1
+        self._writes -= 1
+        if a.closed and a.writes == 0 and not a.answered:
+            self._answer(a)
+        held = self._aborting.get(key)
+        if held is not None and not any(x.writes for x in held):
+            del self._aborting[key]
+            self._finished[key] = "aborted"
+        if state is not None:
+            state.writes -= 1
+            if state.closing and state.writes == 0:
+                self._finished[key] = state.closing
+
+    def _count_release(self, state: Request, key: str, msg: ReleaseTransfer) -> None:
+        if msg.num_tokens != state.num_tokens:
+            log.debug("%s: release of %r for %d tokens ignored: the request has %d (key reused?)",
+                      self.name, key, msg.num_tokens, state.num_tokens)
+            return
+        state.released.setdefault(msg.engine_id, set()).add(msg.consumer_rank)
+        state.sizes[msg.engine_id] = msg.consumer_size
+        self._try_close(key, state)
+
+    def _try_close(self, key: str, state: Request) -> None:
+        """Stop serving ``state`` once some consumer engine is covered and no other
+        engine has an attempt open (invariant 5); reported once no write reads it."""
+        if self._requests.get(key) is not state:
+            return
+        engines = state.done.keys() | state.released.keys()
+        covered = {e for e in engines
+                   if len(state.done.get(e, set()) | state.released.get(e, set())) >= state.sizes[e]}
+        if not covered:
+            return
+        if any(a.req.transfer_key == key and a.req.engine_id not in covered for a in self._open.values()):
+            self._releasing.add(key)  # another decode group is fetching it: it keeps the blocks
+            return
+        self._releasing.discard(key)
+        del self._requests[key]
+        served = any(len(state.done.get(e, ())) >= state.sizes[e] for e in covered)
+        state.closing = "done" if served else "released"
+        self._gone[key] = time.monotonic() + RELEASE_MEMORY_S
+        if state.writes == 0:
+            self._finished[key] = state.closing
