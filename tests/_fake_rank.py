@@ -9,8 +9,8 @@ import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.bootstrap import register_rank
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, RegisterRank, TransferOutcome,
-                                           TransferRequest, decode, encode)
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, RegisterRank, ReleaseTransfer,
+                                           TransferOutcome, TransferRequest, decode, encode)
 
 
 def outcome(msg, ok: bool, settled: bool = True, num_tokens: int = 0, page_size: int = 16,
@@ -44,7 +44,7 @@ class FakeRank:
             if not self.sock.poll(20):
                 continue
             ident, payload = self.sock.recv_multipart()
-            msg = decode(payload, (TransferRequest, CancelTransfer))
+            msg = decode(payload, (TransferRequest, CancelTransfer, ReleaseTransfer))
             self.seen.append(msg)
             out = None
             if isinstance(msg, TransferRequest) and self.reply is not None:

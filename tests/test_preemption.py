@@ -50,7 +50,7 @@ def engine(tmp_path_factory):
     kv = KVTransferConfig(kv_connector="DCP2DConnector", kv_role="kv_producer",
                           kv_connector_extra_config={"bootstrap_port": free_port(), "send_timeout_s": 60.0})
     llm = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
-              num_gpu_blocks_override=BLOCKS, max_model_len=(BLOCKS - 1) * PAGE, max_num_seqs=4, max_num_batched_tokens=512,
+              kv_cache_memory_bytes=4 << 20, num_gpu_blocks_override=BLOCKS, max_model_len=(BLOCKS - 1) * PAGE, max_num_seqs=4, max_num_batched_tokens=512,
               enable_prefix_caching=False, kv_transfer_config=kv)
     yield llm
     del llm

@@ -394,3 +394,38 @@ def test_abort_waits_for_layer_writes(stack):
     s.sender.layer_ready("x", 1, SRC_IDS, TOKENS)  # nothing is held any more
     time.sleep(0.2)
     assert len(s.gate.ended) == 1
+
+
+def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
+    """A quarantining rank's process died; its restarted instance registers elsewhere.
+    Meanwhile ZMQ's reconnect reached *something* on the old port (on loopback a
+    socket can even connect to itself there). That proves nothing: only an answer
+    shows a rank process is alive, so the new rank table still lifts the quarantine."""
+    import zmq
+
+    from vllm_dcp2d.connector import bootstrap as bs
+
+    boot, recv, rank = silent
+    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
+    wait_until(lambda: rank.seen)
+    deadline_now(recv, "x")
+    f = recv.wait("x", 20)
+    assert list(f.quarantined) == [0]
+    old = rank.address
+    rank.close()  # its loop closes the socket: the port is free
+    time.sleep(0.5)  # the receiver sees the link drop
+    impostor = bs.socket(zmq.ROUTER)
+    impostor.bind(old)  # the old port answers connects again, but no rank is behind it
+    try:
+        time.sleep(1.0)  # ZMQ reconnects (every 100 ms)
+        fresh = FakeRank(boot.address, FP, lambda m: outcome(m, True, num_tokens=m.num_tokens, layers=L))
+        try:
+            recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS)  # reads the new table
+            assert recv.wait("y", 20).ok
+            got = []
+            wait_until(lambda: got.extend(recv.poll_lifted()) or got, 10)
+            assert got == [f]
+        finally:
+            fresh.close()
+    finally:
+        impostor.close()

@@ -63,7 +63,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "send_timeout_s": ("producer", "Prefill-side expiry, the backstop for a decode instance that vanished: "
                        "seconds a finished request's KV blocks are held for decode ranks that have neither "
                        "fetched their pages nor released them (`release_unfetched`); then they are freed."),
-    "prefill_wait_s": ("consumer", "How long a prefill rank may hold a decode rank's transfer request "
+    "prefill_wait_s": ("consumer", "How long a decode rank's transfer request may wait at a prefill rank "
                        "for a request it does not know yet (its prefill is still running)."),
     "cancel_grace_s": ("consumer", "After a fetch fails, seconds to wait for the prefill ranks still "
                        "writing to confirm its cancel. A rank that has not confirmed by then may still write "

@@ -81,11 +81,14 @@ class Rank:
         # Same routing id after a reconnect: the rank's answers still reach us.
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         bs.connect(self.sock, self.monitor, address)
         for s in (self.sock, self.monitor):
             poller.register(s, zmq.POLLIN)
-        self.down = False                     # the link is disconnected now
+        # Disconnected, and nothing read from the rank since. Only an answer clears it,
+        # not ZMQ's reconnect: on loopback a reconnect to a dead port can connect the
+        # socket to itself (TCP simultaneous open from the same ephemeral port).
+        self.down = False
         self.cancel_at = 0.0                  # when the quarantined attempts' cancels go out again
         self.backoff = bs.Backoff(CANCEL_RESEND_MAX_S)
 
@@ -102,14 +105,12 @@ class Rank:
         self.sock.close()
 
 
-def link_events(monitor: zmq.Socket, down: bool = False) -> tuple[bool, bool]:
-    """Drain a link monitor: (whether it disconnected, whether it is down now)."""
+def link_events(monitor: zmq.Socket) -> bool:
+    """Drain a link monitor: whether the link disconnected since the last call."""
     lost = False
     while monitor.poll(0):
-        event = recv_monitor_message(monitor)["event"]
-        down = event == zmq.EVENT_DISCONNECTED
-        lost |= down
-    return lost, down
+        lost |= recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    return lost
 
 
 def drain(q: queue.Queue) -> list:

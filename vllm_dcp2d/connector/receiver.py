@@ -219,7 +219,7 @@ class Receiver:
                 self._guard(self._queue_release, rel)
             self._guard(self._send_releases)
             for q in list(self._queries.values()):
-                if q.monitor in events and link_events(q.monitor)[0]:
+                if q.monitor in events and link_events(q.monitor):
                     self._guard(self._no_table, q, "connection lost")
                 if q.sock in events:
                     self._guard(self._read_table, q)
@@ -351,8 +351,8 @@ class Receiver:
     # ---- the CP ranks ----
 
     def _link(self, rank: Rank):
-        lost, rank.down = link_events(rank.monitor, rank.down)
-        if lost:
+        if link_events(rank.monitor):
+            rank.down = True
             self._lost(rank, "connection lost")
 
     def _read(self, rank: Rank):
@@ -366,6 +366,7 @@ class Receiver:
             return self._lost(rank, f"malformed reply: {e}")
         if isinstance(msg, Reply):  # the rank could not read a message of ours at all (its protocol differs)
             return self._lost(rank, f"rejected: {msg.reason}")
+        rank.down = False  # a rank process answers on this link
         where = (rank.address, msg.attempt_id)
         how, f, cp_rank = self.ledger.answered(*where)
         if how == "unknown":
