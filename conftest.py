@@ -33,3 +33,65 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("dcp2d", parent=settings.default, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("dcp2d")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: starts no vLLM engine (every test not marked vllm); "
+                                       "`bash scripts/test.sh -m quick` is the inner loop")
+
+
+LONGEST = ("test_load_faults.py", "test_spec_decode_vllm.py", "test_layer_split_vllm.py", "test_e2e_spec.py",
+           "test_e2e.py", "test_dcp_vllm.py", "test_multihost.py")
+
+
+def pytest_sessionstart(session):
+    """Unlink the vLLM CPU-communicator files earlier engines left in /dev/shm (RAM):
+    vLLM never unlinks them, and a machine that runs this suite again and again fills
+    /dev/shm until engines fail to start. The harness removes what this run's servers
+    leave; this removes what older runs left. Only files no process holds (testing/shm.py)."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    from vllm_dcp2d.testing.shm import remove_stale_vllm_shm
+
+    removed = remove_stale_vllm_shm()
+    if removed:
+        print(f"\nremoved {removed} stale vLLM /dev/shm files (no process held them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("vllm") is None:
+            item.add_marker(pytest.mark.quick)
+    # Longest files first, the quick files last: pytest-xdist (--dist loadfile
+    # --no-loadscope-reorder) hands out files in this order, so short ones fill the end
+    # of the run instead of one worker idling while another finishes a 5-minute file.
+    # LONGEST only orders (seconds per file, BENCHMARKS.md "Test suite"); a file not in
+    # it still runs, among the engine files.
+    heavy = {item.path for item in items if item.get_closest_marker("quick") is None}
+
+    def rank(item):
+        name = item.path.name
+        return (item.path not in heavy, LONGEST.index(name) if name in LONGEST else len(LONGEST))
+
+    items.sort(key=rank)  # stable: each file's own order is kept
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Seconds per test file (setup + call + teardown), summed for the end of the run."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    rows = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.section("seconds per test file (summed over its tests; workers run files in parallel)")
+    for path, seconds in rows:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  all files")

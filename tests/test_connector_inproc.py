@@ -24,8 +24,9 @@ SEND_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("MC_FORCE_TCP", "1")
+    mp = pytest.MonkeyPatch()  # restored after the module: later engines pick their own process split
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.setenv("MC_FORCE_TCP", os.environ.get("MC_FORCE_TCP", "1"))
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -43,6 +44,7 @@ def llm(tmp_path_factory):
                  enable_prefix_caching=False, kv_transfer_config=kv)
     yield engine, stats
     del engine
+    mp.undo()
 
 
 def free_blocks(engine) -> int:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _vllm_engine import run_engine
+from _vllm_engine import Engine, run_engines
 
 BLOCK = 32
 KV_BYTES = 64 << 20
@@ -52,12 +52,11 @@ def _run_engine(model: str, dcp: int, out: str, dtype: str = "auto") -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> tuple[dict, int]:
+def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> Engine:
     out = tmp / f"dcp{dcp}.json"
     # DCP > 1: the DCP group's all-gathers run over vLLM's shared memory (vllm_compat patch 6).
     shm = ("DCP group dcp:0 (ranks [0, 1]) gathers over shared memory",) if dcp > 1 else ()
-    return run_engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm,
-                      VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    return Engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm)
 
 
 @pytest.mark.vllm
@@ -67,8 +66,7 @@ def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", tmp_path / "model")
-    ref, ref_cap = _engine(model, 1, tmp_path)
-    got, cap = _engine(model, 2, tmp_path)
+    (ref, ref_cap), (got, cap) = run_engines(_engine(model, 1, tmp_path), _engine(model, 2, tmp_path))
     for name in ("batch", "second"):
         for i, (a, b) in enumerate(zip(got[name], ref[name])):
             assert a == b, f"{name}[{i}]: DCP=2 {a} != DCP=1 {b}"

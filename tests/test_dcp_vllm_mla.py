@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _vllm_engine import run_engine
+from _vllm_engine import Engine, run_engines
 
 BLOCK = 16
 
@@ -42,9 +42,9 @@ def _run_engine(model: str, dcp: int, out: str) -> None:
     Path(out).write_text(json.dumps(tokens))
 
 
-def _engine(model: str, dcp: int, tmp: Path) -> tuple[list, int]:
+def _engine(model: str, dcp: int, tmp: Path) -> Engine:
     out = tmp / f"mla{dcp}.json"
-    return run_engine(__file__, [model, str(dcp), str(out)], out, f"DCP={dcp} MLA")
+    return Engine(__file__, [model, str(dcp), str(out)], out, f"DCP={dcp} MLA")
 
 
 @pytest.mark.vllm
@@ -54,8 +54,7 @@ def test_mla_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("deepseek-v2-mla", tmp_path / "model")
-    ref, ref_cap = _engine(model, 1, tmp_path)
-    got, cap = _engine(model, 2, tmp_path)
+    (ref, ref_cap), (got, cap) = run_engines(_engine(model, 1, tmp_path), _engine(model, 2, tmp_path))
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a == b, f"prompt {i}: DCP=2 {a} != DCP=1 {b}"
     assert cap == 2 * ref_cap, (cap, ref_cap)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _vllm_engine import run_engine
+from _vllm_engine import Engine, run_engines
 
 BLOCK = 32
 MAX_TOKENS = 12
@@ -68,18 +68,17 @@ def _run_engine(model: str, mode: str, out: str, dtype: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def _engine(model: str, mode: str, tmp: Path, dtype: str) -> tuple[dict, int]:
+def _engine(model: str, mode: str, tmp: Path, dtype: str) -> Engine:
     out = tmp / f"{mode}.json"
-    return run_engine(__file__, [model, mode, str(out), dtype], out, f"layer_split={mode}",
-                      VLLM_ALLOW_INSECURE_SERIALIZATION="1", MC_FORCE_TCP="1")
+    return Engine(__file__, [model, mode, str(out), dtype], out, f"layer_split={mode}",
+                  env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "MC_FORCE_TCP": "1"})
 
 
 def _check(model: str, layers: int, tmp: Path, dtype: str) -> None:
     from vllm_dcp2d.layout import cp_layer_owner
 
-    split, cap = _engine(model, "on", tmp, dtype)
-    full, full_cap = _engine(model, "off", tmp, dtype)
-    plain, plain_cap = _engine(model, "plain", tmp, dtype)
+    (split, cap), (full, full_cap), (plain, plain_cap) = run_engines(
+        *(_engine(model, mode, tmp, dtype) for mode in ("on", "off", "plain")))
     for name in _prompts():
         assert split[name] == full[name], f"{name}: layer-split {split[name]} != without {full[name]}"
         assert split[name] == plain[name], f"{name}: layer-split {split[name]} != plain {plain[name]}"

@@ -39,8 +39,9 @@ BLOCKS = 5               # the null block + C's 2 + A's 2: step 3 has none to sp
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("MC_FORCE_TCP", "1")
+    mp = pytest.MonkeyPatch()  # restored after the module: later engines pick their own process split
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.setenv("MC_FORCE_TCP", os.environ.get("MC_FORCE_TCP", "1"))
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -54,6 +55,7 @@ def engine(tmp_path_factory):
               enable_prefix_caching=False, kv_transfer_config=kv)
     yield llm
     del llm
+    mp.undo()
 
 
 class Probe:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _vllm_engine import run_engine
+from _vllm_engine import Engine, run_engines
 
 BLOCK = 32
 MAX_TOKENS = 40
@@ -64,10 +64,14 @@ def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None
     Path(out).write_text(json.dumps(result))
 
 
-def _engine(model: str, dcp: int, spec: str, tmp: Path, diverge: int = -1) -> dict:
+def _engine(model: str, dcp: int, spec: str, tmp: Path, diverge: int = -1) -> Engine:
     out = tmp / f"{Path(model).name}-dcp{dcp}-{spec.split(':')[0]}-{diverge}.json"
-    return run_engine(__file__, [model, str(dcp), spec, str(diverge), str(out)], out,
-                      f"DCP={dcp} spec={spec}", VLLM_ENABLE_V1_MULTIPROCESSING="1")[0]
+    return Engine(__file__, [model, str(dcp), spec, str(diverge), str(out)], out, f"DCP={dcp} spec={spec}",
+                  env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+
+
+def _results(*engines: Engine) -> list[dict]:
+    return [r for r, _ in run_engines(*engines)]
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +80,12 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("spec")
     target = build_tiny_model("llama-mqa", root / "target")
-    return {"target": target, "eagle": build_tiny_model("llama-mqa-eagle", root / "eagle"),
-            "mla": build_tiny_model("deepseek-v2-mla", root / "mla"),
-            "ref": _engine(target, 1, "none", root), "tmp": root}
+    eagle = build_tiny_model("llama-mqa-eagle", root / "eagle")
+    # The reference and the two DCP=2 drafts the next tests check, started at once.
+    ref, draft, eagle_run = _results(_engine(target, 1, "none", root), _engine(target, 2, "draft_model", root),
+                                     _engine(target, 2, f"eagle:{eagle}", root))
+    return {"target": target, "eagle": eagle, "mla": build_tiny_model("deepseek-v2-mla", root / "mla"),
+            "ref": ref, "draft_model": draft, "eagle_run": eagle_run, "tmp": root}
 
 
 def _assert_same_tokens(got: dict, ref: dict, label: str) -> None:
@@ -94,7 +101,7 @@ def _cdiv(a: int, b: int) -> int:
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_draft_model_at_dcp2_is_unsharded_and_accepts(models):
-    got = _engine(models["target"], 2, "draft_model", models["tmp"])
+    got = models["draft_model"]
     _assert_same_tokens(got, models["ref"], "draft_model at DCP=2")
     # The target as its own draft: a sharded multi-step draft accepted 21 of 522 here.
     assert got["accepted"] >= 0.9 * got["drafts"] > 0, (got["accepted"], got["drafts"])
@@ -114,7 +121,7 @@ def test_draft_model_at_dcp2_is_unsharded_and_accepts(models):
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_eagle_at_dcp2_matches_dcp1(models):
-    got = _engine(models["target"], 2, f"eagle:{models['eagle']}", models["tmp"])
+    got = models["eagle_run"]
     _assert_same_tokens(got, models["ref"], "EAGLE at DCP=2")
     assert got["drafts"] > 0
     for groups in got["groups"]:
@@ -125,7 +132,7 @@ def test_eagle_at_dcp2_matches_dcp1(models):
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_divergent_draft_on_one_rank_commits_the_same_tokens(models):
-    got = _engine(models["target"], 2, "draft_model", models["tmp"], diverge=1)
+    (got,) = _results(_engine(models["target"], 2, "draft_model", models["tmp"], diverge=1))
     reports = got["reports"]
     assert reports[1]["diverged_steps"] > 0 and reports[0]["diverged_steps"] == 0
     from vllm_dcp2d.testing.spec_probe import committed_equal
@@ -145,8 +152,8 @@ def test_mla_verification_under_dcp2_matches_dcp1(models):
     tokens with speculation than without, even at DCP=1 (its single-token decode and
     its multi-token paths disagree; docs/connector.md, "Speculative decoding"), so the
     reference is DCP=1 with the same draft: the same tokens and the same acceptance."""
-    ref = _engine(models["mla"], 1, "draft_model", models["tmp"])
-    got = _engine(models["mla"], 2, "draft_model", models["tmp"])
+    ref, got = _results(_engine(models["mla"], 1, "draft_model", models["tmp"]),
+                        _engine(models["mla"], 2, "draft_model", models["tmp"]))
     for i, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])):
         assert a == b, f"MLA prompt {i}: DCP=2 {a} != DCP=1 {b}"
     assert (got["accepted"], got["drafts"]) == (ref["accepted"], ref["drafts"]) and got["drafts"] > 0

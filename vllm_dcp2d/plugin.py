@@ -18,13 +18,24 @@ CONNECTOR_NAME = "DCP2DConnector"
 
 
 def register() -> None:
-    _route_logs()
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    """Make the connector resolvable; install the vLLM patches only on the vLLM they were written for.
 
-    try:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_dcp2d.connector.connector", "DCP2DConnector")
-    except ValueError:
-        pass  # already registered: register() can run twice in one process (in-process engine + CLI)
+    vLLM runs every ``general_plugins`` entry point without a try/except, so an
+    exception here, or a patch that does not fit the installed vLLM, breaks every
+    engine in the environment, DCP2D or not. On another vLLM version nothing is
+    patched: engines that do not use the connector run exactly as vLLM made them,
+    and a DCP2D instance refuses at start-up (``check_vllm_version``) naming both
+    versions.
+    """
+    _route_logs()
+    _register_connector()
+    from vllm_dcp2d.vllm_compat import VLLM_VERSION, installed_vllm_version
+
+    found = installed_vllm_version()
+    if found != VLLM_VERSION:
+        logger.warning("vllm_dcp2d: vLLM %s is installed, its patches target %s; none installed, "
+                       "so %s instances will refuse to start", found, VLLM_VERSION, CONNECTOR_NAME)
+        return
     from vllm.platforms import current_platform
 
     from vllm_dcp2d.vllm_compat import attention, config, kv_cache, spec_decode
@@ -35,6 +46,15 @@ def register() -> None:
     if current_platform.is_cpu():
         spec_decode.install()  # a draft runs with DCP disabled; ranks agree on what was accepted
     logger.debug("vllm_dcp2d registered %s and the DCP attention backend", CONNECTOR_NAME)
+
+
+def _register_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_dcp2d.connector.connector", "DCP2DConnector")
+    except ValueError:
+        pass  # already registered: register() can run twice in one process (in-process engine + CLI)
 
 
 def _route_logs() -> None:

@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_dcp2d.testing import shm
+
 __all__ = ["free_port", "Process", "vllm_server", "proxy_server", "post_json", "wait_all", "read_stats", "bin_path"]
 
 
@@ -50,6 +52,7 @@ class Process:
     host: str = "127.0.0.1"
     netns: str | None = None
     proc: subprocess.Popen | None = None
+    shm: set = field(default_factory=set)  # /dev/shm files its processes held (testing/shm.py)
 
     @property
     def url(self) -> str:
@@ -66,10 +69,14 @@ class Process:
         return self
 
     def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines, after the log's first error lines: a dead engine's root
+        cause (a worker's exception) is often far above the front end's traceback."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        head = [line for line in lines[:-n] if "Error" in line and "Warning" not in line][:10]
+        return "\n".join(head + (["..."] if head else []) + lines[-n:])
 
     def ready(self) -> bool:
         """True once ``GET /health`` answers 200; raises if the process died."""
@@ -77,6 +84,7 @@ class Process:
             code = None if self.proc is None else self.proc.returncode
             raise RuntimeError(f"{self.name} exited with code {code} before it was ready; "
                                f"log {self.log_path}:\n{self.log_tail()}")
+        self.shm |= shm.held_by_session(self.proc.pid)  # while starting: it may die before stop()
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 return r.status == 200
@@ -84,8 +92,23 @@ class Process:
             return False
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the process group, SIGKILL what is left after ``timeout_s``."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the process group, SIGKILL what is left after ``timeout_s``; then unlink
+        the ``/dev/shm`` files it held that nothing holds any more (vLLM leaks them)."""
+        if self.proc is None:
+            return
+        self.shm |= shm.held_by_session(self.proc.pid)
+        try:
+            self._stop(timeout_s)
+        finally:
+            shm.wait_session_gone(self.proc.pid, timeout_s=5.0)  # SIGKILLed workers unmap as they exit
+            shm.remove_unheld(self.shm)
+
+    def _stop(self, timeout_s: float) -> None:
+        if self.proc.poll() is not None:
+            try:  # the leader is gone, workers of its session may not be
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             return
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
             try:
