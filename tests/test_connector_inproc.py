@@ -156,9 +156,12 @@ def test_duplicate_transfer_key_second_fails_first_loads(llm):
                            [greedy(4, dict(pre.kv_transfer_params)) for _ in range(2)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [local.outputs[0].token_ids] * 2
     new = [r for r in records(stats)[before:] if r.get("transfer_key") == key and r["side"] == "consumer"]
-    assert [r["ok"] for r in new] == [False, True], new
-    assert f"transfer key {key!r} is already being fetched by request" in new[0]["reason"]
-    assert new[1]["bytes"] > 0  # the first request's pages were transferred
+    # The records come in completion order: the refusal is usually first, but the first
+    # request's fetch may finish before vLLM schedules the second.
+    refused, loaded = [r for r in new if not r["ok"]], [r for r in new if r["ok"]]
+    assert len(refused) == 1 and len(loaded) == 1, new
+    assert f"transfer key {key!r} is already being fetched by request" in refused[0]["reason"]
+    assert loaded[0]["bytes"] > 0  # the first request's pages were transferred
     assert free_blocks(engine) == free  # the producer's blocks too: its one consumer was served
 
 
