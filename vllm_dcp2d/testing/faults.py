@@ -14,7 +14,8 @@ restarts what it killed on the same ports, and checks:
 * every outcome passes ``load.check`` (completed answers equal the reference,
   failures are HTTP errors with a status and a message, no request took longer
   than ``FaultConfig.bound_s``);
-* a restarted instance serves again (a second load, at least one answer right);
+* a restarted instance serves again (a second load, at least one answer right;
+  up to ``AFTER_WAVES`` loads, since its first forwards may outlast the proxy timeout);
 * ``vllm:kv_cache_usage_perc`` returns to 0 on every live instance within ``drain_s``.
 
 Faults (``FAULTS``): ``hang_up`` (every 3rd client disconnects after 2 chunks),
@@ -45,6 +46,7 @@ from vllm_dcp2d.testing.load import Load, Outcome, check, prompt_ids
 __all__ = ["FAULTS", "FaultConfig", "FaultCluster", "FaultResult", "metric"]
 
 FAULTS = ("hang_up", "kill_decode", "kill_prefill", "freeze_prefill")
+AFTER_WAVES = 3  # loads after a fault until one answers right
 PAGE = 32
 DTYPE = "float32"  # the DCP=2 decode matches the stock kernel token for token in fp32 (tests/_pd_cluster.py)
 
@@ -346,7 +348,15 @@ class FaultCluster:
         load_s = load.t1 - load.t0
         if fault.startswith("kill_"):
             self.restart(fault.split("_", 1)[1])
-        after = self.load(self.cfg.concurrency).start().join(2 * self.cfg.bound_s + 60)
+        after: list[Outcome] = []
+        for _ in range(AFTER_WAVES):
+            # A restarted engine's first forwards can outlast the proxy's timeout on a loaded
+            # 2-core host (measured: 6 of 6 past 20 s beside three other TP=2 engines): the
+            # check is that it serves again, so a wave with no right answer is retried.
+            wave = self.load(self.cfg.concurrency).start().join(2 * self.cfg.bound_s + 60)
+            after += wave
+            if any(o.kind == "ok" for o in wave):
+                break
         usage = self.wait_drained()
         violations = check(outcomes + after, self.cfg.bound_s)
         if not any(o.kind == "ok" for o in after):
