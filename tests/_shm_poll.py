@@ -1,12 +1,14 @@
 """Child of test_connector_units.test_shm_polls_sleep: one vLLM MessageQueue,
-reader in a thread; prints the reader's CPU seconds while it waits 0.6 s idle
-for the second message (argv[1]: cpu_poll_sleep_us, 0 = vLLM's spin)."""
+reader in a thread; prints how often the reader polled, and its CPU and wall
+seconds, while it waits 0.6 s idle for the second message (argv[1]:
+cpu_poll_sleep_us, 0 = vLLM's spin)."""
 
 import json
 import sys
 import threading
 import time
 
+from vllm.distributed.device_communicators import shm_broadcast
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
 from vllm_dcp2d.vllm_compat import connector as compat
@@ -15,15 +17,26 @@ installed = compat.sleep_between_shm_polls(int(sys.argv[1]))
 writer = MessageQueue(1, 1)
 handle = writer.export_handle()
 out = {"installed": installed}
+polls = [0]
+poll = shm_broadcast.sched_yield  # vLLM's, or the nap installed above
+
+
+def counted() -> None:
+    polls[0] += 1
+    poll()
+
+
+shm_broadcast.sched_yield = counted
 
 
 def reader():
     r = MessageQueue.create_from_handle(handle, 0)
     r.wait_until_ready()
     out["first"] = r.dequeue(timeout=30)
-    t0 = time.thread_time()
+    polls[0] = 0
+    t0, w0 = time.thread_time(), time.monotonic()
     out["second"] = r.dequeue(timeout=30)
-    out["cpu_s"] = time.thread_time() - t0
+    out["cpu_s"], out["wall_s"], out["polls"] = time.thread_time() - t0, time.monotonic() - w0, polls[0]
 
 
 t = threading.Thread(target=reader)

@@ -108,7 +108,10 @@ def test_kv_replicated():
 @pytest.mark.timeout(240)
 def test_shm_polls_sleep_instead_of_spinning():
     """cpu_poll_sleep_us: a vLLM shm-queue reader waiting within its busy window
-    uses a fraction of the CPU it spins away by default, and still gets every message."""
+    sleeps ``sleep_us`` per poll instead of spinning, and still gets every message.
+    Checked by its count of polls (at most one per ``sleep_us`` of the wait), not by
+    CPU seconds: on a loaded machine the spinning reader itself gets little CPU
+    (a clean-clone run measured 10 ms of spin beside 38 ms of naps)."""
     import json
     import subprocess
     import sys
@@ -125,7 +128,9 @@ def test_shm_polls_sleep_instead_of_spinning():
     assert (spin["installed"], nap["installed"]) == (False, True)
     for r in (spin, nap):
         assert r["first"] == "first" and r["second"] == {"second": [2]}
-    assert nap["cpu_s"] < 0.5 * spin["cpu_s"], (nap, spin)
+        assert r["wall_s"] >= 0.5, r  # the wait stayed within the busy window: every wakeup was a poll
+    assert spin["polls"] > 0, spin  # vLLM's own busy loop ran
+    assert nap["polls"] <= nap["wall_s"] / 500e-6 + 1, (nap, spin)  # each poll slept 500 us
 
 
 def test_page_layout_leaves_out_the_block_count():
