@@ -41,7 +41,7 @@ def pytest_configure(config):
 
 
 LONGEST = ("test_load_faults.py", "test_spec_decode_vllm.py", "test_layer_split_vllm.py", "test_e2e_spec.py",
-           "test_e2e.py", "test_dcp_vllm.py", "test_multihost.py")
+           "test_e2e.py", "test_dcp_vllm.py")
 
 
 def pytest_sessionstart(session):

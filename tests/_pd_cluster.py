@@ -5,7 +5,7 @@ is replicated, so both TP ranks fetch all pages; ``kv_load_failure_policy=
 "recompute"``), each behind its own proxy, plus a pipelined proxy. The prefill
 instance itself, asked without ``kv_transfer_params``, is the non-disaggregated
 reference. ``place(name) -> (host, netns)`` puts each process on a host
-(loopback by default; ``test_multihost.py`` uses network namespaces).
+(loopback by default; ``test_e2e.py`` uses network namespaces where it can).
 """
 
 from __future__ import annotations

@@ -47,9 +47,31 @@ def llm(tmp_path_factory):
     mp.undo()
 
 
+def _pool(engine):
+    return engine.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+
+
 def free_blocks(engine) -> int:
     """Free KV blocks of the in-process engine's scheduler."""
-    return engine.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    return _pool(engine).get_num_free_blocks()
+
+
+def idle_free_blocks(engine, timeout_s: float = SEND_TIMEOUT_S + 5.0) -> int:
+    """Step the engine until every block is back in the free pool, and return that count.
+
+    An earlier test's producer request can still hold blocks for up to send_timeout_s
+    (a release or an expiry lands on a later step): a test that counted its free blocks
+    from such a pool saw them come back in the middle of its own check (a clean-clone
+    run: 4 blocks expired while 4 were quarantined, so the count did not move)."""
+    import time
+
+    pool, deadline = _pool(engine), time.monotonic() + timeout_s
+    while pool.get_num_free_blocks() != pool.num_gpu_blocks - 1:  # vLLM keeps one null block
+        assert time.monotonic() < deadline, \
+            f"{pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()} blocks still held after {timeout_s} s"
+        engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)
+        time.sleep(0.1)
+    return pool.get_num_free_blocks()
 
 
 def greedy(n, params=None):
@@ -69,7 +91,7 @@ def records(path):
 @pytest.mark.timeout(300)
 def test_transfer_equals_local(llm):
     engine, stats = llm
-    free = free_blocks(engine)
+    free = idle_free_blocks(engine)
     for name, ids in prompts().items():
         (local,) = engine.generate({"prompt_token_ids": ids}, greedy(8), use_tqdm=False)
         (pre,) = engine.generate({"prompt_token_ids": ids},
@@ -107,7 +129,7 @@ def test_producer_expiry_frees_blocks(llm):
     import time
 
     engine, stats = llm
-    free = free_blocks(engine)
+    free = idle_free_blocks(engine)
     engine.generate({"prompt_token_ids": prompts()["pages"]}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     # Offline, the engine steps only inside generate(): this step hands the held blocks to the sender.
     engine.generate({"prompt_token_ids": [5]}, greedy(1), use_tqdm=False)
@@ -128,7 +150,7 @@ def test_expiry_recomputes(llm):
     params = {"do_remote_prefill": True, "remote_request_id": "never-prefilled",
               "remote_bootstrap_addr": f"tcp://127.0.0.1:{kv.kv_connector_extra_config['bootstrap_port']}",
               "remote_engine_id": kv.engine_id}
-    free = free_blocks(engine)
+    free = idle_free_blocks(engine)
     (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids
     assert free_blocks(engine) == free
@@ -148,7 +170,7 @@ def test_duplicate_transfer_key_second_fails_first_loads(llm):
     engine, stats = llm
     ids = prompts()["pages"]
     (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
-    free = free_blocks(engine)
+    free = idle_free_blocks(engine)
     (pre,) = engine.generate({"prompt_token_ids": ids}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     key = pre.kv_transfer_params["remote_request_id"]
     before = len(records(stats))
@@ -204,7 +226,7 @@ def test_quarantined_blocks_stay_out_of_use_until_the_rank_settles(llm, tmp_path
         try:
             params = {"do_remote_prefill": True, "remote_request_id": "frozen", "remote_bootstrap_addr":
                       boot.address, "remote_engine_id": "P", "transfer_timeout_s": 0.5}
-            free = free_blocks(engine)
+            free = idle_free_blocks(engine)
             t0 = time.monotonic()
             (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, params), use_tqdm=False)
             assert dec.outputs[0].token_ids == local.outputs[0].token_ids

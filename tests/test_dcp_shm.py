@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 
 import pytest
 import torch
@@ -51,9 +50,9 @@ def _worker(rank: int, port: int, out) -> None:
 
 
 def test_dcp_group_gathers_over_shared_memory():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from vllm_dcp2d.testing.harness import free_port
+
+    port = free_port()  # bound seconds later by the spawned ranks: not from the ephemeral range
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]

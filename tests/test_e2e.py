@@ -5,9 +5,19 @@ two decode instances at once: ``decode`` (TP=2, DCP=2) and
 ``decode1`` (TP=2, DCP=1: the one KV head is replicated, so both TP ranks fetch
 all pages; ``kv_load_failure_policy="recompute"``), each behind
 its own proxy. The prefill instance itself, asked without ``kv_transfer_params``,
-is the non-disaggregated reference (``_pd_cluster.py``). All on loopback, started
-once per module (~1 min on 2 cores) and always killed; ``test_multihost.py`` runs the
-same checks with every instance on its own host.
+is the non-disaggregated reference (``_pd_cluster.py``). Started once per module
+(~1 min on 2 cores) and always killed.
+
+Every instance runs on its own host where network namespaces can be made (root,
+``ip``; ``vllm_dcp2d/testing/netns.py``): prefill at 198.18.0.10, decode (DCP=2) at
+.11, decode1 (DCP=1) at .12, the proxies at .13, joined by a bridge; the test talks
+to them from the bridge, 198.18.0.1. Nothing is reachable over another host's
+loopback, so every address that travels (``remote_bootstrap_addr`` in
+``kv_transfer_params``, the CP ranks' side channels in the rank table, Mooncake
+session ids) must be the host's own. Elsewhere the cluster runs on loopback and the
+multi-host checks (``test_*_across_hosts``, ``test_addresses_are_the_hosts``) skip
+with the reason. Loopback stays covered by the other cluster suites (load and
+faults, the proxy over four instances, speculative decoding, MLA).
 """
 
 from __future__ import annotations
@@ -17,17 +27,40 @@ import time
 import pytest
 
 from _pd_cluster import (DCP, EXPIRY_S, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
-                         complete, expected_bytes, ids, pd_cluster, stalled, tokens)
+                         complete, expected_bytes, ids, pd_cluster, prompts, stalled, tokens)
 
+from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.messages import QueryRanks, RankTable
 from vllm_dcp2d.testing.harness import kv_cache_usage, post_json, read_stats
+from vllm_dcp2d.testing.netns import Hosts, unavailable
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
+
+WHY_NOT_HOSTS = unavailable()  # None where network namespaces can be made
+HOSTS = ["prefill", "decode", "decode1", "proxy"]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with pd_cluster(tmp_path_factory.mktemp("e2e")) as c:
-        yield c
+    work = tmp_path_factory.mktemp("e2e")
+    if WHY_NOT_HOSTS:
+        with pd_cluster(work) as c:
+            yield c
+        return
+    with Hosts(HOSTS) as hosts:
+        def place(name):
+            return hosts[name].addr, hosts[name].netns
+
+        with pd_cluster(work, place) as c:
+            yield {**c, "hosts": hosts}
+
+
+@pytest.fixture
+def across_hosts(cluster):
+    """The cluster, for a check that needs every instance on its own host."""
+    if WHY_NOT_HOSTS:
+        pytest.skip(f"multi-host checks need network namespaces: {WHY_NOT_HOSTS}")
+    return cluster
 
 
 @pytest.mark.timeout(1200)
@@ -234,3 +267,42 @@ def test_prefill_frees_blocks_the_decode_will_not_fetch(cluster):
     assert tokens(out) == tokens(ref)  # refused, recomputed on decode1
     freed = seconds_until(lambda: kv_cache_usage(url) == 0.0, 10, "prefill KV usage 0 after the release")
     print(f"refused fetch: prefill KV usage 0 after {freed:.2f}s (send_timeout_s=600)")
+
+
+# Multi-host checks: prompts test_e2e's other tests do not send (seeds 31-34, and
+# 201-203 on a stall retry), so the decodes' prefix caches hold none of them.
+HOSTS_SALT = 3
+
+
+@pytest.mark.timeout(600)
+def test_addresses_are_the_hosts(across_hosts):
+    """What a decode host is told: the prefill host's bootstrap address, and CP rank
+    side channels on the prefill host, not loopback; a decode host fetches through it."""
+    c = across_hosts
+    prefill = c["hosts"]["prefill"].addr
+    prompt = ids(20, 10 * HOSTS_SALT + 4)
+    out = complete(c["prefill"].url, c["model"], prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert out["kv_transfer_params"]["remote_bootstrap_addr"] == bootstrap_addr(c)
+    assert bootstrap_addr(c).startswith(f"tcp://{prefill}:")
+    table = bs.request(bootstrap_addr(c), QueryRanks("test"), RankTable, 30.0)
+    assert table.cp_size == 2 and all(a.startswith(f"tcp://{prefill}:") for a in table.addresses), table
+    got = complete(c["decode1"].url, c["model"], prompt, kv_transfer_params=out["kv_transfer_params"])
+    assert tokens(got) == tokens(complete(c["prefill"].url, c["model"], prompt))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("which,tp,dcp", [("proxy", 2, DCP), ("proxy1", 2, 1)])
+def test_proxy_across_hosts(across_hosts, which, tp, dcp):
+    """Greedy tokens equal the non-disaggregated answer and the bytes of every
+    (cp_rank, dcp_rank) path equal the plan, with prefill, decode and proxy on
+    different hosts."""
+    check_proxy(across_hosts, which, tp, dcp, salt=HOSTS_SALT)
+
+
+@pytest.mark.timeout(600)
+def test_pipelined_across_hosts(across_hosts):
+    """The pipelined proxy (decode asks first) across hosts: same tokens."""
+    c = across_hosts
+    for prompt in prompts(HOSTS_SALT).values():
+        assert tokens(complete(c["proxyp"].url, c["model"], prompt)) == \
+            tokens(complete(c["prefill"].url, c["model"], prompt))

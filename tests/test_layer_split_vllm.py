@@ -58,7 +58,7 @@ def _run_engine(model: str, mode: str, out: str, dtype: str) -> None:
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     result = {}
     for name, prompts in _prompts().items():
-        if mla:  # CPU MLA is not batch-deterministic (test_dcp_vllm_mla.py): one prompt at a time
+        if mla:  # CPU MLA is not batch-deterministic (test_e2e_mla.py): one prompt at a time
             outs = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in prompts]
         else:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)

@@ -29,12 +29,14 @@ def _prompts() -> list[list[int]]:
 
 # MLA on CPU: CPU_MLA's 16-token pages, and no chunked prefill or prefix caching
 # (vLLM's CPU build lacks the DCP context gather); prompts one at a time, as in
-# test_dcp_vllm_mla.py.
+# test_e2e_mla.py (test_mla_dcp2_matches_dcp1_and_doubles_kv_capacity).
 _MLA = dict(block_size=16, cp_kv_cache_interleave_size=16, enable_chunked_prefill=False,
             enable_prefix_caching=False, max_num_batched_tokens=1024, attention_config={"backend": "CPU_MLA"})
 
 
-def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None:
+def _run_engine(model: str, dcp: int, spec: str, diverge: str, out: str) -> None:
+    """Serve the prompts once per entry of ``diverge`` (comma-separated ranks, -1: none)
+    on one engine, the prefix cache reset in between; writes one result per pass."""
     from vllm import LLM, SamplingParams
 
     kw = {}
@@ -49,28 +51,34 @@ def _run_engine(model: str, dcp: int, spec: str, diverge: int, out: str) -> None
     llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp,
               distributed_executor_backend="mp", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
               max_model_len=1024, max_num_seqs=8, seed=0, dtype="float32", disable_log_stats=False, **kw)
-    if spec != "none":
-        llm.collective_rpc("probe_start", args=(diverge,))
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     batches = [[p] for p in _prompts()[:4]] if mla else [_prompts()]
-    outs = [o for b in batches for o in llm.generate([{"prompt_token_ids": p} for p in b], sp, use_tqdm=False)]
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
-    if spec != "none":
-        result["groups"] = llm.collective_rpc("probe_groups")
-        result["reports"] = llm.collective_rpc("probe_report")
-        metrics = {m.name: m for m in llm.get_metrics()}
-        result["drafts"] = metrics["vllm:spec_decode_num_draft_tokens"].value
-        result["accepted"] = metrics["vllm:spec_decode_num_accepted_tokens"].value
-    Path(out).write_text(json.dumps(result))
+    results, counted = [], {"drafts": 0, "accepted": 0}
+    for rank in map(int, diverge.split(",")):
+        llm.reset_prefix_cache()  # every pass prefills every prompt, as on a fresh engine
+        if spec != "none":
+            llm.collective_rpc("probe_start", args=(rank,))
+        outs = [o for b in batches for o in llm.generate([{"prompt_token_ids": p} for p in b], sp, use_tqdm=False)]
+        result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+        if spec != "none":
+            result["groups"] = llm.collective_rpc("probe_groups")
+            result["reports"] = llm.collective_rpc("probe_report")
+            metrics = {m.name: m for m in llm.get_metrics()}
+            for key, name in (("drafts", "draft"), ("accepted", "accepted")):  # this pass's share of the counter
+                total = metrics[f"vllm:spec_decode_num_{name}_tokens"].value
+                result[key], counted[key] = total - counted[key], total
+        results.append(result)
+    Path(out).write_text(json.dumps(results))
 
 
-def _engine(model: str, dcp: int, spec: str, tmp: Path, diverge: int = -1) -> Engine:
-    out = tmp / f"{Path(model).name}-dcp{dcp}-{spec.split(':')[0]}-{diverge}.json"
-    return Engine(__file__, [model, str(dcp), spec, str(diverge), str(out)], out, f"DCP={dcp} spec={spec}",
+def _engine(model: str, dcp: int, spec: str, tmp: Path, diverge: str = "-1") -> Engine:
+    out = tmp / f"{Path(model).name}-dcp{dcp}-{spec.split(':')[0]}.json"
+    return Engine(__file__, [model, str(dcp), spec, diverge, str(out)], out, f"DCP={dcp} spec={spec}",
                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
 
 
-def _results(*engines: Engine) -> list[dict]:
+def _results(*engines: Engine) -> list[list[dict]]:
+    """Each engine's results, one per pass."""
     return [r for r, _ in run_engines(*engines)]
 
 
@@ -81,11 +89,14 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     target = build_tiny_model("llama-mqa", root / "target")
     eagle = build_tiny_model("llama-mqa-eagle", root / "eagle")
-    # The reference and the two DCP=2 drafts the next tests check, started at once.
-    ref, draft, eagle_run = _results(_engine(target, 1, "none", root), _engine(target, 2, "draft_model", root),
-                                     _engine(target, 2, f"eagle:{eagle}", root))
+    # The reference and the two DCP=2 drafts the next tests check, started at once. The
+    # draft_model engine serves the prompts twice: as is, then with rank 1's drafts
+    # changed (test_divergent_draft_on_one_rank_commits_the_same_tokens).
+    (ref,), (draft, diverged), (eagle_run,) = _results(
+        _engine(target, 1, "none", root), _engine(target, 2, "draft_model", root, diverge="-1,1"),
+        _engine(target, 2, f"eagle:{eagle}", root))
     return {"target": target, "eagle": eagle, "mla": build_tiny_model("deepseek-v2-mla", root / "mla"),
-            "ref": ref, "draft_model": draft, "eagle_run": eagle_run, "tmp": root}
+            "ref": ref, "draft_model": draft, "diverged": diverged, "eagle_run": eagle_run, "tmp": root}
 
 
 def _assert_same_tokens(got: dict, ref: dict, label: str) -> None:
@@ -132,7 +143,7 @@ def test_eagle_at_dcp2_matches_dcp1(models):
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_divergent_draft_on_one_rank_commits_the_same_tokens(models):
-    (got,) = _results(_engine(models["target"], 2, "draft_model", models["tmp"], diverge=1))
+    got = models["diverged"]  # the draft_model engine's second pass (prefix cache reset)
     reports = got["reports"]
     assert reports[1]["diverged_steps"] > 0 and reports[0]["diverged_steps"] == 0
     from vllm_dcp2d.testing.spec_probe import committed_equal
@@ -152,8 +163,8 @@ def test_mla_verification_under_dcp2_matches_dcp1(models):
     tokens with speculation than without, even at DCP=1 (its single-token decode and
     its multi-token paths disagree; docs/connector.md, "Speculative decoding"), so the
     reference is DCP=1 with the same draft: the same tokens and the same acceptance."""
-    ref, got = _results(_engine(models["mla"], 1, "draft_model", models["tmp"]),
-                        _engine(models["mla"], 2, "draft_model", models["tmp"]))
+    (ref,), (got,) = _results(_engine(models["mla"], 1, "draft_model", models["tmp"]),
+                              _engine(models["mla"], 2, "draft_model", models["tmp"]))
     for i, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])):
         assert a == b, f"MLA prompt {i}: DCP=2 {a} != DCP=1 {b}"
     assert (got["accepted"], got["drafts"]) == (ref["accepted"], ref["drafts"]) and got["drafts"] > 0
@@ -162,4 +173,4 @@ def test_mla_verification_under_dcp2_matches_dcp1(models):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--run"]:
-    _run_engine(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6])
+    _run_engine(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])

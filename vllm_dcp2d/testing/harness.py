@@ -27,11 +27,54 @@ from vllm_dcp2d.testing import shm
 __all__ = ["free_port", "Process", "vllm_server", "proxy_server", "post_json", "wait_all", "read_stats", "bin_path"]
 
 
+# The ports this harness hands out (API servers, proxies, bootstrap ports) come from
+# [20000, 32000): below the kernel's ephemeral range (32768-60999 by default), from which
+# every bind(0) and every outgoing connection draws, and above Mooncake's random RPC and
+# TCP ports (15000-17000). A port drawn from the ephemeral range is free only until
+# its server binds it, tens of seconds later while vLLM starts; a connection or
+# bind(0) of another engine can take it first (seen: a prefill's bootstrap port taken
+# while its engine started). Each pytest-xdist worker draws from its own slice, and a
+# process never hands out a port twice, so neither can collide with another server of
+# this harness either.
+_PORTS = (20000, 32000)
+_next_port: list[int] = []
+
+
+def _port_slice() -> tuple[int, int]:
+    lo, hi = _PORTS
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        hi = min(hi, ephemeral)
+    except (OSError, ValueError, IndexError):
+        pass
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count.isdigit() and hi > lo:
+        width = (hi - lo) // int(count)
+        lo += int(worker[2:]) * width
+        hi = lo + width
+    return lo, hi
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (in the caller's network namespace)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on ``host`` right now (in the caller's network namespace), that
+    no one else is about to take (see ``_PORTS``)."""
+    lo, hi = _port_slice()
+    if hi - lo < 100:  # an ephemeral range reaching below 20100: let the kernel choose
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    if not _next_port:
+        _next_port.append(lo + (os.getpid() * 7919) % (hi - lo))
+    for _ in range(hi - lo):
+        port = _next_port[0]
+        _next_port[0] = lo + (port + 1 - lo) % (hi - lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on {host} in [{lo}, {hi})")
 
 
 def bin_path(name: str) -> str:
