@@ -33,11 +33,19 @@ __all__ = ["free_port", "Process", "vllm_server", "proxy_server", "post_json", "
 # TCP ports (15000-17000). A port drawn from the ephemeral range is free only until
 # its server binds it, tens of seconds later while vLLM starts; a connection or
 # bind(0) of another engine can take it first (seen: a prefill's bootstrap port taken
-# while its engine started). Each pytest-xdist worker draws from its own slice, and a
+# while its engine started). Each pytest session (DCP2D_PORT_SLICE="k/n", set by
+# scripts/test.sh) and each of its pytest-xdist workers draws from its own slice, and a
 # process never hands out a port twice, so neither can collide with another server of
 # this harness either.
 _PORTS = (20000, 32000)
 _next_port: list[int] = []
+
+
+def _slice(lo: int, hi: int, k: str, n: str) -> tuple[int, int]:
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)) or hi <= lo:
+        return lo, hi
+    width = (hi - lo) // int(n)
+    return lo + int(k) * width, lo + (int(k) + 1) * width
 
 
 def _port_slice() -> tuple[int, int]:
@@ -47,12 +55,10 @@ def _port_slice() -> tuple[int, int]:
         hi = min(hi, ephemeral)
     except (OSError, ValueError, IndexError):
         pass
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if worker.startswith("gw") and count.isdigit() and hi > lo:
-        width = (hi - lo) // int(count)
-        lo += int(worker[2:]) * width
-        hi = lo + width
-    return lo, hi
+    session = os.environ.get("DCP2D_PORT_SLICE", "0/1").partition("/")
+    lo, hi = _slice(lo, hi, session[0], session[2])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return _slice(lo, hi, worker[2:], os.environ.get("PYTEST_XDIST_WORKER_COUNT", ""))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
