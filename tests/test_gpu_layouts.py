@@ -1,10 +1,10 @@
 """Every KV page layout vLLM 0.32 allocates, CPU and GPU, built on CPU with vLLM's own allocator.
 
 vLLM 0.32 gives every attention backend a ``[B, H, N, C]`` view per layer in one
-of the six ``KVCacheLayout``\\ s (``vllm_compat/kv_layout.py``); a GPU backend
+of the six ``KVCacheLayout``\\ s (``connector/page_format.py``); a GPU backend
 differs from a CPU one only in which layouts it accepts, its block sizes and what
 it packs into ``C``. So the tensors here come from the GPU model runner's own code
-(``testing/kv_alloc.py``: ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``) on a CPU device:
+(``vllm_compat/kv_alloc.py``: ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``) on a CPU device:
 exact shape, strides, dtype and kernel-block split, just not on a GPU.
 
 Backends whose class does not import on this CPU build (their layouts then come
@@ -34,9 +34,9 @@ from vllm_dcp2d.connector.config import ConfigError  # noqa: E402
 from vllm_dcp2d.connector.messages import Fingerprint, FingerprintMismatch  # noqa: E402
 from vllm_dcp2d.connector.plan import plan_request  # noqa: E402
 from vllm_dcp2d.layout import cp_layer_range  # noqa: E402
-from vllm_dcp2d.testing.kv_alloc import allocate_kv, logical_pages  # noqa: E402
-from vllm_dcp2d.vllm_compat import connector as compat  # noqa: E402
-from vllm_dcp2d.vllm_compat import kv_layout  # noqa: E402
+from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, logical_pages  # noqa: E402
+from vllm_dcp2d.vllm_compat import connector_api as compat  # noqa: E402
+from vllm_dcp2d.connector import page_format  # noqa: E402
 
 LAYOUTS = list(KVCacheLayout)
 NO_IMPORT = {"FLASHINFER": "needs the flashinfer package", "FLASHINFER_MLA": "needs the flashinfer package",
@@ -147,14 +147,14 @@ def _backend(name: str):
         return None
 
 
-@pytest.mark.parametrize("name", kv_layout.MHA_BACKENDS + kv_layout.MLA_BACKENDS)
+@pytest.mark.parametrize("name", page_format.MHA_BACKENDS + page_format.MLA_BACKENDS)
 def test_every_backend_layout_pairs_with_itself_and_with_cpu(name):
     """Each supported backend, in each layout it accepts, at a block size and head
     size it accepts: prefill and decode on that layout move pages byte-exactly; the
     CPU prefill (CPU_ATTN, CPU_MLA on LBHNC at their block sizes) agrees exactly where
     the page format and content agree, and is refused with the layout named otherwise."""
     cls = _backend(name)
-    mla = name in kv_layout.MLA_BACKENDS
+    mla = name in page_format.MLA_BACKENDS
     layouts = (cls.supported_kv_cache_layouts() if cls else None) or LAYOUTS
     block = {"FLASHMLA": 64, "CUTLASS_MLA": 128, "FLASHINFER_MLA": 32}.get(name, 16)
     if cls is not None:
@@ -168,7 +168,7 @@ def test_every_backend_layout_pairs_with_itself_and_with_cpu(name):
         src = allocate(layout, mla, 2, 5, block, heads, head, torch.bfloat16)
         dst = [allocate(layout, mla, 2, 3, block, heads, head, torch.bfloat16) for _ in range(2)]
         transfer_exact([src], 5, dst, 3, 2, rng)
-        content = kv_layout.kv_content(name, next(iter(src.values())), "auto")
+        content = page_format.kv_content(name, next(iter(src.values())), "auto")
         gpu = fingerprint(dst[0], 3, content, block)
         host = fingerprint(cpu, 4, cpu_content, 16 if mla else 32)
         if mla and block == 16:  # one head: every layout stores a page as the same run of rows
@@ -207,9 +207,9 @@ def test_unsupported_backends_and_layouts_stop_start_up():
     t = allocate(KVCacheLayout.LBHNC, False, 1, 2, 16, 2, 8, torch.bfloat16)["model.layers.0.self_attn.attn"]
     for name in ("FLASHMLA_SPARSE", "TURBOQUANT", "ROCM_ATTN", "FLASH_ATTN_DIFFKV"):
         with pytest.raises(ConfigError, match=f"does not support the {name} attention backend"):
-            kv_layout.kv_content(name, t, "auto")
+            page_format.kv_content(name, t, "auto")
     with pytest.raises(ConfigError, match="kv_cache_dtype='fp8'"):
-        kv_layout.kv_content("FLASH_ATTN", t, "fp8")
+        page_format.kv_content("FLASH_ATTN", t, "fp8")
     with pytest.raises(ValueError, match=r"layers.0.attn has shape \(2, 6, 16, 2, 8\)"):  # pre-0.32 [2, blocks, ...]
         compat.kv_regions({"model.layers.0.attn": torch.zeros(2, 6, 16, 2, 8)}, 6)
     with pytest.raises(ValueError, match="expected vLLM 0.32's \\[num_blocks=5"):

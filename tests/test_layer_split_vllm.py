@@ -49,7 +49,7 @@ def _run_engine(model: str, mode: str, out: str, dtype: str) -> None:
     mla = "mla" in model
     if mla and mode == "plain":
         # the control runs the same kernel: on an AMX CPU vLLM alone would pick AMX_MLA
-        # (other rounding), where the connector picks CPU_MLA (vllm_compat/config.py)
+        # (other rounding), where the connector picks CPU_MLA (vllm_compat/startup.py)
         kw["attention_config"] = {"backend": "CPU_MLA"}
     llm = LLM(model=model, tensor_parallel_size=2, block_size=None if mla else BLOCK,
               distributed_executor_backend="mp", enforce_eager=True, kv_cache_memory_bytes=32 << 20,

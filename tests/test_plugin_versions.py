@@ -1,15 +1,19 @@
-"""``plugin.register()`` on a vLLM other than the one its patches target.
+"""``plugin.register()`` where a patch does not fit the installed vLLM (issue 26, item 1).
 
 vLLM calls every ``general_plugins`` entry point in every process without a
-try/except: a patch that does not fit the installed vLLM breaks every engine,
-DCP2D or not (issue 26: vLLM 0.33 moved ``get_kv_cache_configs`` and changed its
-arity). So on another version ``register()`` must install nothing: every
-attribute of every vLLM module and class loaded by then is the object vLLM
-made. A DCP2D instance is refused by ``check_vllm_version``, naming both.
+try/except: a patch that does not fit the installed vLLM would break every engine,
+DCP2D or not. So a patch whose target is missing, or takes other parameters than
+the patch was written for, or that targets another vLLM version, is not installed
+(``vllm_compat/registry.py``): every attribute of every vLLM module and class
+loaded by then stays the object vLLM made, ``register()`` does not raise, and a
+DCP2D instance that needs the patch is refused with one message naming the vLLM
+version, the patch and the reason.
 
-Each case runs in a fresh interpreter, the only way to see vLLM unpatched.
-The control case (the target version) checks that the snapshot does see the
-patches, so the comparison cannot pass by looking at nothing.
+Each case runs in a fresh interpreter, the only way to see vLLM unpatched: a vLLM
+version the patches were not written for (0.31.1, 0.34.0), and on the installed
+0.32.0 every patch made unavailable in turn both ways (its target missing, its
+target's parameters changed). The control case (0.32.0 as it is) checks that the
+snapshot does see the patches, so the comparison cannot pass by looking at nothing.
 """
 
 from __future__ import annotations
@@ -21,21 +25,32 @@ import textwrap
 
 import pytest
 
-from vllm_dcp2d.vllm_compat import VLLM_VERSION
-
 pytestmark = pytest.mark.vllm
 
 SCRIPT = textwrap.dedent("""
-    import importlib, inspect, json, sys
-    import vllm_dcp2d.vllm_compat as compat
-    compat.installed_vllm_version = lambda: sys.argv[1]
+    import dataclasses, importlib, inspect, json, sys
+    from types import SimpleNamespace as NS
+    version, broken = sys.argv[1], sys.argv[2]
+    from vllm_dcp2d.vllm_compat import patches, registry
+    if version != "installed":
+        registry.installed_vllm_version = lambda: version
+    def breaks(p):
+        # the patch's targets made unavailable: missing, or taking other parameters
+        if broken == "missing":
+            return {v: tuple(patches.Target("vllm.no_such_module:" + t.path.split(":")[1], t.params) for t in ts)
+                    for v, ts in p.targets.items()}
+        return {v: tuple(patches.Target(t.path, t.params + ("changed",)) for t in ts) for v, ts in p.targets.items()}
     # Every module a patch targets, loaded before the snapshot so a rebinding shows.
-    for name in ["vllm.config", "vllm.v1.engine.core", "vllm.v1.core.kv_cache_utils",
-                 "vllm.v1.worker.gpu_model_runner", "vllm.v1.attention.backends.registry",
-                 "vllm.v1.spec_decode.llm_base_proposer", "vllm.distributed.device_communicators.cpu_communicator",
-                 "vllm.model_executor.layers.attention.mla_attention", "vllm.v1.attention.ops.dcp",
-                 "vllm.distributed.kv_transfer.kv_connector.factory"]:
-        importlib.import_module(name)
+    for p in patches.PATCHES:
+        for ts in p.targets.values():
+            for t in ts:
+                try:
+                    importlib.import_module(t.path.split(":")[0])
+                except ImportError:
+                    pass  # a target of the other supported version
+    importlib.import_module("vllm.distributed.kv_transfer.kv_connector.factory")
+    if broken != "none":  # the registry reads this same list
+        patches.PATCHES[:] = [dataclasses.replace(p, targets=breaks(p)) for p in patches.PATCHES]
 
     def snapshot():
         seen = {}
@@ -54,32 +69,67 @@ SCRIPT = textwrap.dedent("""
     plugin.register()
     after = snapshot()
     changed = sorted(k for k in before if after.get(k) != before[k])
-    refusal = ""
-    try:
-        compat.check_vllm_version()
-    except RuntimeError as e:
-        refusal = str(e)
+
+    # DCP2D instances: a decode with DCP=2 serving an MLA model with a draft, and a
+    # layer-split prefill; between them every patch that is needed anywhere is needed.
+    def config(role, dcp, mla, draft, tp=2):
+        kv = NS(kv_connector=plugin.CONNECTOR_NAME, kv_role=role, kv_connector_extra_config={})
+        spec = NS(uses_draft_kv_cache=lambda: True) if draft else None
+        return NS(kv_transfer_config=kv, speculative_config=spec, model_config=NS(use_mla=mla),
+                  parallel_config=NS(decode_context_parallel_size=dcp, tensor_parallel_size=tp))
+    refusals = {}
+    for name, cfg in (("decode", config("kv_consumer", 2, True, True)), ("prefill", config("kv_producer", 1, True, False))):
+        try:
+            registry.require(cfg)
+        except RuntimeError as e:
+            refusals[name] = str(e)
+    needed = sorted(p.name for p in patches.PATCHES
+                    if p.needed(config("kv_consumer", 2, True, True)) or p.needed(config("kv_producer", 1, True, False)))
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    print(json.dumps({"changed": changed, "refusal": refusal,
+    print(json.dumps({"changed": changed, "status": registry.status(), "refusals": refusals, "needed": needed,
                       "registered": plugin.CONNECTOR_NAME in KVConnectorFactory._registry}))
 """)
 
 
-def run(version: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, version], capture_output=True, text=True, timeout=300)
+def run(version: str = "installed", broken: str = "none") -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, version, broken], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.31.1"])
+def _check_nothing_patched_and_refused(got: dict, version: str, why: str) -> None:
+    assert got["changed"] == []  # every vLLM object is the one vLLM made
+    assert got["registered"]  # the name resolves, so a DCP2D instance reaches the refusal
+    assert set(got["needed"]) >= {"cpu_attention_backends", "cp_slot_mapping", "draft_dcp_disabled",
+                                  "layer_split_kv_configs", "dcp_interleave"}, got["needed"]
+    for name, refusal in got["refusals"].items():
+        assert refusal.startswith(f"vllm_dcp2d cannot serve this DCP2DConnector instance on vLLM {version}: "
+                                  f"it needs the patch "), (name, refusal)
+        assert why in refusal, (name, refusal)
+    assert set(got["refusals"]) == {"decode", "prefill"}, got["refusals"]
+    for name, state in got["status"].items():
+        assert state is not None and why in state, (name, state)
+
+
+@pytest.mark.parametrize("version", ["0.31.1", "0.34.0"])
 def test_another_vllm_is_left_as_vllm_made_it(version):
-    got = run(version)
-    assert got["changed"] == []
-    assert got["registered"]  # the name resolves, so a DCP2D instance reaches the refusal below
-    assert f"vLLM {version} is installed" in got["refusal"] and VLLM_VERSION in got["refusal"]
+    _check_nothing_patched_and_refused(run(version), version, f"not {version}")
 
 
-def test_the_target_vllm_is_patched():
-    got = run(VLLM_VERSION)
+@pytest.mark.parametrize("broken,why", [("missing", "vllm.no_such_module cannot be imported"),
+                                        ("signature", "the patch was written for")])
+def test_a_patch_whose_target_does_not_fit_is_left_out(broken, why):
+    """Every patch made unavailable at once, on the installed vLLM: each one is handled
+    on its own (a patch's targets are resolved and checked before it is installed), so
+    this is each patch forced unavailable in turn."""
+    from vllm_dcp2d.vllm_compat import installed_vllm_version
+
+    _check_nothing_patched_and_refused(run(broken=broken), installed_vllm_version(), why)
+
+
+def test_the_installed_vllm_is_patched():
+    got = run()
     assert "vllm.v1.engine.core.get_kv_cache_configs" in got["changed"], got["changed"]
-    assert got["refusal"] == "" and got["registered"]
+    assert got["refusals"] == {} and got["registered"]
+    assert {k: v for k, v in got["status"].items() if v is not None} == {}, got["status"]

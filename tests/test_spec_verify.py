@@ -147,9 +147,9 @@ def test_non_tensor_input_still_joins_and_raises():
 @settings(max_examples=150, deadline=None)
 @given(st.data(), st.integers(1, 4), st.integers(0, 5), st.integers(1, 4))
 def test_rejection_sampler_output_is_cut_to_the_agreed_count(data, n, b, k):
-    """``vllm_compat.spec_decode.agree_sampled`` on vLLM's ``[B, K + 1]`` sampler
+    """``spec_decode.verify.agree_sampled`` on vLLM's ``[B, K + 1]`` sampler
     output (tokens, then -1): every rank keeps the target's first MIN + 1 tokens."""
-    from vllm_dcp2d.vllm_compat.spec_decode import agree_sampled
+    from vllm_dcp2d.spec_decode.verify import agree_sampled
 
     target = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 511), min_size=k + 1, max_size=k + 1),
                                              min_size=b, max_size=b)), dtype=torch.int64).view(b, k + 1)

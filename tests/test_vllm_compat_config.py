@@ -1,4 +1,4 @@
-"""Start-up choices for DCP2D instances (``vllm_compat.config``) and the layer-split
+"""Start-up choices for DCP2D instances (``vllm_compat.startup``) and the layer-split
 KV layout (``vllm_compat.kv_cache``), on config stand-ins: exact decisions and
 exact placements, without starting vLLM."""
 
@@ -12,14 +12,23 @@ from hypothesis import strategies as st
 
 from vllm_dcp2d.connector.config import ConfigError
 from vllm_dcp2d.layout import cp_layer_range
-from vllm_dcp2d.vllm_compat.config import draft_backend, mla_backend, resolve_interleave
+from vllm_dcp2d.vllm_compat.startup import draft_backend, mla_backend, resolve_interleave
 from vllm_dcp2d.vllm_compat.kv_cache import StoragePlan, split_tensors, storage_plan
 
 
+def _cc(mode="NONE", splitting=None, partition=False, **passes):
+    """A compilation config: ``mode`` a ``CUDAGraphMode`` name (CPU: NONE)."""
+    from vllm.config import CUDAGraphMode
+
+    return NS(cudagraph_mode=CUDAGraphMode[mode], splitting_ops=splitting, use_inductor_graph_partition=partition,
+              pass_config=NS(**passes))
+
+
 def _vc(role="kv_consumer", dcp=1, tp=2, mla=True, backend=None, extra=None, connector="DCP2DConnector",
-        heads=1, interleave=1, auto=True, draft=None):
+        heads=1, interleave=1, auto=True, draft=None, cc=None):
     spec = None if draft is None else NS(method=draft, uses_draft_kv_cache=lambda: draft != "ngram")
-    return NS(kv_transfer_config=NS(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {}),
+    return NS(compilation_config=cc or _cc(),
+              kv_transfer_config=NS(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {}),
               speculative_config=spec,
               model_config=NS(use_mla=mla, model="m", get_total_num_kv_heads=lambda: heads),
               attention_config=NS(backend=backend),
@@ -93,9 +102,27 @@ def test_storage_plan_decisions(monkeypatch):
     assert storage_plan(_vc(role="kv_producer", draft="ngram"), 8) == StoragePlan(8, 2)  # no draft KV
     with pytest.raises(ConfigError, match="speculative draft \\(method='draft_model'\\) keeps its own KV"):
         storage_plan(_vc(role="kv_producer", draft="draft_model", extra={"layer_split": "on"}), 8)
+    # GPU: one mechanism (the per-layer hook), as long as no graph replays the cache write without it.
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda *a: False)
-    with pytest.raises(ConfigError, match="CPU attention backends"):
-        storage_plan(_vc(role="kv_producer", extra={"layer_split": "on"}), 8)
+    kvu = ["vllm::unified_attention_with_output", "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
+    assert storage_plan(_vc(role="kv_producer", cc=_cc("PIECEWISE", kvu)), 8) == StoragePlan(8, 2)
+    assert storage_plan(_vc(role="kv_producer", cc=_cc("FULL_AND_PIECEWISE", kvu)), 8) is None  # "auto" skips
+    with pytest.raises(ConfigError, match="cudagraph_mode=FULL_AND_PIECEWISE.*-cc.cudagraph_mode=PIECEWISE"):
+        storage_plan(_vc(role="kv_producer", extra={"layer_split": "on"}, cc=_cc("FULL_AND_PIECEWISE", kvu)), 8)
+    with pytest.raises(ConfigError, match="captured inside piecewise graphs"):
+        storage_plan(_vc(role="kv_producer", extra={"layer_split": "on"}, cc=_cc("PIECEWISE", kvu[:1])), 8)
+    with pytest.raises(ConfigError, match="captured inside piecewise graphs"):
+        storage_plan(_vc(role="kv_producer", extra={"layer_split": "on"}, cc=_cc("PIECEWISE", kvu, True)), 8)
+    with pytest.raises(ConfigError, match="fuse_rope_kvcache"):
+        storage_plan(_vc(role="kv_producer", extra={"layer_split": "on"}, cc=_cc("NONE", fuse_rope_kvcache=True)), 8)
+
+
+def test_the_connector_asks_vllm_for_piecewise_graphs_when_layer_split_is_on():
+    from vllm_dcp2d.connector.connector import DCP2DConnector
+
+    assert DCP2DConnector.requires_piecewise_for_cudagraph({"layer_split": "on"})
+    assert not DCP2DConnector.requires_piecewise_for_cudagraph({})  # auto: a decode keeps its FULL graphs
+    assert DCP2DConnector.supports_sleep_mode(None) is False
 
 
 @given(layers=st.integers(1, 40), cp=st.integers(2, 8), blocks=st.integers(1, 64), page=st.integers(1, 512))

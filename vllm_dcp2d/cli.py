@@ -4,6 +4,7 @@
                     --bytes-per-token-layer 576 [--shuffle SEED] [--json]
   vllm-dcp2d proxy  ...   (PD proxy, see ``vllm-dcp2d proxy --help``)
   vllm-dcp2d demo   ...   (end-to-end demo, see ``vllm-dcp2d demo --help``)
+  vllm-dcp2d compat       (the vLLM patches and whether each fits the installed vLLM)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import sys
 
 # Subcommands implemented in their own modules, each exposing main(argv) -> int.
-_DELEGATED = {"proxy": "vllm_dcp2d.proxy", "demo": "vllm_dcp2d.demo"}
+_DELEGATED = {"proxy": "vllm_dcp2d.proxy", "demo": "vllm_dcp2d.demo", "compat": "vllm_dcp2d.vllm_compat.registry"}
 
 
 def _plan(argv: list[str]) -> int:

@@ -13,9 +13,12 @@ slot ``p // dcp_size``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 __all__ = [
+    "StoragePlan",
     "cp_layer_range",
     "cp_layer_owner",
     "local_layer_count",
@@ -131,3 +134,20 @@ def dcp_pages_for_rank(num_pages: int, dcp_size: int, dcp_rank: int, first_page:
         raise ValueError(f"num_pages and first_page must be >= 0, got {num_pages}, {first_page}")
     start = first_page + (dcp_rank - first_page) % dcp_size
     return np.arange(start, num_pages, dcp_size, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    """Layer-split storage of one prefill instance (design §4.1): num_layers ``L``;
+    cp_size: ranks owning layers (the first ``cp_size`` TP ranks); slots: layer
+    regions the largest owner allocates (owned + 1 transient)."""
+
+    num_layers: int
+    cp_size: int
+
+    @property
+    def slots(self) -> int:
+        return local_layer_count(self.num_layers, self.cp_size, 0)  # rank 0 owns the most layers
+
+    def owner(self, layer: int) -> int:
+        return cp_layer_owner(layer, self.num_layers, self.cp_size)

@@ -26,7 +26,7 @@ from vllm_dcp2d.connector.prom import DCP2DPromMetrics
 from vllm_dcp2d.connector.metadata import DCP2DMetadata
 from vllm_dcp2d.connector.scheduler import SchedulerSide
 from vllm_dcp2d.connector.stats import DCP2DStats
-from vllm_dcp2d.vllm_compat import connector as compat
+from vllm_dcp2d.vllm_compat import connector_api as compat
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +38,24 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     """Declares ``SupportsHMA``: it moves any number of KV cache groups (a
     speculative draft's replicated group beside the target's), so vLLM keeps
     its hybrid allocator and calls ``request_finished_all_groups``."""
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:
+        """Called by vLLM when it builds the config, if its CUDA graph mode has FULL graphs.
+        True makes vLLM use piecewise graphs, which run each layer's KV-cache write (and the
+        layer-split fill hooked on it) outside the graphs. This sees only the extra config,
+        not the role, so it asks only when layer_split is "on"; with "auto", a prefill under
+        FULL graphs stores every layer and logs the flag to pass."""
+        return extra_config.get("layer_split") == "on"
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """Called by vLLM 0.33 at config time when sleep mode is on (0.32 has no such
+        hook). False: the Mooncake registrations and the side channels' published
+        addresses point at the KV memory of the first allocation; sleep/wake remaps
+        it, and a prefill would then write into memory that is no longer the decode's
+        KV. vLLM refuses ``--enable-sleep-mode`` with this connector, naming it."""
+        return False
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         compat.base_init(self, vllm_config, role, kv_cache_config)

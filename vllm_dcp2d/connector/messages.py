@@ -87,7 +87,7 @@ class Fingerprint(_Message):
     page_size:    tokens per transfer page (vLLM block_size).
     kv_dtype:     KV cache dtype name, e.g. "bfloat16".
     page_bytes:   bytes of one page of one layer (all regions together).
-    layout:       page format (``vllm_compat.kv_layout``): the page's axes in memory
+    layout:       page format (``connector.page_format``): the page's axes in memory
                   order without the block count or device, then what the backend
                   packs per head and token, e.g. "N16,H8,C512:k|v", "N64,C1152:kv_c|k_pe".
     model_config: hash of the model's config plus its revision, e.g. "sha256:1f2e...@main".

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_dcp2d.vllm_compat import connector as compat
+from vllm_dcp2d.vllm_compat import connector_api as compat
 
 __all__ = ["SendSpec", "LoadSpec", "ReleaseSpec", "DCP2DMetadata", "DCP2DWorkerMeta"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm_dcp2d.vllm_compat.connector_api import KVConnectorPromMetrics
 
 from vllm_dcp2d.connector.stats import parse_path_key
 

@@ -61,7 +61,7 @@ from vllm_dcp2d.connector.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
 from vllm_dcp2d.layout import cdiv
-from vllm_dcp2d.vllm_compat import connector as compat
+from vllm_dcp2d.vllm_compat import connector_api as compat
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm_dcp2d.vllm_compat.connector_api import KVConnectorStats
 
 __all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVATIONS"]
 

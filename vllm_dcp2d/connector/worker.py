@@ -50,8 +50,8 @@ from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.transport import MooncakeTransport
 from vllm_dcp2d.layout import cp_layer_range
 from vllm_dcp2d.prefill import layer_split
-from vllm_dcp2d.vllm_compat import connector as compat
-from vllm_dcp2d.vllm_compat.kv_cache import storage_plan
+from vllm_dcp2d.vllm_compat import connector_api as compat
+from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
 
 log = logging.getLogger(__name__)
 
@@ -143,18 +143,13 @@ class WorkerSide:
                                f"cache of TP rank {self.tp_rank} is not laid out for it: {len(owned)} owned layers "
                                f"and {len(transient)} distinct regions for the {len(others)} others (expected 1). "
                                f"Was vllm_dcp2d's plugin loaded in the engine core?")
-        unhooked = [n for n in kv_caches if not compat.fills_transient_slot(self.vllm_config, n)]
-        if unhooked:
-            raise RuntimeError(f"layer-split storage needs the plugin's CPU_ATTN or CPU_MLA attention, which fill "
-                               f"the transient slot; {unhooked[0]} uses another backend. Start with "
-                               f"--attention-backend CPU_MLA (MLA) or layer_split='off'.")
-        bound = compat.bound_kv_caches(self.vllm_config)
-        owners = {id(t): (n, plan.owner(self.layer_ids[n])) for n, t in bound.items() if n in kv_caches}
-        if len(owners) != len(kv_caches):
-            raise RuntimeError(f"layer-split storage: {len(kv_caches)} KV caches registered but {len(owners)} "
-                               f"bound to attention layers")
+        why = graphs_capture_cache_writes(self.vllm_config)
+        if why is not None:
+            raise RuntimeError(f"layer-split storage fills each layer's transient slot from a hook on its KV-cache "
+                               f"write, but {why} (or set layer_split='off').")
+        owners = {n: plan.owner(self.layer_ids[n]) for n in kv_caches}
         self.layer_split = layer_split.LayerSplit(compat.tp_cp_group(), owners, self.num_blocks)
-        layer_split.activate(self.layer_split)
+        hook_cache_writes(self.vllm_config, list(kv_caches), self.layer_split.fill)
         r = cp_layer_range(num_layers, plan.cp_size, self.tp_rank) if self.tp_rank < plan.cp_size else range(0)
         log.info("DCP2D layer-split storage: TP rank %d stores layers [%d, %d) plus one transient slot for the "
                  "other %d (%d layer slots instead of %d)", self.tp_rank, r.start, r.stop, len(others),
@@ -402,7 +397,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         if self.layer_split is not None:
-            layer_split.deactivate()
+            unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
             self.layer_split = None
         for part in (self.receiver, self.sender, self.bootstrap):
             if part is not None:

@@ -5,9 +5,9 @@ lays the memory out), TP rank ``r`` keeps its owned layers
 ``cp_layer_range(L, cp_size, r)`` in their own regions, and every other layer
 writes and reads one shared transient region. vLLM runs every layer on every
 rank as usual; what a non-owned layer lacks is the KV of the step's earlier
-tokens. Right before each layer's cache write, :func:`before_cache_write`
-(called by the plugin's CPU attention backends) has the owner broadcast the
-blocks that hold them (``DCP2DMetadata.context_blocks``, computed once per
+tokens. Right before each layer's cache write, :meth:`LayerSplit.fill` (a hook
+the connector puts on that layer's attention impl, ``vllm_compat/kv_cache.py``, ``hook_cache_writes``:
+every backend, CPU and GPU) has the owner broadcast the blocks that hold them (``DCP2DMetadata.context_blocks``, computed once per
 step by the scheduler side, so every rank has the same list) into the other
 ranks' transient slot. The step's own tokens are then written by vLLM's cache
 write, and attention runs unchanged. The next layer overwrites the slot.
@@ -27,20 +27,18 @@ from vllm_dcp2d.prefill.dist import CPGroup
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerSplit", "before_cache_write", "activate", "deactivate"]
+__all__ = ["LayerSplit"]
 
 
 class LayerSplit:
     """One prefill worker's side of layer-split storage.
 
     cp:        the TP group as a ``CPGroup`` (CP rank = TP rank).
-    owners:    ``id(kv cache tensor) -> (layer name, owning CP rank)`` for every
-               attention layer, keyed by the tensor object vLLM hands the layer's
-               cache write (non-owned layers alias one region but are distinct views).
+    owners:    layer name -> the CP rank that owns the layer, for every attention layer.
     num_blocks: KV cache blocks per layer (``kv_cache_config.num_blocks``).
     """
 
-    def __init__(self, cp: CPGroup, owners: dict[int, tuple[str, int]], num_blocks: int):
+    def __init__(self, cp: CPGroup, owners: dict[str, int], num_blocks: int):
         self.cp, self.owners, self.num_blocks = cp, owners, num_blocks
         self.blocks: torch.Tensor | None = None
         self.digest = 0  # block_digest(self.blocks), once per step
@@ -53,16 +51,16 @@ class LayerSplit:
         self.blocks = None if context_blocks is None else torch.as_tensor(context_blocks, dtype=torch.int64)
         self.digest = 0 if self.blocks is None else block_digest(self.blocks)
 
-    def fill(self, kv_cache: torch.Tensor) -> None:
-        """Size-broadcast the step's context blocks of the layer whose cache is
-        ``kv_cache`` (``[num_blocks * r, ...]``, ``r`` kernel blocks per block)."""
+    def fill(self, name: str, kv_cache: torch.Tensor) -> None:
+        """Size-broadcast the step's context blocks of layer ``name`` into ``kv_cache``
+        (the tensor its cache write is about to write, ``[num_blocks * r, ...]``, ``r``
+        kernel blocks per block), right before that write, on every rank."""
         if self.blocks is None:
             return
-        entry = self.owners.get(id(kv_cache))
-        if entry is None:
-            raise RuntimeError(f"layer-split storage: a cache write into a KV tensor of shape {tuple(kv_cache.shape)} "
-                               f"that no attention layer registered; its prefix cannot be filled")
-        name, owner = entry
+        owner = self.owners.get(name)
+        if owner is None:
+            raise RuntimeError(f"layer-split storage: a cache write of layer {name!r}, which is not among the "
+                               f"{len(self.owners)} layers it was set up for; its prefix cannot be filled")
         blocks = self.blocks
         ratio = kv_cache.shape[0] // self.num_blocks
         if ratio > 1:  # the backend splits each block into `ratio` kernel blocks
@@ -72,24 +70,3 @@ class LayerSplit:
     def take_bytes(self) -> int:
         n, self.bytes = self.bytes, 0
         return n
-
-
-_active: LayerSplit | None = None
-
-
-def activate(split: LayerSplit) -> None:
-    """Make ``split`` this worker process's layer-split (once, from ``register_kv_caches``)."""
-    global _active
-    _active = split
-
-
-def deactivate() -> None:
-    global _active
-    _active = None
-
-
-def before_cache_write(kv_cache: torch.Tensor) -> None:
-    """Called by the plugin's attention backends right before a layer's cache write
-    (``do_kv_cache_update``) on every rank; a no-op without layer-split storage."""
-    if _active is not None:
-        _active.fill(kv_cache)

@@ -24,7 +24,9 @@ import torch
 
 from vllm_dcp2d.attention.dcp import Group
 
-__all__ = ["accept_greedy", "agree_accepted_prefix", "verify_greedy", "kv_commit_mask"]
+__all__ = ["accept_greedy", "agree_accepted_prefix", "agree_sampled", "verify_greedy", "kv_commit_mask"]
+
+PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID (0.32, 0.33): a rejected position in sampled_token_ids
 
 
 def _check_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> None:
@@ -133,3 +135,23 @@ def kv_commit_mask(accepted: torch.Tensor, num_inputs: int) -> torch.Tensor:
     if counts.numel() and int(counts.max()) >= num_inputs:
         raise ValueError(f"accepted must be < num_inputs={num_inputs}, got max {int(counts.max())}")
     return torch.arange(num_inputs, device=counts.device)[None, :] <= counts[:, None]
+
+
+def agree_sampled(sampled: torch.Tensor, group) -> torch.Tensor:
+    """Cut each request's sampled tokens to the accepted count every rank agrees on.
+
+    sampled: int ``[B, K + 1]``, vLLM's rejection-sampler output: request ``b``
+    commits its leading non-placeholder tokens (``accepted + 1``), then ``-1``.
+    group: vLLM's ``GroupCoordinator`` (or any ``world_size`` / ``all_gather`` group).
+    Returns ``sampled`` itself, with positions past the group's MIN set to ``-1``.
+    """
+    if sampled.dim() != 2 or sampled.shape[1] < 2:
+        return sampled
+    valid = sampled != PLACEHOLDER
+    # Leading run of valid tokens; the sampler never leaves a gap, but a gap must
+    # not let a later token through.
+    kept = valid.long().cumprod(dim=1).sum(dim=1)
+    accepted = (kept - 1).clamp_min(0)
+    agreed = agree_accepted_prefix(accepted, group)
+    cut = torch.arange(sampled.shape[1], device=sampled.device)[None, :] > agreed[:, None]
+    return sampled.masked_fill_(cut | ~valid, PLACEHOLDER)

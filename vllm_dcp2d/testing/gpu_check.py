@@ -126,13 +126,12 @@ def check_triton_paged(device: str = "cuda") -> str:
 def check_mooncake(device: str = "cuda") -> str:
     import numpy as np
     import torch
-    from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from vllm_dcp2d.connector.plan import plan_request
     from vllm_dcp2d.connector.transport import MooncakeTransport
     from vllm_dcp2d.layout import cp_layer_range
-    from vllm_dcp2d.testing.kv_alloc import allocate_kv, logical_pages
-    from vllm_dcp2d.vllm_compat.connector import kv_regions, page_layout
+    from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, kv_cache_layouts, logical_pages
+    from vllm_dcp2d.vllm_compat.connector_api import kv_regions, page_layout
 
     def run(src_dev, src_layout, dst_layout, mla, heads, head, block):
         cp, dcp, layers, nsrc, ndst = 2, 2, 4, 40, 24
@@ -177,6 +176,7 @@ def check_mooncake(device: str = "cuda") -> str:
                                          f"DCP rank {d} pages differ")
         return f"{moved >> 20} MiB in {dt * 1e3:.0f} ms"
 
+    KVCacheLayout = kv_cache_layouts()
     a = run(device, KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, False, 8, 128, 16)
     b = run("cpu", KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, True, 1, 576, 16)
     return f"{device}->{device} {a}; cpu(MLA)->{device} {b}"

@@ -214,7 +214,7 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
         cmd += ["--decode-context-parallel-size", str(dcp)]
     if dtype:
         cmd += ["--dtype", dtype]
-    if block_size:  # the DCP interleave follows it (vllm_compat/config.py)
+    if block_size:  # the DCP interleave follows it (vllm_compat/startup.py)
         cmd += ["--block-size", str(block_size)]
     env = {}
     if cpu:

@@ -2,9 +2,9 @@
 
 vLLM's DCP needs (a) attention impls that return the softmax LSE during decode
 and (b) a slot mapping that sends each token's KV to the DCP rank owning it.
-On CPU vLLM has neither. ``register()`` (called by the plugin entry point in
-every vLLM process) installs both. Each patch below says what it replaces and
-why:
+On CPU vLLM has neither. The patches below install both; the plugin's patch
+registry (``registry.py``, table in ``patches.py``) installs each one where its
+target fits the installed vLLM. Each says what it replaces and why:
 
 1. ``register_backend(CPU_ATTN, DCPCPUAttentionBackend)``. The CPU platform
    only ever selects CPU_ATTN / CPU_MLA / AMX_MLA (any other choice is logged
@@ -50,53 +50,39 @@ import math
 
 import torch
 
-from vllm_dcp2d.vllm_compat import check_vllm_version
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["register", "cp_slot_mapping", "cpu_kv_layout", "local_context_lens", "install_mla_dcp_combine",
-           "cp_lse_combine_torch", "install_dcp_shm"]
+__all__ = ["install_backends", "install_slot_mapping", "cp_slot_mapping", "cpu_kv_layout", "local_context_lens",
+           "install_mla_dcp_combine", "cp_lse_combine_torch", "install_dcp_shm"]
 
-_registered = False
+_stock_slot_mapping = None  # vLLM's, once install_slot_mapping ran
 
 
-def register() -> None:
-    """Install the DCP attention support into this process's vLLM (idempotent).
-
-    Called by ``vllm_dcp2d.plugin.register`` in every vLLM process (front end,
-    engine core, workers) before backends are resolved. On CPU, raises
-    ``RuntimeError`` when vLLM is not the version these patches were written
-    against; elsewhere nothing is patched, so any version is accepted.
-    """
-    global _registered
-    if _registered:
-        return
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        # vLLM's GPU backends (FLASH_ATTN, FlashMLA, ...) already support DCP.
-        logger.debug("vllm_dcp2d: not a CPU platform, DCP attention left to vLLM")
-        _registered = True
-        return
-    check_vllm_version()
-    from vllm.utils import cpu_triton_utils
+def install_backends(version: str) -> None:
+    """Patches 1 and 4 (registry: ``cpu_attention_backends``): the DCP-capable backends
+    take the CPU_ATTN and CPU_MLA names. Idempotent (the registry may be asked twice)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_dcp2d.attention.backend.DCPCPUAttentionBackend")
-    register_backend(AttentionBackendEnum.CPU_MLA, "vllm_dcp2d.attention.backend_mla.DCPCPUMLABackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_dcp2d.vllm_compat.cpu_attn.DCPCPUAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_MLA, "vllm_dcp2d.vllm_compat.cpu_mla.DCPCPUMLABackend")
+    logger.debug("vllm_dcp2d: CPU_ATTN and CPU_MLA overridden (vLLM %s)", version)
+
+
+def install_slot_mapping(version: str) -> None:
+    """Patch 2 (registry: ``cp_slot_mapping``): the CP branch of the slot mapping on CPU."""
+    from vllm.utils import cpu_triton_utils
+
     global _stock_slot_mapping
-    _stock_slot_mapping = cpu_triton_utils._compute_slot_mapping_kernel_impl
+    stock = cpu_triton_utils._compute_slot_mapping_kernel_impl
+    if getattr(stock, "_dcp2d", False):
+        return
+    _stock_slot_mapping = stock
+    cp_slot_mapping._dcp2d, cp_slot_mapping._dcp2d_stock = True, stock
     cpu_triton_utils._compute_slot_mapping_kernel_impl = cp_slot_mapping
-    install_dcp_shm()
-    _registered = True
-    logger.debug("vllm_dcp2d: CPU_ATTN and CPU_MLA overridden, CP slot mapping installed")
 
 
-_stock_slot_mapping = None
-
-
-def install_dcp_shm() -> None:
-    """Patch 6: DCP groups of more than one rank use vLLM's shared-memory CPU
+def install_dcp_shm(version: str = "") -> None:
+    """Patch 6 (registry: ``dcp_shm_collectives``): DCP groups of more than one rank use vLLM's shared-memory CPU
     collectives instead of gloo (idempotent; the check and the shared-memory set-up
     are collectives over the group, run by every rank as it builds the group)."""
     from vllm.distributed.device_communicators import cpu_communicator as cc
@@ -116,6 +102,7 @@ def install_dcp_shm() -> None:
             logger.info("vllm_dcp2d: DCP group %s (ranks %s) gathers over shared memory", unique_name, self.ranks)
 
     __init__._vllm_dcp2d = True
+    __init__._dcp2d_stock = stock
     cc.CpuCommunicator.__init__ = __init__
 
 
@@ -150,7 +137,7 @@ def cp_slot_mapping(
     ``[max_num_tokens]`` int64, written in place (padding past ``num_tokens``).
     """
     if TOTAL_CP_WORLD_SIZE == 1:
-        assert _stock_slot_mapping is not None, "cp_slot_mapping used before register()"
+        assert _stock_slot_mapping is not None, "cp_slot_mapping used before install_slot_mapping()"
         return _stock_slot_mapping(
             num_tokens, max_num_tokens, query_start_loc, positions, block_table, block_table_stride,
             slot_mapping, KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
@@ -249,13 +236,17 @@ def install_mla_dcp_combine() -> None:
     builds its ``MLADCPManager``)."""
     from vllm.v1.attention.ops import dcp as vllm_dcp
 
-    if getattr(vllm_dcp.MLADCPManager._init_combine, "_dcp2d", False):
+    from vllm_dcp2d.vllm_compat import registry
+
+    stock = vllm_dcp.MLADCPManager._init_combine
+    if getattr(stock, "_dcp2d", False):
         return
+    registry.check("mla_dcp_combine")
 
     def _init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp):
         if use_pcp or self.use_a2a:
             raise NotImplementedError("vllm_dcp2d's CPU MLA DCP combine supports dcp_comm_backend='ag_rs' without PCP")
         return functools.partial(cp_lse_combine_torch, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e)
 
-    _init_combine._dcp2d = True
+    _init_combine._dcp2d, _init_combine._dcp2d_stock = True, stock
     vllm_dcp.MLADCPManager._init_combine = _init_combine

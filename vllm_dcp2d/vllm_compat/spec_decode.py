@@ -1,6 +1,7 @@
-"""Speculative decoding on a DCP instance: vLLM 0.32.0's V1 model runner.
+"""Speculative decoding on a DCP instance: vLLM's V1 model runner (0.32.0, 0.33.0).
 
-The CPU platform runs vLLM's V1 runner (Model Runner V2 needs Triton). Under
+The CPU platform runs vLLM's V1 runner (Model Runner V2 needs Triton); GPU
+instances run it unless Model Runner V2 is chosen. Under
 DCP that runner shards the draft's KV like the target's: the draft's parallel
 config copies ``decode_context_parallel_size``, its ``FullAttentionSpec`` keeps
 ``dcp_sharded=True``, and with ``num_speculative_tokens > 1`` the draft's
@@ -43,7 +44,10 @@ pool); the runner side is what the patches below add. Each acts only when
    the group (:func:`~vllm_dcp2d.spec_decode.verify.agree_accepted_prefix`),
    so a rank whose drafts differ can make no rank commit a different token.
 
-``install()`` runs in every vLLM process on CPU (``vllm_dcp2d.plugin``).
+The patch registry (``patches.py``) installs them in every vLLM process, on
+every platform, as three entries: ``draft_group_order`` (0), ``draft_dcp_disabled``
+(1-5) and ``agreed_acceptance`` (6). They patch the V1 runner's classes, so a
+Model Runner V2 instance never reaches them.
 """
 
 from __future__ import annotations
@@ -53,21 +57,27 @@ import functools
 import importlib
 import logging
 
-import torch
-
 from vllm_dcp2d.spec_decode.draft import dcp_disabled, effective_dcp
 from vllm_dcp2d.spec_decode.group import TorchGroup
-from vllm_dcp2d.spec_decode.verify import agree_accepted_prefix
+from vllm_dcp2d.spec_decode.verify import agree_sampled
 
 log = logging.getLogger(__name__)
 
-__all__ = ["install", "agree_sampled"]
-
-_PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: a rejected position in sampled_token_ids
+__all__ = ["install_group_order", "install_draft", "install_agreement"]
 
 
-def _dcp_size(runner) -> int:
-    return runner.parallel_config.decode_context_parallel_size
+
+def _active(vllm_config) -> bool:
+    """Whether these patches act on this instance: DCP > 1 on CPU (where vLLM has DCP
+    only through this plugin) or on a DCP2DConnector instance. Other GPU instances
+    keep vLLM's own behaviour."""
+    if vllm_config.parallel_config.decode_context_parallel_size <= 1:
+        return False
+    from vllm.platforms import current_platform
+
+    from vllm_dcp2d.vllm_compat.startup import is_dcp2d
+
+    return current_platform.is_cpu() or is_dcp2d(vllm_config)
 
 
 def _draft_layers(runner) -> set[str]:
@@ -76,31 +86,13 @@ def _draft_layers(runner) -> set[str]:
     return set(getattr(drafter, "_draft_attn_layer_names", ()) or ())
 
 
-def agree_sampled(sampled: torch.Tensor, group) -> torch.Tensor:
-    """Cut each request's sampled tokens to the accepted count every rank agrees on.
+# ---- 0. get_kv_cache_groups (vLLM 0.32.0: kv_cache_utils, 0.33.0: kv_cache_planning) ----
 
-    sampled: int ``[B, K + 1]``, vLLM's rejection-sampler output: request ``b``
-    commits its leading non-placeholder tokens (``accepted + 1``), then ``-1``.
-    group: vLLM's ``GroupCoordinator`` (or any ``world_size`` / ``all_gather`` group).
-    Returns ``sampled`` itself, with positions past the group's MIN set to ``-1``.
-    """
-    if sampled.dim() != 2 or sampled.shape[1] < 2:
-        return sampled
-    valid = sampled != _PLACEHOLDER
-    # Leading run of valid tokens; the sampler never leaves a gap, but a gap must
-    # not let a later token through.
-    kept = valid.long().cumprod(dim=1).sum(dim=1)
-    accepted = (kept - 1).clamp_min(0)
-    agreed = agree_accepted_prefix(accepted, group)
-    cut = torch.arange(sampled.shape[1], device=sampled.device)[None, :] > agreed[:, None]
-    return sampled.masked_fill_(cut | ~valid, _PLACEHOLDER)
-
-
-# ---- 0. kv_cache_utils.get_kv_cache_groups (vLLM 0.32.0) ----
-
-def _install_group_order() -> None:
-    from vllm.v1.core import kv_cache_utils
-
+def install_group_order(version: str) -> None:
+    try:
+        from vllm.v1.core import kv_cache_planning as kv_cache_utils  # 0.33
+    except ImportError:
+        from vllm.v1.core import kv_cache_utils  # 0.32
     stock = kv_cache_utils.get_kv_cache_groups
     if getattr(stock, "_dcp2d", False):
         return
@@ -108,14 +100,16 @@ def _install_group_order() -> None:
     @functools.wraps(stock)
     def get_kv_cache_groups(vllm_config, kv_cache_spec):
         groups = stock(vllm_config, kv_cache_spec)
+        if not _active(vllm_config):
+            return groups
         # sorted() is stable: within each kind, vLLM's order stays.
         return sorted(groups, key=lambda g: bool(getattr(g.kv_cache_spec, "dcp_sharded", True)))
 
-    get_kv_cache_groups._dcp2d = True
+    get_kv_cache_groups._dcp2d, get_kv_cache_groups._dcp2d_stock = True, stock
     kv_cache_utils.get_kv_cache_groups = get_kv_cache_groups
 
 
-# ---- 1. the drafter runs with DCP disabled (vLLM 0.32.0 SpecDecodeBaseProposer) ----
+# ---- 1. the drafter runs with DCP disabled (SpecDecodeBaseProposer and its subclasses) ----
 
 def _proposer_classes():
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
@@ -133,12 +127,12 @@ def _proposer_classes():
 def _under_dcp_disabled(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        if self.vllm_config.parallel_config.decode_context_parallel_size <= 1:
+        if not _active(self.vllm_config):
             return fn(self, *args, **kwargs)
         with dcp_disabled():
             return fn(self, *args, **kwargs)
 
-    wrapper._dcp2d = True
+    wrapper._dcp2d, wrapper._dcp2d_stock = True, fn
     return wrapper
 
 
@@ -146,17 +140,19 @@ def _draft_config_at_effective_dcp(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         config = fn(self, *args, **kwargs)
+        if not _active(self.vllm_config):
+            return config
         pc = config.parallel_config
         dcp = effective_dcp(pc.decode_context_parallel_size)
         if dcp == pc.decode_context_parallel_size:
             return config
         return dataclasses.replace(config, parallel_config=dataclasses.replace(pc, decode_context_parallel_size=dcp))
 
-    wrapper._dcp2d = True
+    wrapper._dcp2d, wrapper._dcp2d_stock = True, fn
     return wrapper
 
 
-def _install_drafter() -> None:
+def _install_drafter() -> None:  # part of install_draft
     for cls in _proposer_classes():
         for name, wrap in (("load_model", _under_dcp_disabled), ("dummy_run", _under_dcp_disabled),
                            ("propose", _under_dcp_disabled),
@@ -166,10 +162,9 @@ def _install_drafter() -> None:
                 setattr(cls, name, wrap(fn))
 
 
-# ---- 2, 3, 5, 6. GPUModelRunner (vLLM 0.32.0 V1; CPUModelRunner inherits these) ----
+# ---- 2, 3, 5. GPUModelRunner and check_attention_cp_compatibility (V1; CPUModelRunner inherits them) ----
 
-def _install_runner() -> None:
-    from vllm.distributed import get_tp_group
+def _install_runner() -> None:  # part of install_draft
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     stock_spec = GPUModelRunner.get_kv_cache_spec
@@ -179,7 +174,7 @@ def _install_runner() -> None:
     def get_kv_cache_spec(self):
         specs = stock_spec(self)
         draft = _draft_layers(self)
-        if _dcp_size(self) > 1 and draft:
+        if draft and _active(self.vllm_config):
             for name in draft & specs.keys():
                 if getattr(specs[name], "dcp_sharded", False):
                     specs[name] = dataclasses.replace(specs[name], dcp_sharded=False)
@@ -191,7 +186,7 @@ def _install_runner() -> None:
 
     def may_reinitialize_input_batch(self, kv_cache_config) -> None:
         stock_reinit(self, kv_cache_config)
-        if _dcp_size(self) <= 1:
+        if not _active(self.vllm_config):
             return
         from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 
@@ -201,17 +196,6 @@ def _install_runner() -> None:
             if not getattr(group.kv_cache_spec, "dcp_sharded", True):
                 table.dcp_world_size, table.dcp_rank = 1, 0
 
-    stock_sample = GPUModelRunner._sample
-
-    def _sample(self, logits, spec_decode_metadata):
-        out = stock_sample(self, logits, spec_decode_metadata)
-        if spec_decode_metadata is not None and _dcp_size(self) > 1:
-            if getattr(self, "_dcp2d_agree_group", None) is None:
-                # Over gloo: vLLM's CPU shared-memory all-gather has no int64 kernel.
-                self._dcp2d_agree_group = TorchGroup(get_tp_group().cpu_group)
-            agree_sampled(out.sampled_token_ids, self._dcp2d_agree_group)
-        return out
-
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.worker import gpu_model_runner
@@ -219,17 +203,40 @@ def _install_runner() -> None:
     stock_check = gpu_model_runner.check_attention_cp_compatibility
 
     def check_attention_cp_compatibility(vllm_config, target_layer_names=None) -> None:
-        if target_layer_names is None:
+        if target_layer_names is None and _active(vllm_config):
             layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
             target_layer_names = {name for name, layer in layers.items()
                                   if getattr(getattr(layer, "impl", None), "dcp_world_size", 2) > 1}
         stock_check(vllm_config, target_layer_names)
 
-    for fn in (get_kv_cache_spec, may_reinitialize_input_batch, _sample, check_attention_cp_compatibility):
-        fn._dcp2d = True
+    for fn, stock in ((get_kv_cache_spec, stock_spec), (may_reinitialize_input_batch, stock_reinit),
+                      (check_attention_cp_compatibility, stock_check)):
+        fn._dcp2d, fn._dcp2d_stock = True, stock
     gpu_model_runner.check_attention_cp_compatibility = check_attention_cp_compatibility
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
     GPUModelRunner.may_reinitialize_input_batch = may_reinitialize_input_batch
+
+
+# ---- 6. GPUModelRunner._sample: the ranks agree on what was accepted ----
+
+def install_agreement(version: str) -> None:
+    from vllm.distributed import get_tp_group
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    stock_sample = GPUModelRunner._sample
+    if getattr(stock_sample, "_dcp2d", False):
+        return
+
+    def _sample(self, logits, spec_decode_metadata):
+        out = stock_sample(self, logits, spec_decode_metadata)
+        if spec_decode_metadata is not None and _active(self.vllm_config):
+            if getattr(self, "_dcp2d_agree_group", None) is None:
+                # Over gloo: vLLM's CPU shared-memory all-gather has no int64 kernel.
+                self._dcp2d_agree_group = TorchGroup(get_tp_group().cpu_group)
+            agree_sampled(out.sampled_token_ids, self._dcp2d_agree_group)
+        return out
+
+    _sample._dcp2d, _sample._dcp2d_stock = True, stock_sample
     GPUModelRunner._sample = _sample
 
 
@@ -259,15 +266,14 @@ def _install_mla_builder() -> None:
         finally:
             mla_attention.get_dcp_group = found
 
-    __init__._dcp2d = True
+    __init__._dcp2d, __init__._dcp2d_stock = True, stock
     cls.__init__ = __init__
 
 # ---- end of fenced pieces ----
 
 
-def install() -> None:
-    """Install every patch above (idempotent; the plugin calls it on CPU)."""
-    _install_group_order()
+def install_draft(version: str) -> None:
+    """Patches 1-5: the draft runs with DCP disabled over an unsharded KV cache group."""
     _install_drafter()
     _install_runner()
     _install_mla_builder()

@@ -1,8 +1,9 @@
-"""Paged KV exactly as vLLM 0.32's model runner allocates it, on any device (tests, GPU check).
+"""Paged KV exactly as vLLM's model runner allocates it, on any device (tests, GPU check).
 
 ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache`` are the functions the GPU
-model runner calls; only the resolved ``KVCacheLayout`` and the memory size are
-handed in directly instead of coming from the engine core's profiling.
+model runner calls (0.32: ``vllm.v1.core.kv_cache_utils``; 0.33 moved the first to
+``vllm.v1.core.kv_cache_planning``); only the resolved ``KVCacheLayout`` and the memory
+size are handed in directly instead of coming from the engine core's profiling.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ from types import SimpleNamespace as NS
 
 import torch
 
-__all__ = ["allocate_kv", "logical_pages"]
+__all__ = ["allocate_kv", "logical_pages", "kv_cache_layouts"]
+
+
+def kv_cache_layouts():
+    """vLLM's ``KVCacheLayout`` enum (the six physical orders of a paged KV view)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return KVCacheLayout
 
 
 def allocate_kv(layout, mla: bool, layers: int, blocks: int, block: int, heads: int, head: int,
@@ -19,7 +27,10 @@ def allocate_kv(layout, mla: bool, layers: int, blocks: int, block: int, heads: 
     """Layer name -> KV view ``[blocks (* kernel blocks), H, N, C]`` in ``layout``
     (a ``KVCacheLayout``): MLA ``head`` is the latent width (one head), else
     ``heads`` KV heads of ``head`` dims, K and V; names ``model.layers.{i}.self_attn.attn``."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # 0.33
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # 0.32
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
     from vllm.v1.worker.utils import allocate_kv_cache
 

@@ -1,4 +1,4 @@
-"""Start-up settings a DCP2D instance needs, chosen for the user (vLLM 0.32.0).
+"""Start-up settings a DCP2D instance needs, chosen for the user (vLLM 0.32.0, 0.33.0).
 
 Without these, serving an MLA model through the connector took three flags
 that nothing pointed to (``--attention-backend CPU_MLA``, ``--block-size 16``,
@@ -9,17 +9,22 @@ an error that names the flag to change.
 
 1. ``CpuPlatform.check_and_update_config``: on a CPU with AMX, vLLM picks
    ``AMX_MLA`` for MLA models. It returns no LSE, so DCP cannot merge its
-   partials, the layer-split fill is hooked into ``CPU_MLA`` only, its page
-   format is its own, and it fails on float32 weights. :func:`mla_backend`
+   partials, its page format is its own (the other side of a transfer and the
+   layer-split fill are checked with CPU_MLA's), and it fails on float32 weights. :func:`mla_backend`
    switches every DCP2D MLA instance to ``CPU_MLA`` (unless ``AMX_MLA`` was
    asked for where it can work) before the platform fixes the block size
    (16 for ``CPU_MLA``).
 2. ``VllmConfig.adjust_dcp_kv_cache_interleave_size``: vLLM pins the DCP
-   interleave to the block size for NIXL, once each worker knows its block
-   size. The connector writes whole pages into the DCP layout, which needs
+   interleave to the block size for NIXL, once the block size is known (0.32:
+   in each worker, from its ``KVCacheConfig``; 0.33: once in the engine core,
+   from the global KV cache groups, and the workers get the value with their
+   layout). The connector writes whole pages into the DCP layout, which needs
    the same, so DCP2DConnector gets it too (unless
    ``--cp-kv-cache-interleave-size`` was given; ``check_interleave`` then
    names the mismatch).
+
+Both are entries of the patch registry (``patches.py``: ``mla_backend_choice``,
+``dcp_interleave``).
 """
 
 from __future__ import annotations
@@ -28,24 +33,16 @@ import logging
 
 log = logging.getLogger(__name__)
 
-__all__ = ["draft_backend", "install", "is_dcp2d", "mla_backend", "resolve_interleave"]
+__all__ = ["draft_backend", "install_mla_backend", "install_interleave", "is_dcp2d", "mla_backend",
+           "resolve_interleave"]
 
 
 def is_dcp2d(vllm_config) -> bool:
     """Whether this instance's KV connector is DCP2DConnector."""
-    from vllm_dcp2d.plugin import CONNECTOR_NAME
+    from vllm_dcp2d.connector import CONNECTOR_NAME
 
     kv = vllm_config.kv_transfer_config
     return kv is not None and kv.kv_connector == CONNECTOR_NAME
-
-
-def _layer_split_may_apply(vllm_config) -> bool:
-    from vllm_dcp2d.connector.config import parse_extra_config
-
-    kv = vllm_config.kv_transfer_config
-    cfg = parse_extra_config(kv.kv_connector_extra_config)
-    cp = cfg.cp_size or vllm_config.parallel_config.tensor_parallel_size
-    return kv.kv_role == "kv_producer" and cfg.layer_split != "off" and cp > 1
 
 
 def mla_backend(vllm_config, amx: bool) -> str | None:
@@ -60,13 +57,15 @@ def mla_backend(vllm_config, amx: bool) -> str | None:
     where it can work (a DCP=1 decode or a producer without layer-split, with
     the same backend on the other side); elsewhere it raises ``ValueError``.
     """
+    from vllm_dcp2d.vllm_compat.kv_cache import layer_split_may_apply
+
     mc = vllm_config.model_config
     if not (is_dcp2d(vllm_config) and mc is not None and mc.use_mla and amx):
         return None
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     why = ("decode_context_parallel_size > 1 needs the attention's LSE, which AMX_MLA does not return"
-           if dcp > 1 else "layer-split storage fills its transient slot from CPU_MLA's cache write"
-           if _layer_split_may_apply(vllm_config) else None)
+           if dcp > 1 else "layer-split storage is checked with CPU_MLA's pages only (AMX_MLA packs its own format)"
+           if layer_split_may_apply(vllm_config) else None)
     chosen = vllm_config.attention_config.backend
     name = getattr(chosen, "name", chosen)
     if name == "AMX_MLA" and why is not None:
@@ -100,9 +99,9 @@ def resolve_interleave(vllm_config, block_size: int) -> None:
     pc.cp_kv_cache_interleave_size = block_size
 
 
-# ---- 1. CpuPlatform.check_and_update_config (vLLM 0.32.0) ----
+# ---- 1. CpuPlatform.check_and_update_config (vLLM 0.32.0, 0.33.0) ----
 
-def _install_mla_backend() -> None:
+def install_mla_backend(version: str) -> None:
     import torch
     from vllm.platforms import CpuArchEnum, current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -125,35 +124,27 @@ def _install_mla_backend() -> None:
             vllm_config.speculative_config.attention_backend = AttentionBackendEnum[backend]
         stock(klass, vllm_config)
 
-    check_and_update_config._dcp2d = True
+    check_and_update_config._dcp2d, check_and_update_config._dcp2d_stock = True, stock
     cls.check_and_update_config = classmethod(check_and_update_config)
 
 
-# ---- 2. VllmConfig.adjust_dcp_kv_cache_interleave_size (vLLM 0.32.0) ----
+# ---- 2. VllmConfig.adjust_dcp_kv_cache_interleave_size (vLLM 0.32.0: a KVCacheConfig, 0.33.0: groups) ----
 
-def _install_interleave() -> None:
+def install_interleave(version: str) -> None:
     from vllm.config import VllmConfig
 
     stock = VllmConfig.adjust_dcp_kv_cache_interleave_size
     if getattr(stock, "_dcp2d", False):
         return
 
-    def adjust_dcp_kv_cache_interleave_size(self, kv_cache_config) -> None:
-        stock(self, kv_cache_config)
-        groups = kv_cache_config.kv_cache_groups
+    def adjust_dcp_kv_cache_interleave_size(self, kv_cache_config_or_groups) -> None:
+        stock(self, kv_cache_config_or_groups)
+        groups = getattr(kv_cache_config_or_groups, "kv_cache_groups", kv_cache_config_or_groups)
         if groups:
             resolve_interleave(self, min(g.kv_cache_spec.block_size for g in groups))
 
     adjust_dcp_kv_cache_interleave_size._dcp2d = True
+    adjust_dcp_kv_cache_interleave_size._dcp2d_stock = stock
     VllmConfig.adjust_dcp_kv_cache_interleave_size = adjust_dcp_kv_cache_interleave_size
 
 # ---- end of fenced pieces ----
-
-
-def install() -> None:
-    """Install both patches (idempotent; called by the plugin in every process)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        _install_mla_backend()
-    _install_interleave()

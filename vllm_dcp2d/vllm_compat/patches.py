@@ -1,0 +1,231 @@
+"""Every patch vllm_dcp2d applies to vLLM's internals: one table, a reason for each.
+
+Each :class:`Patch` names the vLLM objects it wraps or rebinds, per vLLM version,
+with the parameters it was written against (:class:`Target`), the function that
+installs it, why it exists, and which DCP2DConnector instances cannot work
+without it. ``registry.py`` installs what fits the installed vLLM and refuses an
+instance that needs what does not; ``vllm-dcp2d compat`` prints the table.
+
+Adding a vLLM version: add its targets to each patch (what moved, what changed
+its parameters), branch inside the install function where the wrapping itself
+differs, and run ``tests/test_vllm_sources.py`` against that version's wheel
+(it resolves every target and every vLLM import of the package in the wheel's
+sources, without installing it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Target", "Patch", "PATCHES", "SUPPORTED", "Unavailable", "installed_vllm_version"]
+
+SUPPORTED = ("0.32.0", "0.33.0")
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM version without a local suffix (``0.32.0+cpu`` -> ``0.32.0``)."""
+    import vllm
+
+    return str(vllm.__version__).split("+", 1)[0]
+
+
+class Unavailable(Exception):
+    """A patch's target is missing, or takes other parameters than the patch expects."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One vLLM object a patch wraps or rebinds: ``"module:Qualified.name"``, and the
+    parameter names (``self`` and ``cls`` included) the patch was written against."""
+
+    path: str
+    params: tuple[str, ...]
+
+    def resolve(self):
+        """The object vLLM defines (not a wrapper of ours); raises :class:`Unavailable`
+        naming what is missing or how its parameters differ."""
+        module, _, qualname = self.path.partition(":")
+        try:
+            obj = importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any import failure makes the target unavailable
+            raise Unavailable(f"{module} cannot be imported ({type(e).__name__}: {e})") from None
+        for part in qualname.split("."):
+            try:
+                obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
+            except AttributeError:
+                raise Unavailable(f"{module} has no {qualname}") from None
+        if isinstance(obj, (classmethod, staticmethod)):
+            obj = obj.__func__
+        obj = getattr(obj, "_dcp2d_stock", obj)  # already wrapped here: check vLLM's own
+        try:
+            got = tuple(inspect.signature(obj).parameters)
+        except (TypeError, ValueError) as e:
+            raise Unavailable(f"{self.path} has no readable signature ({e})") from None
+        if got != self.params:
+            raise Unavailable(f"{self.path} takes ({', '.join(got)}), the patch was written for "
+                              f"({', '.join(self.params)})")
+        return obj
+
+
+@dataclass(frozen=True)
+class Patch:
+    """name: how messages and the table call it; reason: what vLLM lacks without it;
+    targets: per vLLM version, the objects it wraps; install: ``"module:function"``,
+    called with the vLLM version (None: the code that needs it installs it later, after
+    ``registry.check``); needed: whether a DCP2DConnector instance with this
+    ``VllmConfig`` cannot work without it (False for a patch that only makes it
+    faster); needed_for: the same in words; cpu_only: installed on CPU platforms only."""
+
+    name: str
+    reason: str
+    targets: dict[str, tuple[Target, ...]]
+    install: str | None
+    needed_for: str
+    needed: Callable
+    cpu_only: bool = False
+
+
+def _both(*targets: Target) -> dict[str, tuple[Target, ...]]:
+    return {v: targets for v in SUPPORTED}
+
+
+def _dcp(vllm_config) -> int:
+    return vllm_config.parallel_config.decode_context_parallel_size
+
+
+def _cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _never(vllm_config) -> bool:
+    return False
+
+
+def _dcp_on_cpu(vllm_config) -> bool:
+    return _dcp(vllm_config) > 1 and _cpu()
+
+
+def _mla_on_cpu(vllm_config) -> bool:
+    return vllm_config.model_config.use_mla and _cpu()
+
+
+def _mla_dcp_on_cpu(vllm_config) -> bool:
+    return _dcp_on_cpu(vllm_config) and vllm_config.model_config.use_mla
+
+
+def _cpu_backends(vllm_config) -> bool:
+    from vllm_dcp2d.vllm_compat.kv_cache import layer_split_may_apply
+
+    return _cpu() and (_dcp(vllm_config) > 1 or layer_split_may_apply(vllm_config))
+
+
+def _layer_split(vllm_config) -> bool:
+    from vllm_dcp2d.vllm_compat.kv_cache import layer_split_may_apply
+
+    return layer_split_may_apply(vllm_config)
+
+
+def _draft_under_dcp(vllm_config) -> bool:
+    spec = vllm_config.speculative_config
+    return _dcp(vllm_config) > 1 and spec is not None and spec.uses_draft_kv_cache()
+
+
+_COMPAT = "vllm_dcp2d.vllm_compat"
+_MP = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+_PROPOSE = ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+            "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+            "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")
+_SLOTS = ("num_tokens", "max_num_tokens", "query_start_loc", "positions", "block_table", "block_table_stride",
+          "slot_mapping", "KV_CACHE_BLOCK_SIZE", "TOTAL_CP_WORLD_SIZE", "TOTAL_CP_RANK",
+          "CP_KV_CACHE_INTERLEAVE_SIZE", "PAD_ID", "BLOCK_SIZE")
+_MLA_UPDATE = ("self", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping", "kv_cache_dtype", "k_scale")
+
+PATCHES: list[Patch] = [
+    Patch("cpu_attention_backends",
+          "the CPU_ATTN and CPU_MLA backends with DCP (the LSE, the all-gather and merge) and the "
+          "layer-split transient-slot fill before each cache write; vLLM's CPU backends have neither",
+          {"0.32.0": (Target("vllm.v1.attention.backends.registry:register_backend",
+                             ("backend", "class_path", "is_mamba")),
+                      Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update",
+                             ("self", "layer", "key", "value", "kv_cache", "slot_mapping")),
+                      Target("vllm.v1.attention.backends.mla.cpu_mla:CPUMLAImpl.do_kv_cache_update", _MLA_UPDATE)),
+           "0.33.0": (Target("vllm.v1.attention.backends.registry:register_backend",
+                             ("backend", "class_path", "is_mamba")),
+                      Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update",
+                             ("self", "layer", "key", "value", "kv_cache", "slot_mapping")),
+                      Target("vllm.v1.attention.backends.mla.cpu_mla:CPUMLAImpl.do_kv_cache_update",
+                             _MLA_UPDATE + ("skip_scale",)))},
+          f"{_COMPAT}.attention:install_backends", "DCP > 1 or layer-split storage, on CPU", _cpu_backends,
+          cpu_only=True),
+    Patch("cp_slot_mapping",
+          "the DCP slot mapping on CPU (vLLM's C++ fallback asserts 'Context Parallelism is not supported')",
+          _both(Target("vllm.utils.cpu_triton_utils:_compute_slot_mapping_kernel_impl", _SLOTS)),
+          f"{_COMPAT}.attention:install_slot_mapping", "DCP > 1 on CPU", _dcp_on_cpu, cpu_only=True),
+    Patch("dcp_shm_collectives",
+          "the DCP group's all-gathers over vLLM's shared-memory CPU collectives instead of gloo (speed only)",
+          _both(Target("vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__",
+                       ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all"))),
+          f"{_COMPAT}.attention:install_dcp_shm", "nothing (a DCP group on CPU is faster with it)", _never,
+          cpu_only=True),
+    Patch("mla_dcp_combine",
+          "MLA's DCP merge in torch (vLLM's is a Triton kernel, and Triton has no CPU backend)",
+          _both(Target("vllm.v1.attention.ops.dcp:MLADCPManager._init_combine",
+                       ("self", "num_heads", "head_dim", "dtype", "is_lse_base_on_e", "use_pcp"))),
+          None, "MLA with DCP > 1 on CPU", _mla_dcp_on_cpu, cpu_only=True),
+    Patch("mla_backend_choice",
+          "CPU_MLA for DCP2D MLA instances on AMX CPUs (vLLM picks AMX_MLA: no LSE, its own page format, no fp32)",
+          _both(Target("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("cls", "vllm_config"))),
+          f"{_COMPAT}.startup:install_mla_backend", "MLA on CPU", _mla_on_cpu, cpu_only=True),
+    Patch("dcp_interleave",
+          "the DCP interleave set to the block size, as vLLM does for NIXL only: the connector writes whole "
+          "pages into the DCP layout",
+          {"0.32.0": (Target("vllm.config:VllmConfig.adjust_dcp_kv_cache_interleave_size",
+                             ("self", "kv_cache_config")),),
+           "0.33.0": (Target("vllm.config:VllmConfig.adjust_dcp_kv_cache_interleave_size",
+                             ("self", "kv_cache_groups")),)},
+          f"{_COMPAT}.startup:install_interleave", "DCP > 1", lambda c: _dcp(c) > 1),
+    Patch("layer_split_kv_configs",
+          "each prefill TP rank allocates KV for its own layers plus one transient slot",
+          {"0.32.0": (Target("vllm.v1.engine.core:get_kv_cache_configs",
+                             ("vllm_config", "kv_cache_specs", "available_memory")),),
+           "0.33.0": (Target("vllm.v1.engine.core:get_kv_cache_configs",
+                             ("vllm_config", "kv_cache_specs", "available_memory", "global_kv_cache_groups")),)},
+          f"{_COMPAT}.kv_cache:install", "layer-split storage (a kv_producer with cp_size > 1)", _layer_split),
+    Patch("draft_group_order",
+          "the draft's replicated KV cache group first (the V1 runner gives a draft model group 0's metadata)",
+          {"0.32.0": (Target("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", ("vllm_config", "kv_cache_spec")),),
+           "0.33.0": (Target("vllm.v1.core.kv_cache_planning:get_kv_cache_groups",
+                             ("vllm_config", "kv_cache_spec")),)},
+          f"{_COMPAT}.spec_decode:install_group_order", "a speculative draft with DCP > 1", _draft_under_dcp),
+    Patch("draft_dcp_disabled",
+          "the draft runs with DCP disabled over an unsharded pool (vLLM shards an EAGLE/MTP draft like "
+          "the target: 21 of 522 drafts accepted)",
+          _both(Target(f"{_PROPOSER}.load_model", ("self", "target_model")),
+                Target(f"{_PROPOSER}.dummy_run", ("self", "num_tokens", "use_cudagraphs", "is_graph_capturing",
+                                                  "slot_mappings")),
+                Target(f"{_PROPOSER}.propose", _PROPOSE),
+                Target(f"{_PROPOSER}._create_draft_vllm_config", ("self",)),
+                Target(f"{_MP}.get_kv_cache_spec", ("self",)),
+                Target(f"{_MP}.may_reinitialize_input_batch", ("self", "kv_cache_config")),
+                Target("vllm.v1.worker.gpu_model_runner:check_attention_cp_compatibility",
+                       ("vllm_config", "target_layer_names")),
+                Target("vllm.model_executor.layers.attention.mla_attention:MLACommonMetadataBuilder.__init__",
+                       ("self", "kv_cache_spec", "layer_names", "vllm_config", "device", "metadata_cls",
+                        "supports_dcp_with_varlen"))),
+          f"{_COMPAT}.spec_decode:install_draft", "a speculative draft with DCP > 1", _draft_under_dcp),
+    Patch("agreed_acceptance",
+          "every DCP rank commits the MIN accepted count over the group, so no rank commits a different token",
+          _both(Target(f"{_MP}._sample", ("self", "logits", "spec_decode_metadata"))),
+          f"{_COMPAT}.spec_decode:install_agreement", "a speculative draft with DCP > 1", _draft_under_dcp),
+    Patch("shm_poll_sleep",
+          "vLLM's shared-memory queue readers sleep cpu_poll_sleep_us between polls instead of spinning "
+          "(on a small CPU host the spin starved the connector's threads)",
+          _both(Target("vllm.distributed.device_communicators.shm_broadcast:sched_yield", ())),
+          None, "nothing (cpu_poll_sleep_us > 0 on CPU: installed by the connector)", _never, cpu_only=True),
+]
