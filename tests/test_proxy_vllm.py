@@ -1,11 +1,20 @@
-"""The proxy in front of 2 prefill and 2 decode ``vllm serve`` instances (tiny
-``llama-mqa``, TP=1 each, decode DCP=1: the cheapest real cluster with two of
-each kind): load spreads over both instances of each kind, greedy tokens equal
-the non-disaggregated answer (the prefill instance asked without
-``kv_transfer_params``), a decode instance killed with SIGKILL while it holds a
-request is survived by a retry on the other one (which fetches the prefill's KV
-itself), the health poller then takes the dead one out of rotation, and the
-proxy's ``/metrics`` serves every documented name.
+"""PD fronts in front of 2 prefill and 2 decode ``vllm serve`` instances (tiny
+``llama-mqa``, TP=1 each, decode DCP=1: the cheapest real cluster with two of each
+kind), started once for the module:
+
+* vLLM's router (``vllm-router``, the vllm-project router) in both PD request
+  protocols: ``--kv-connector nixl`` (the decode gets the prefill's
+  ``kv_transfer_params`` verbatim) and ``--kv-connector mooncake`` (the router
+  asks each prefill's HTTP bootstrap ``GET /query`` and builds the decode's
+  parameters with a ``transfer_id``). Plain and streamed: greedy tokens equal the
+  non-disaggregated answer, every request's KV fetched (bytes equal the plan), both
+  instances of each kind used, KV usage back to 0 everywhere.
+* Our proxy (last: it kills a decode): load spreads over both instances of each
+  kind, greedy tokens equal the non-disaggregated answer (the prefill instance asked
+  without ``kv_transfer_params``), a decode instance killed with SIGKILL while it
+  holds a request is survived by a retry on the other one (which fetches the
+  prefill's KV itself), the health poller then takes the dead one out of rotation,
+  and the proxy's ``/metrics`` serves every documented name.
 
 Three proxies share the cluster: ``proxy`` with health checks every 0.5 s, and
 ``proxy_nohealth`` and ``proxy_pipelined`` (``--pipelined``) with them off, so
@@ -27,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_dcp2d.proxy.metrics import METRICS, PREFIX
-from vllm_dcp2d.testing.harness import (Process, bin_path, free_port, post_json, read_stats, vllm_server,
-                                        wait_all)
+from vllm_dcp2d.testing.harness import (Process, bin_path, free_port, kv_cache_usage, post_json, read_stats,
+                                        router_server, vllm_server, wait_all)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -41,6 +50,10 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 PROMPTS = [ids(20 + 5 * i, i + 1) for i in range(11)]  # distinct: no decode has any cached
+ROUTER_PROMPTS = {mode: [ids(40 + 7 * i, 100 + 10 * k + i) for i in range(4)]  # none of PROMPTS'
+                  for k, mode in enumerate(("nixl", "mooncake"))}
+PAGE_BYTES = PAGE * 2 * 32 * 4  # 1 KV head x (K+V) x head_dim 32 x fp32, per token per layer
+LAYERS = 4
 
 def body(model: str, prompt: list[int], stream: bool = False) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
@@ -85,10 +98,11 @@ def fetched(stats_path) -> list[dict]:
     return [r for r in read_stats(stats_path) if r["side"] == "consumer" and r.get("ok")]
 
 
-@pytest.mark.timeout(1200)
-def test_two_prefill_two_decode(tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
+    tmp_path = tmp_path_factory.mktemp("proxy_vllm")
     model = build_tiny_model("llama-mqa", tmp_path / "model")
     common = {"dtype": "float32", "block_size": PAGE, "tp": 1}
     prefill = [vllm_server(f"prefill{i}", model, free_port(), tmp_path, role="kv_producer", **common,
@@ -110,75 +124,128 @@ def test_two_prefill_two_decode(tmp_path):
     px = proxy("proxy", "--health-interval", "0.5", "--health-timeout", "2")
     px_nohealth = proxy("proxy_nohealth", "--health-interval", "0")
     px_pipe = proxy("proxy_pipelined", "--health-interval", "0", "--pipelined")
-    # the proxies start beside the instances, as users start them: a proxy serves an instance
-    # that came up after it (it polls a kind again when it finds none in rotation)
-    procs = [*prefill, *decode, px, px_nohealth, px_pipe]
+    routers = {mode: router_server(free_port(), prefill, decode, tmp_path, mode, name=f"router_{mode}")
+               for mode in ("nixl", "mooncake")}
+    # the proxies and routers start beside the instances, as users start them: a proxy serves an
+    # instance that came up after it (it polls a kind again when it finds none in rotation); the
+    # router in Mooncake mode asks each prefill's /query until it answers
+    procs = [*prefill, *decode, px, px_nohealth, px_pipe, *routers.values()]
     try:
         for p in procs:
             p.start()
         wait_all(procs, 840)
-        ref = []
-        for prompt in PROMPTS:  # the non-disaggregated answers
-            status, out = post_json(prefill[0].url + "/v1/completions", body(model, prompt), timeout_s=300)
-            assert status == 200, out
-            ref.append(out["choices"][0])
-
-        def check(url: str, i: int) -> None:
-            status, out = post_json(url + "/v1/completions", body(model, PROMPTS[i]), timeout_s=300)
-            assert status == 200 and out["choices"][0]["token_ids"] == ref[i]["token_ids"], (i, out)
-
-        # 1. load spreads over both instances of each kind; greedy tokens equal the reference
-        for i in range(4):
-            check(px.url, i)
-        status, text = stream_text(px.url, body(model, PROMPTS[4], stream=True))
-        assert text == ref[4]["text"]
-        m = scrape(px.url)
-        for kind, ps in (("prefill", prefill), ("decode", decode)):  # 5 sequential calls, ties round-robin
-            assert [sample(m, PREFIX + "upstream_calls_total", kind=kind, upstream=p.url) for p in ps] == [3, 2]
-        assert sample(m, PREFIX + "retries_total", stage="decode") == 0
-        for i in (5, 6):  # the pipelined proxy learns both prefill routes (prefill0/decode0, prefill1/decode1)
-            check(px_pipe.url, i)
-        # each decode instance fetched its requests' KV from a prefill (none recomputed)
-        assert len(fetched(tmp_path / "d0.jsonl")) == 4 and len(fetched(tmp_path / "d1.jsonl")) == 3
-        assert not [r for i in (0, 1) for r in read_stats(tmp_path / f"d{i}.jsonl") if not r.get("ok")]
-
-        # 2. the decode holding a request dies before its first byte: the request is retried on
-        # the other, which fetches the prompt's KV itself, by the same transfer key. decode0 is
-        # frozen first so the requests wait in its socket: the sequential proxy's first decode
-        # call, and the pipelined proxy's third (sent with the prefill call, pipelined) go to it.
-        os.killpg(decode[0].proc.pid, signal.SIGSTOP)
-        with ThreadPoolExecutor(2) as pool:
-            futs = [pool.submit(stream_text, u, body(model, PROMPTS[i], stream=True))
-                    for u, i in ((px_nohealth.url, 7), (px_pipe.url, 8))]
-            for u in (px_nohealth.url, px_pipe.url):
-                wait_for(f"{u}'s decode call to decode0", lambda: sample(
-                    scrape(u), PREFIX + "outstanding_requests", kind="decode", upstream=decode[0].url) == 1, 120)
-            time.sleep(0.5)  # the calls' bytes reach decode0's socket
-            os.killpg(decode[0].proc.pid, signal.SIGKILL)
-            for f, i in zip(futs, (7, 8)):
-                status, text = f.result(timeout=300)
-                assert status == 200 and text == ref[i]["text"], i
-        for u in (px_nohealth.url, px_pipe.url):
-            m = scrape(u)
-            assert sample(m, PREFIX + "retries_total", stage="decode") == 1, u
-            assert sample(m, PREFIX + "errors_total", stage="decode", kind="unreachable") == 1, u
-        assert len(fetched(tmp_path / "d1.jsonl")) == 5  # decode1 fetched both retried requests' KV
-
-        # 3. the health poller takes decode0 out of rotation: every request goes to decode1
-        wait_for("decode0 out of rotation", lambda: sample(
-            scrape(px.url), PREFIX + "upstream_healthy", kind="decode", upstream=decode[0].url) == 0, 30)
-        for i in (9, 10):
-            check(px.url, i)
-        m = scrape(px.url)
-        assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[0].url) == 3
-        assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[1].url) == 4
-        assert sample(m, PREFIX + "retries_total", stage="decode") == 0
-
-        # 4. every documented metric is served
-        types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", m, re.M))
-        assert {PREFIX + n: t for n, t, _, _ in METRICS}.items() <= types.items(), types
-        assert sample(m, PREFIX + "transfer_wait_seconds_count") == 1
-        assert sample(m, PREFIX + "requests_total", route="/v1/completions", status="200") == 7
+        yield {"tmp": tmp_path, "model": model, "prefill": prefill, "decode": decode, "px": px,
+               "px_nohealth": px_nohealth, "px_pipe": px_pipe, "routers": routers}
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def reference(c, prompt: list[int]) -> dict:
+    """The non-disaggregated answer: the prefill instance asked without ``kv_transfer_params``."""
+    status, out = post_json(c["prefill"][0].url + "/v1/completions", body(c["model"], prompt), timeout_s=300)
+    assert status == 200, out
+    return out["choices"][0]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["nixl", "mooncake"])
+def test_vllm_router(cluster, mode):
+    """vLLM's router in front, unchanged: the connector speaks both of its PD protocols."""
+    from vllm_dcp2d.connector.plan import plan_request
+    from vllm_dcp2d.report import synthetic_request
+
+    c = cluster
+    url = c["routers"][mode].url
+    prompts = ROUTER_PROMPTS[mode]
+    refs = [reference(c, p) for p in prompts]
+    before = {i: len(read_stats(c["tmp"] / f"d{i}.jsonl")) for i in (0, 1)}
+    for i, prompt in enumerate(prompts[:3]):
+        status, out = post_json(url + "/v1/completions", body(c["model"], prompt), timeout_s=300)
+        assert status == 200 and out["choices"][0]["token_ids"] == refs[i]["token_ids"], (mode, i, out)
+    status, text = stream_text(url, body(c["model"], prompts[3], stream=True))
+    assert status == 200 and text == refs[3]["text"], mode
+    # every request's KV was fetched from a prefill (none recomputed), on both decodes, and each
+    # fetch moved the plan's bytes
+    per_decode = [[r for r in read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:] if r["side"] == "consumer"]
+                  for i in (0, 1)]
+    new = per_decode[0] + per_decode[1]
+    assert len(new) == 4 and all(r["ok"] for r in new) and all(per_decode), per_decode
+    for r in new:
+        n = next(len(p) for p in prompts if -(-len(p) // PAGE) == r["pages"])
+        src, src_ids, dst, dst_ids = synthetic_request(LAYERS, 1, 1, n, PAGE, PAGE_BYTES)
+        assert r["bytes"] == plan_request(LAYERS, 1, src, src_ids, dst, dst_ids)[(0, 0)].nbytes, r
+    if mode == "mooncake":  # the decode was given the router's transfer_id and the HTTP bootstrap
+        assert all(r["transfer_key"].startswith("xfer-") for r in new), new
+    # no instance holds KV for these requests any more
+    for p in (*c["prefill"], *c["decode"]):
+        wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
+
+
+@pytest.mark.timeout(1200)
+def test_two_prefill_two_decode(cluster):
+    """Our proxy; runs last: it kills decode0."""
+    c = cluster
+    tmp_path, model, prefill, decode = c["tmp"], c["model"], c["prefill"], c["decode"]
+    px, px_nohealth, px_pipe = c["px"], c["px_nohealth"], c["px_pipe"]
+    seen = {i: len(fetched(tmp_path / f"d{i}.jsonl")) for i in (0, 1)}  # what the routers' requests fetched
+    failed = {i: len([r for r in read_stats(tmp_path / f"d{i}.jsonl") if not r.get("ok")]) for i in (0, 1)}
+    ref = [reference(c, prompt) for prompt in PROMPTS]
+
+    def check(url: str, i: int) -> None:
+        status, out = post_json(url + "/v1/completions", body(model, PROMPTS[i]), timeout_s=300)
+        assert status == 200 and out["choices"][0]["token_ids"] == ref[i]["token_ids"], (i, out)
+
+    # 1. load spreads over both instances of each kind; greedy tokens equal the reference
+    for i in range(4):
+        check(px.url, i)
+    status, text = stream_text(px.url, body(model, PROMPTS[4], stream=True))
+    assert text == ref[4]["text"]
+    m = scrape(px.url)
+    for kind, ps in (("prefill", prefill), ("decode", decode)):  # 5 sequential calls, ties round-robin
+        assert [sample(m, PREFIX + "upstream_calls_total", kind=kind, upstream=p.url) for p in ps] == [3, 2]
+    assert sample(m, PREFIX + "retries_total", stage="decode") == 0
+    for i in (5, 6):  # the pipelined proxy learns both prefill routes (prefill0/decode0, prefill1/decode1)
+        check(px_pipe.url, i)
+    # each decode instance fetched its requests' KV from a prefill (none recomputed)
+    assert len(fetched(tmp_path / "d0.jsonl")) - seen[0] == 4 and len(fetched(tmp_path / "d1.jsonl")) - seen[1] == 3
+    assert [len([r for r in read_stats(tmp_path / f"d{i}.jsonl") if not r.get("ok")]) for i in (0, 1)] == \
+        [failed[0], failed[1]]
+
+    # 2. the decode holding a request dies before its first byte: the request is retried on
+    # the other, which fetches the prompt's KV itself, by the same transfer key. decode0 is
+    # frozen first so the requests wait in its socket: the sequential proxy's first decode
+    # call, and the pipelined proxy's third (sent with the prefill call, pipelined) go to it.
+    os.killpg(decode[0].proc.pid, signal.SIGSTOP)
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(stream_text, u, body(model, PROMPTS[i], stream=True))
+                for u, i in ((px_nohealth.url, 7), (px_pipe.url, 8))]
+        for u in (px_nohealth.url, px_pipe.url):
+            wait_for(f"{u}'s decode call to decode0", lambda: sample(
+                scrape(u), PREFIX + "outstanding_requests", kind="decode", upstream=decode[0].url) == 1, 120)
+        time.sleep(0.5)  # the calls' bytes reach decode0's socket
+        os.killpg(decode[0].proc.pid, signal.SIGKILL)
+        for f, i in zip(futs, (7, 8)):
+            status, text = f.result(timeout=300)
+            assert status == 200 and text == ref[i]["text"], i
+    for u in (px_nohealth.url, px_pipe.url):
+        m = scrape(u)
+        assert sample(m, PREFIX + "retries_total", stage="decode") == 1, u
+        assert sample(m, PREFIX + "errors_total", stage="decode", kind="unreachable") == 1, u
+    assert len(fetched(tmp_path / "d1.jsonl")) - seen[1] == 5  # decode1 fetched both retried requests' KV
+
+    # 3. the health poller takes decode0 out of rotation: every request goes to decode1
+    wait_for("decode0 out of rotation", lambda: sample(
+        scrape(px.url), PREFIX + "upstream_healthy", kind="decode", upstream=decode[0].url) == 0, 30)
+    for i in (9, 10):
+        check(px.url, i)
+    m = scrape(px.url)
+    assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[0].url) == 3
+    assert sample(m, PREFIX + "upstream_calls_total", kind="decode", upstream=decode[1].url) == 4
+    assert sample(m, PREFIX + "retries_total", stage="decode") == 0
+
+    # 4. every documented metric is served
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", m, re.M))
+    assert {PREFIX + n: t for n, t, _, _ in METRICS}.items() <= types.items(), types
+    assert sample(m, PREFIX + "transfer_wait_seconds_count") == 1
+    assert sample(m, PREFIX + "requests_total", route="/v1/completions", status="200") == 7

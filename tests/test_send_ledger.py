@@ -55,8 +55,8 @@ class Book:
         self.attempts[attempt] = a
         return a, self.ledger.arrive(a)
 
-    def add(self, key="k", tokens=40, expiry_s=60.0):
-        return self.ledger.add(key, (np.arange(3),), tokens, 3, expiry_s)
+    def add(self, key="k", tokens=40, expiry_s=60.0, claim_s=float("inf")):
+        return self.ledger.add(key, (np.arange(3),), tokens, 3, expiry_s, claim_s)
 
     def answered(self, attempt=1) -> list[TransferOutcome]:
         return self.answers.get((b"id", attempt), [])
@@ -144,6 +144,33 @@ def test_invariant_5_a_release_waits_for_another_engines_open_attempt():
     assert b.ledger.pop_finished() == {}
 
 
+def test_invariant_6_a_request_nobody_asks_for_is_freed_after_claim_s():
+    import time
+
+    b = Book()
+    b.add(claim_s=5.0)
+    b.ledger.expire(now=time.monotonic() + 4.0)
+    assert b.ledger.pop_finished() == {}
+    b.ledger.expire(now=time.monotonic() + 6.0)
+    assert b.ledger.pop_finished() == {"k": "unclaimed"}
+    a, how = b.arrive()  # a fetch that comes later finds nothing
+    assert how == "wait"
+    # asked for in time: the full expiry (60 s) applies, whoever asked
+    for asked in ("attempt", "release", "waited"):
+        b = Book()
+        if asked == "waited":
+            b.arrive()
+        b.add(key="k", claim_s=5.0)
+        if asked == "attempt":
+            b.arrive()
+        elif asked == "release":
+            b.ledger.release(ReleaseTransfer("k", "D", 0, 2, 40))  # one of two consumer ranks
+        b.ledger.expire(now=time.monotonic() + 30.0)
+        assert b.ledger.pop_finished() == {}, asked
+        b.ledger.expire(now=time.monotonic() + 61.0)
+        assert b.ledger.pop_finished() == {"k": "expired"}, asked
+
+
 def test_release_of_another_token_count_is_ignored():
     b = Book()
     b.add()
@@ -187,7 +214,7 @@ def test_invariants_hold_under_any_sequence(ops):
             b.arrive(attempt=n, engine=["D", "E"][x % 2])
         elif op == "add" and "k" not in added:
             added.add("k")
-            b.add()  # the Sender queues an answer for the attempts that waited: the "answer" op runs it
+            b.add(claim_s=[float("inf"), 1.0][x % 2])  # the Sender answers the attempts that waited: "answer"
         elif op == "cancel" and a is not None:
             b.ledger.cancel(b"id", a.req.attempt_id, "cancelled")
         elif op == "layer" and a is not None:
@@ -211,8 +238,10 @@ def test_invariants_hold_under_any_sequence(ops):
                 b.ledger.end_answer(w, token, "")
         elif op == "release":
             b.ledger.release(ReleaseTransfer("k", ["D", "E"][x % 2], 0, 1, 40))
-        elif op == "expire":
-            b.ledger.expire(now=1e19 if x == 3 else 0.0)
+        elif op == "expire":  # before any deadline, past a claim_s of 1 s only, past everything
+            import time
+
+            b.ledger.expire(now=1e19 if x == 3 else time.monotonic() + 2.0 if x == 2 else 0.0)
         elif op == "restart":
             b.ledger.restart("k")
         elif op == "abort" and "k" not in added:

@@ -15,7 +15,7 @@ Public API
 ``class BootstrapError(RuntimeError)``: no answer in time, or an error answer.
 ``BootstrapServer(host="127.0.0.1", port=0)``: registry thread of one prefill instance.
     ``.address -> str`` ("tcp://host:port"), ``.port -> int``,
-    ``.ranks() -> dict[int, str]``, ``.close()``; a context manager.
+    ``.ranks() -> dict[int, str]``, ``.table() -> RankTable | Reply``, ``.close()``; a context manager.
 ``request(address, msg, expect, timeout_s) -> message``: one round trip on a fresh socket.
 ``register_rank(server, msg: RegisterRank, timeout_s=10.0) -> None``: retries until acknowledged.
 ``query_ranks(server, engine_id, timeout_s=10.0) -> RankTable``: retries until all ranks registered.
@@ -292,7 +292,13 @@ class BootstrapServer:
         self._ranks[msg.cp_rank] = msg
         return Reply(True, "")
 
-    def _table(self, msg: QueryRanks):
+    def table(self) -> RankTable | Reply:
+        """What a ``QueryRanks`` gets now: the ``RankTable``, or a ``Reply`` naming the
+        missing ranks (``http_bootstrap`` answers from it too)."""
+        with self._lock:
+            return self._table(None)
+
+    def _table(self, msg: QueryRanks | None):
         if not self._ranks:
             return Reply(False, "no cp rank registered yet")
         first = next(iter(self._ranks.values()))

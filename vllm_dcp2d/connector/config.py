@@ -21,11 +21,13 @@ class ConfigError(ValueError):
 class DCP2DConfig:
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 17500
+    http_bootstrap_port: int = -1
     cp_size: int = 0
     layer_split: str = "auto"
     transfer_timeout_s: float = 60.0
     max_transfer_timeout_s: float = 600.0
     send_timeout_s: float = 120.0
+    claim_timeout_s: float = 30.0
     prefill_wait_s: float = 30.0
     cancel_grace_s: float = 2.0
     release_unfetched: bool = True
@@ -41,6 +43,11 @@ KEYS: dict[str, tuple[str, str]] = {
                        "advertises to decode instances in `kv_transfer_params` (`remote_bootstrap_addr`)."),
     "bootstrap_port": ("producer", "TCP port of that bootstrap server: one per prefill instance; "
                        "its CP ranks register their side channel there."),
+    "http_bootstrap_port": ("producer", "Port of the prefill instance's HTTP bootstrap, the one routers that "
+                            "speak vLLM's MooncakeConnector protocol query (`GET /query`; vllm-router "
+                            "`--kv-connector mooncake --prefill URL PORT`), beside `bootstrap_port`. -1 (default): "
+                            "`VLLM_MOONCAKE_BOOTSTRAP_PORT` (vLLM's default 8998), left out with a warning if that "
+                            "port is taken; 0: off; any other port: start-up fails if it is taken."),
     "cp_size": ("producer", "Prefill layer-split size: TP rank `r < cp_size` sends only the layers "
                 "`cp_layer_range(L, cp_size, r)`. 0 (default) = the tensor-parallel size. Values > 1 "
                 "need KV replicated over the TP ranks (MLA, or one KV head); must be <= TP size."),
@@ -48,9 +55,10 @@ KEYS: dict[str, tuple[str, str]] = {
                     "plus one transient slot that its other layers share, so the same `kv_cache_memory_bytes` "
                     "holds `L / (max owned + 1)` times the tokens. Before a non-owned layer writes its cache, "
                     "the owner broadcasts the blocks of the step's earlier tokens over the TP group. `\"auto\"` "
-                    "(default): on for a `kv_producer` with cp_size > 1 and replicated KV on CPU, off otherwise "
-                    "(logged). `\"on\"`: start-up fails if it cannot apply. `\"off\"`: every rank stores every "
-                    "layer (docs/connector.md, \"Layer-split storage\")."),
+                    "(default): on for a `kv_producer` with cp_size > 1 and replicated KV, and no CUDA graph that "
+                    "replays the cache write (GPU: `-cc.cudagraph_mode=PIECEWISE`), off otherwise (logged). "
+                    "`\"on\"`: start-up fails if it cannot apply. `\"off\"`: every rank stores every layer "
+                    "(docs/connector.md, \"Layer-split storage\")."),
     "transfer_timeout_s": ("consumer", "Decode-side expiry: seconds from the decode worker asking for "
                            "a request's KV until all of it must have arrived. Past it the request's "
                            "blocks are reported as load errors, so `kv_load_failure_policy` decides: "
@@ -63,6 +71,12 @@ KEYS: dict[str, tuple[str, str]] = {
     "send_timeout_s": ("producer", "Prefill-side expiry, the backstop for a decode instance that vanished: "
                        "seconds a finished request's KV blocks are held for decode ranks that have neither "
                        "fetched their pages nor released them (`release_unfetched`); then they are freed."),
+    "claim_timeout_s": ("producer", "Seconds a finished request's KV blocks are held when no decode rank has "
+                        "asked for them (no transfer request, no release): then they are freed, and a fetch "
+                        "that comes later fails (its decode recomputes or errors, by its "
+                        "`kv_load_failure_policy`). Frees the prefill fast behind a router without retries "
+                        "whose decode call failed. Set it above the longest a decode may queue a request "
+                        "before admitting it; once a decode rank asked, `send_timeout_s` applies."),
     "prefill_wait_s": ("consumer", "How long a decode rank's transfer request may wait at a prefill rank "
                        "for a request it does not know yet (its prefill is still running)."),
     "cancel_grace_s": ("consumer", "After a fetch fails, seconds to wait for the prefill ranks still "
@@ -124,11 +138,15 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "bootstrap_port" in extra:
         v = extra["bootstrap_port"]
         _expect("bootstrap_port", v, _is_int(v) and 1 <= v <= 65535, "an int port in [1, 65535]")
+    if "http_bootstrap_port" in extra:
+        v = extra["http_bootstrap_port"]
+        _expect("http_bootstrap_port", v, _is_int(v) and -1 <= v <= 65535,
+                "an int port in [1, 65535], 0 (off) or -1 (VLLM_MOONCAKE_BOOTSTRAP_PORT)")
     if "cp_size" in extra:
         v = extra["cp_size"]
         _expect("cp_size", v, _is_int(v) and v >= 0, "an int >= 0 (0 = tensor-parallel size)")
-    for key in ("transfer_timeout_s", "max_transfer_timeout_s", "send_timeout_s", "prefill_wait_s",
-                "cancel_grace_s"):
+    for key in ("transfer_timeout_s", "max_transfer_timeout_s", "send_timeout_s", "claim_timeout_s",
+                "prefill_wait_s", "cancel_grace_s"):
         if key in extra:
             v = extra[key]
             _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")

@@ -15,20 +15,25 @@ from vllm_dcp2d.connector.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
 from vllm_dcp2d.connector.messages import MAX_NAME
 
-__all__ = ["REQUIRED", "check_bootstrap_addr", "load_params", "timeout_s"]
+__all__ = ["REQUIRED", "KEYS", "check_bootstrap_addr", "load_params", "timeout_s"]
 
-REQUIRED = ("remote_request_id", "remote_bootstrap_addr", "remote_engine_id")
-_ADDR = re.compile(r"tcp://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})")
+# The key of the transfer: "remote_request_id" (the prefill's answer, copied by our proxy and by
+# NIXL-style routers) or, failing that, "transfer_id" (what a Mooncake-style router gives both
+# sides; the prefill keys the request by it too).
+REQUIRED = ("remote_bootstrap_addr", "remote_engine_id")
+KEYS = ("remote_request_id", "transfer_id")
+_ADDR = re.compile(r"(?P<scheme>tcp|http)://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
 
 
 def check_bootstrap_addr(addr) -> str:
-    """``addr`` if it is ``tcp://host:port`` with a port in [1, 65535]; raises
-    ValueError naming the value and the form expected."""
+    """``addr`` if it is ``tcp://host:port`` (the ZMQ bootstrap, as the prefill answers) or
+    ``http://host:port`` (its HTTP bootstrap, as Mooncake-style routers build it), with a
+    port in [1, 65535]; raises ValueError naming the value and the forms expected."""
     m = _ADDR.fullmatch(addr) if isinstance(addr, str) else None
-    if m is None or not 1 <= int(m["port"]) <= 65535:
-        raise ValueError(f"remote_bootstrap_addr = {addr!r}: expected 'tcp://<host>:<port>' with a port in "
-                         f"[1, 65535]")
-    return addr
+    if m is None or not 1 <= int(m["port"]) <= 65535 or (m["scheme"] == "tcp" and addr.endswith("/")):
+        raise ValueError(f"remote_bootstrap_addr = {addr!r}: expected 'tcp://<host>:<port>' or "
+                         f"'http://<host>:<port>' with a port in [1, 65535]")
+    return addr.rstrip("/")
 
 
 def _name(params: dict, key: str) -> str:
@@ -58,10 +63,11 @@ def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], .
     """A ``LoadSpec`` from a consumer request's ``params`` plus what the scheduler
     allocated, and a warning ("" if none). Raises ValueError naming the first bad
     field: the request is then prefilled locally."""
-    missing = [k for k in REQUIRED if k not in params]
+    missing = [k for k in REQUIRED if k not in params] + ([" or ".join(KEYS)] if not set(KEYS) & set(params) else [])
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing} (got {sorted(params)})")
-    key, engine = _name(params, "remote_request_id"), _name(params, "remote_engine_id")
+    key = _name(params, "remote_request_id" if "remote_request_id" in params else "transfer_id")
+    engine = _name(params, "remote_engine_id")
     addr = check_bootstrap_addr(params["remote_bootstrap_addr"])
     timeout, warning = timeout_s(params, cfg)
     remote = params.get("remote_num_tokens")

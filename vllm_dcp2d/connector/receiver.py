@@ -55,6 +55,7 @@ import uuid
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.http_bootstrap import HttpTableQuery
 from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.connector.fetch_ledger import FetchLedger
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, ReleaseTransfer,
@@ -252,8 +253,9 @@ class Receiver:
 
     def _query(self, bootstrap: str) -> bs.TableQuery:
         q = self._queries.get(bootstrap)
-        if q is None:
-            q = bs.TableQuery(bootstrap, self.engine_id, self.fingerprint)  # raises on a malformed address
+        if q is None:  # each raises on a malformed address
+            kind = HttpTableQuery if bootstrap.startswith("http://") else bs.TableQuery
+            q = kind(bootstrap, self.engine_id, self.fingerprint)
             self._queries[bootstrap] = q
             for s in (q.sock, q.monitor):
                 self._poller.register(s, zmq.POLLIN)

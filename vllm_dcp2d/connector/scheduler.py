@@ -142,7 +142,7 @@ class SchedulerSide:
         """Consumer: this instance will not fetch ``request``'s KV from its producer."""
         if not self.cfg.release_unfetched:
             return
-        key = params.get("remote_request_id")
+        key = params.get("remote_request_id", params.get("transfer_id"))
         try:
             addr = check_bootstrap_addr(params.get("remote_bootstrap_addr"))
         except ValueError:

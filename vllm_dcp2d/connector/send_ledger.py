@@ -27,6 +27,10 @@ Invariants (each tested directly in ``tests/test_send_ledger.py``)
 5. Releases free a request only once some consumer engine is *covered* (each of
    its ``consumer_size`` ranks served or released) and no attempt of another
    engine is open; a release naming another token count is ignored (a reused key).
+6. A request no decode rank has asked for (no attempt, no release) within
+   ``claim_s`` of its ``add`` is freed then ("unclaimed"), like an expiry: no write
+   can read its blocks, since none was ever asked for; the first attempt or release
+   gives it the full ``expiry_s``.
 """
 
 from __future__ import annotations
@@ -83,12 +87,18 @@ class Request:
     block_ids: tuple  # int64 arrays, one per KV cache group of this rank
     num_tokens: int
     num_pages: int
-    expires: float
+    expires: float      # when it is freed unless finished first
+    expires_if_claimed: float | None = None  # set while no decode rank asked for it (invariant 6)
     done: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks served
     released: dict = field(default_factory=dict)  # engine_id -> set of consumer ranks that will not fetch
     sizes: dict = field(default_factory=dict)  # engine_id -> its consumer_size
     writes: int = 0     # writes reading block_ids in flight
-    closing: str = ""   # "done" | "released" | "expired": reported by pop_finished once writes == 0
+    closing: str = ""   # "done" | "released" | "expired" | "unclaimed": reported by pop_finished once writes == 0
+
+    def claim(self) -> None:
+        """A decode rank asked for it (an attempt or a release): the full expiry applies."""
+        if self.expires_if_claimed is not None:
+            self.expires, self.expires_if_claimed = self.expires_if_claimed, None
 
 
 Failed = Callable[..., TransferOutcome]  # (req, reason, num_pages=0, settled=True) -> outcome
@@ -121,14 +131,21 @@ class SendLedger:
 
     # ---- requests: the owner's side ----
 
-    def add(self, key: str, block_ids: tuple, num_tokens: int, num_pages: int, expiry_s: float) -> list[Attempt]:
+    def add(self, key: str, block_ids: tuple, num_tokens: int, num_pages: int, expiry_s: float,
+            claim_s: float = float("inf")) -> list[Attempt]:
         """The KV of ``key`` is complete in ``block_ids``; returns the attempts that
-        waited for it (the caller serves them)."""
+        waited for it (the caller serves them). Freed after ``expiry_s``, or after
+        ``claim_s`` if no decode rank asks for it by then (invariant 6)."""
         with self._lock:
-            state = self._requests[key] = Request(block_ids, num_tokens, num_pages, time.monotonic() + expiry_s)
+            now = time.monotonic()
+            state = self._requests[key] = Request(block_ids, num_tokens, num_pages, now + min(expiry_s, claim_s),
+                                                  now + expiry_s if claim_s < expiry_s else None)
             waiting = self._waiting.pop(key, [])
             self._gone.pop(key, None)
-            for msg in self._early.pop(key, (0.0, []))[1]:  # the decode dropped it before we had it
+            early = self._early.pop(key, (0.0, []))[1]
+            if waiting or early:
+                state.claim()
+            for msg in early:  # the decode dropped it before we had it
                 self._count_release(state, key, msg)
             return waiting
 
@@ -168,7 +185,7 @@ class SendLedger:
             return [(a, a.epoch) for a in self._waiting.get(key, ())]
 
     def pop_finished(self) -> dict[str, str]:
-        """Keys the owner may free now: "done" | "released" | "expired" | "aborted"."""
+        """Keys the owner may free now: "done" | "released" | "expired" | "unclaimed" | "aborted"."""
         with self._lock:
             out, self._finished = self._finished, {}
             return out
@@ -183,7 +200,10 @@ class SendLedger:
         """A ``TransferRequest`` came in: "serve" (its request is added), "wait" (it
         waits for the prefill), or "unknown" (the caller answers it failed)."""
         with self._lock:
-            known = a.req.transfer_key in self._requests
+            state = self._requests.get(a.req.transfer_key)
+            known = state is not None
+            if known:
+                state.claim()
             if known or a.req.wait_s > 0:
                 self._open[a.key] = a
             if known:
@@ -276,6 +296,7 @@ class SendLedger:
         with self._lock:
             state = self._requests.get(key)
             if state is not None:
+                state.claim()
                 return self._count_release(state, key, msg)
             if key in self._gone:
                 log.debug("%s: release of %r ignored: already finished", self.name, key)
@@ -304,9 +325,9 @@ class SendLedger:
                 state = self._requests.pop(key)
                 self._releasing.discard(key)
                 self._gone[key] = now + RELEASE_MEMORY_S
-                state.closing = "expired"
+                state.closing = "expired" if state.expires_if_claimed is None else "unclaimed"
                 if state.writes == 0:
-                    self._finished[key] = "expired"
+                    self._finished[key] = state.closing
             for key, items in list(self._waiting.items()):
                 for a in [a for a in items if a.deadline <= now]:
                     items.remove(a)

@@ -28,7 +28,7 @@ attempt, with the reason in the answer. A thread that dies anyway sets
 Public API
 ----------
 ``Sender(transport, regions, fingerprint, *, engine_id, cp_rank, cp_size, host="127.0.0.1",
-         port=0, bootstrap=None, expiry_s=300.0, num_workers=2, register_timeout_s=10.0)``
+         port=0, bootstrap=None, expiry_s=300.0, claim_s=inf, num_workers=2, register_timeout_s=10.0)``
     ``.address -> str``               this rank's side channel ("tcp://host:port").
     ``.layers -> range``              the layers this rank sends.
     ``.layer_ready(key, layer, block_ids, num_tokens, event=None)``  one layer of it is computed.
@@ -37,7 +37,7 @@ Public API
     ``.abort(key)`` / ``.drop(key)``  it will not be added; fail its waiting attempts
                                       (``abort``: reported "aborted" once no layer write reads it).
     ``.waiting(key) -> int``          attempts of it waiting for its KV.
-    ``.pop_finished() -> dict[str, str]``  key -> "done" | "released" | "expired" | "aborted".
+    ``.pop_finished() -> dict[str, str]``  key -> "done" | "released" | "expired" | "unclaimed" | "aborted".
     ``.writes_in_flight() -> int``    writes running now (all requests).
     ``.errors -> deque[str]``         the last 100 failure reasons; ``.malformed``: messages rejected.
     ``.failed -> str``                why a thread of it died ("" while all run).
@@ -82,8 +82,8 @@ class Sender:
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, cp_rank: int, cp_size: int, host: str = "127.0.0.1", port: int = 0,
-                 bootstrap: str | None = None, expiry_s: float = 300.0, num_workers: int = 2,
-                 register_timeout_s: float = 10.0):
+                 bootstrap: str | None = None, expiry_s: float = 300.0, claim_s: float = float("inf"),
+                 num_workers: int = 2, register_timeout_s: float = 10.0):
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank)
@@ -91,7 +91,7 @@ class Sender:
         if not transport.registered():
             raise ValueError("register this rank's KV memory on the transport before building its Sender")
         self._memory = Memory.of(transport.registered().items())  # what any write may read
-        self.expiry_s = expiry_s
+        self.expiry_s, self.claim_s = expiry_s, claim_s
         self.errors: deque[str] = deque(maxlen=100)
         self.malformed = 0
         self.failed = ""
@@ -134,7 +134,7 @@ class Sender:
         ``P >= cdiv(num_tokens, page_size)``; a tuple of them, one per KV cache
         group, when ``regions`` has several); serves attempts already waiting."""
         ids, pages = self._blocks(block_ids, num_tokens)
-        for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s):
+        for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s, self.claim_s):
             self._work.put(partial(self._answer, a))
         self._flush()
 
@@ -187,8 +187,9 @@ class Sender:
     def pop_finished(self) -> dict[str, str]:
         """Requests the owner may free now: transfer key -> "done" (all consumer ranks
         of an engine served), "released" (every rank of an engine released it, some
-        without fetching), "expired" (nobody finished within ``expiry_s``) or
-        "aborted"; none has a write in flight or can start one."""
+        without fetching), "expired" (nobody finished within ``expiry_s``), "unclaimed"
+        (no decode rank asked for it within ``claim_s``) or "aborted"; none has a write
+        in flight or can start one."""
         return self.ledger.pop_finished()
 
     def writes_in_flight(self) -> int:

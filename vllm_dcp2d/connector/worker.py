@@ -41,6 +41,7 @@ import os
 import numpy as np
 
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
+from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.connector.config import ConfigError, DCP2DConfig
 from vllm_dcp2d.connector.messages import Fingerprint
 from vllm_dcp2d.connector.receiver import Fetch, Receiver
@@ -88,6 +89,7 @@ class WorkerSide:
         self.stats_file = StatsFile(cfg.stats_file, "consumer" if is_consumer else "producer", engine_id)
         self.transport: MooncakeTransport | None = None
         self.bootstrap: BootstrapServer | None = None
+        self.http_bootstrap: HttpBootstrap | None = None
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
         self._loading: dict[str, tuple[str, list[int], int]] = {}  # transfer key -> (req id, blocks, first page)
@@ -165,10 +167,12 @@ class WorkerSide:
         if self.is_producer:
             if self.tp_rank == 0:
                 self.bootstrap = BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port)
+                self.http_bootstrap = start_http_bootstrap(self.cfg, self.bootstrap, self.engine_id)
             if self.tp_rank < self.cp_size:
                 self.sender = Sender(self.transport, regions, fingerprint, engine_id=self.engine_id,
                                      cp_rank=self.tp_rank, cp_size=self.cp_size, host=self.cfg.local_hostname,
-                                     bootstrap=boot, expiry_s=self.cfg.send_timeout_s)
+                                     bootstrap=boot, expiry_s=self.cfg.send_timeout_s,
+                                     claim_s=self.cfg.claim_timeout_s)
                 r = cp_layer_range(num_layers, self.cp_size, self.tp_rank)
                 log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) via %s",
                          self.tp_rank, self.tp_rank, self.cp_size, r.start, r.stop, self.sender.address)
@@ -281,11 +285,13 @@ class WorkerSide:
                 sending.add(req_id)
                 if why == "released":
                     log.debug("DCP2D: request %s released by its decode ranks on CP rank %d", req_id, self.tp_rank)
-                if why == "expired":
+                if why in ("expired", "unclaimed"):
                     self.stats.count("expired")
-                    self.stats_file.write(request_id=req_id, event="expired")
-                    log.warning("DCP2D: request %s expired on CP rank %d after send_timeout_s=%.0f s; "
-                                "blocks freed", req_id, self.tp_rank, self.cfg.send_timeout_s)
+                    self.stats_file.write(request_id=req_id, event=why)
+                    after = (f"claim_timeout_s={self.cfg.claim_timeout_s:.0f} s without a decode rank asking for it"
+                             if why == "unclaimed" else f"send_timeout_s={self.cfg.send_timeout_s:.0f} s")
+                    log.warning("DCP2D: request %s %s on CP rank %d after %s; blocks freed", req_id, why,
+                                self.tp_rank, after)
         if self.receiver is not None:
             # Lifted quarantines first: the receiver reports a fetch as done before it can
             # lift its quarantine, so every one drained here belongs to a fetch drained
@@ -399,7 +405,7 @@ class WorkerSide:
         if self.layer_split is not None:
             unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
             self.layer_split = None
-        for part in (self.receiver, self.sender, self.bootstrap):
+        for part in (self.receiver, self.sender, self.http_bootstrap, self.bootstrap):
             if part is not None:
                 try:
                     part.close()

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from vllm_dcp2d.testing import shm
 
-__all__ = ["free_port", "Process", "vllm_server", "proxy_server", "post_json", "wait_all", "read_stats", "bin_path"]
+__all__ = ["free_port", "Process", "vllm_server", "proxy_server", "router_server", "extra_config", "post_json", "wait_all",
+           "read_stats", "bin_path"]
 
 
 # The ports this harness hands out (API servers, proxies, bootstrap ports) come from
@@ -205,6 +206,9 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
     if host != "127.0.0.1":
         extra_config = {"local_hostname": host, **({"bootstrap_host": host} if role != "kv_consumer" else {}),
                         **extra_config}
+    if role in ("kv_producer", "kv_both") and "http_bootstrap_port" not in extra_config:
+        # its own port, not vLLM's default 8998: servers of this harness run side by side
+        extra_config = {**extra_config, "http_bootstrap_port": free_port()}
     kv = {"kv_connector": "DCP2DConnector", "kv_role": role, "kv_load_failure_policy": failure_policy,
           "kv_connector_extra_config": extra_config, **({"engine_id": engine_id} if engine_id else {})}
     cmd = [bin_path("vllm"), "serve", model, "--port", str(port), "--host", host,
@@ -237,6 +241,28 @@ def proxy_server(port: int, prefill: list[str], decode: list[str], log_dir: Path
     for u in decode:
         cmd += ["--decode", u]
     return Process(name, cmd, port, log_dir / f"{name}.log", host=host, netns=netns)
+
+
+def extra_config(p: Process) -> dict:
+    """The ``kv_connector_extra_config`` a ``vllm_server`` process was started with."""
+    arg = p.cmd[p.cmd.index("--kv-transfer-config") + 1]
+    return json.loads(arg)["kv_connector_extra_config"]
+
+
+def router_server(port: int, prefill: list[Process], decode: list[Process], log_dir: Path, mode: str = "nixl",
+                  name: str = "router", host: str = "127.0.0.1") -> Process:
+    """vLLM's router (``vllm-router``, pip ``vllm-router``) in PD mode in front of the given
+    ``vllm_server`` instances, speaking ``mode``'s request protocol: ``"nixl"`` (the decode
+    gets the prefill's ``kv_transfer_params`` verbatim) or ``"mooncake"`` (the router asks
+    each prefill's HTTP bootstrap ``GET /query`` and builds the decode's parameters)."""
+    cmd = [bin_path("vllm-router"), "--vllm-pd-disaggregation", "--kv-connector", mode, "--policy", "round_robin",
+           "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port", str(free_port()),
+           "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2"]
+    for p in prefill:
+        cmd += ["--prefill", p.url] + ([str(extra_config(p)["http_bootstrap_port"])] if mode == "mooncake" else [])
+    for d in decode:
+        cmd += ["--decode", d.url]
+    return Process(name, cmd, port, log_dir / f"{name}.log", host=host)
 
 
 def post_json(url: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict]:

@@ -1,0 +1,213 @@
+"""vLLM's MooncakeConnector bootstrap protocol, beside the ZMQ bootstrap: what routers
+in Mooncake mode speak (vllm-router ``--kv-connector mooncake``, llm-d's ``mooncake``).
+
+Such a router asks each prefill instance ``GET http://host:port/query`` at start-up
+and expects vLLM's ``MooncakeBootstrapServer`` answer,
+``{dp_rank: {"engine_id": ..., "worker_addr": {tp_rank: {pp_rank: addr}}}}``; it
+then gives the decode ``remote_bootstrap_addr = "http://host:port"`` (and the
+``transfer_id`` it also gave the prefill). So the prefill instance's TP rank 0 runs
+:class:`HttpBootstrap` on ``http_bootstrap_port`` next to the ZMQ ``BootstrapServer``:
+its answer has vLLM's shape (``worker_addr``: the CP ranks' side channels) plus a
+``"dcp2d"`` entry, the ZMQ bootstrap's address and its rank table
+(``messages.RankTable`` or, while ranks are missing, a ``Reply``), msgpack in
+base64. A decode rank given an ``http://`` address reads the rank table from there
+(:class:`HttpTableQuery`, the same interface as ``bootstrap.TableQuery``) and talks
+to the CP ranks as usual.
+
+Every request has a timeout; the server answers from memory and never blocks on a peer.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import logging
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import zmq
+
+from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.messages import RankTable, Reply, decode, encode
+
+__all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "start_http_bootstrap", "MAX_ANSWER"]
+
+log = logging.getLogger(__name__)
+MAX_ANSWER = 1 << 20  # bytes of a /query answer a decode reads at most
+HTTP_TIMEOUT_S = 5.0
+_ADDR = re.compile(r"http://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
+_ids = itertools.count()
+
+
+def check_http_addr(addr) -> str:
+    """``addr`` without a trailing slash if it is ``http://host:port`` with a port in
+    [1, 65535]; raises ValueError naming the value and the form expected."""
+    m = _ADDR.fullmatch(addr) if isinstance(addr, str) else None
+    if m is None or not 1 <= int(m["port"]) <= 65535:
+        raise ValueError(f"remote_bootstrap_addr = {addr!r}: expected 'http://<host>:<port>' with a port in "
+                         f"[1, 65535]")
+    return addr.rstrip("/")
+
+
+class HttpBootstrap:
+    """``GET /query`` of one prefill instance, answered from its ``BootstrapServer``.
+
+    server: the instance's ZMQ ``bootstrap.BootstrapServer`` (same process);
+    engine_id: the instance's engine id (the router passes it on as ``remote_engine_id``)."""
+
+    def __init__(self, host: str, port: int, server: bs.BootstrapServer, engine_id: str):
+        self.server, self.engine_id = server, engine_id
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path.split("?", 1)[0] != "/query":
+                    return self._send(404, {"error": f"no {self.path}; this is the DCP2D bootstrap: GET /query"})
+                try:
+                    return self._send(200, owner.answer())
+                except Exception as e:  # noqa: BLE001 - a bug answers 500, the server goes on
+                    log.exception("http bootstrap: /query failed")
+                    return self._send(500, {"error": f"{type(e).__name__}: {e}"})
+
+            def _send(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):  # quiet: a router polls this
+                pass
+
+        self._http = ThreadingHTTPServer((host, port), Handler)
+        self._http.daemon_threads = True
+        self._http.timeout = HTTP_TIMEOUT_S
+        self.port = self._http.server_address[1]
+        self.address = f"http://{host}:{self.port}"
+        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": bs.POLL_S},
+                                        name=f"dcp2d-http-bootstrap-{self.port}", daemon=True)
+        self._thread.start()
+
+    def answer(self) -> dict:
+        """vLLM's ``{dp_rank: {"engine_id", "worker_addr": {tp_rank: {pp_rank: addr}}}}`` for DP rank 0,
+        plus ``"dcp2d": {"bootstrap", "rank_table"}``."""
+        table = self.server.table()
+        ranks = self.server.ranks()
+        return {"0": {"engine_id": self.engine_id,
+                      "worker_addr": {str(r): {"0": addr} for r, addr in ranks.items()},
+                      "dcp2d": {"bootstrap": self.server.address,
+                                "rank_table": base64.b64encode(encode(table)).decode()}}}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+        self._thread.join(timeout_s)
+
+
+def start_http_bootstrap(cfg, server: bs.BootstrapServer, engine_id: str) -> HttpBootstrap | None:
+    """The prefill's TP rank 0: an ``HttpBootstrap`` on ``cfg.http_bootstrap_port`` (a
+    ``DCP2DConfig``), or by default on vLLM's ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` if that is
+    free (a router in Mooncake mode is then given that port, as for vLLM's own connector)."""
+    port = cfg.http_bootstrap_port
+    if port == 0:
+        return None
+    default = port < 0
+    if default:
+        port = int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "8998"))
+    try:
+        http = HttpBootstrap(cfg.bootstrap_host, port, server, engine_id)
+    except OSError as e:
+        if not default:
+            raise RuntimeError(f"kv_connector_extra_config['http_bootstrap_port'] = {port}: cannot serve on "
+                               f"{cfg.bootstrap_host}:{port} ({e})") from e
+        log.warning("DCP2D: no HTTP bootstrap (routers in Mooncake mode cannot reach this prefill): port %d "
+                    "(VLLM_MOONCAKE_BOOTSTRAP_PORT) on %s is taken (%s); set http_bootstrap_port",
+                    port, cfg.bootstrap_host, e)
+        return None
+    log.info("DCP2D producer: HTTP bootstrap (vLLM's Mooncake protocol, GET /query) on %s", http.address)
+    return http
+
+
+class HttpTableQuery:
+    """``bootstrap.TableQuery`` for an ``http://host:port`` bootstrap address, for the
+    same poll loop: ``ask(now)`` starts one ``GET /query`` in a short-lived thread when
+    one is due (the same resend schedule), whose answer arrives on ``.sock`` (a ZMQ
+    PULL socket the loop polls); ``read()`` takes it. ``.monitor`` never fires (there is
+    no connection to lose between queries)."""
+
+    QUERY_RETRY_S = bs.TableQuery.QUERY_RETRY_S
+
+    def __init__(self, address: str, engine_id: str, fingerprint):
+        self.address = check_http_addr(address)
+        self.engine_id, self.fingerprint = engine_id, fingerprint
+        self._inproc = f"inproc://dcp2d-http-query-{next(_ids)}"
+        self.sock = bs.context().socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self._inproc)
+        self.monitor = bs.context().socket(zmq.PAIR)  # polled like TableQuery's monitor; nothing writes it
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.table: RankTable | None = None
+        self.last_reason = "no answer"
+        self._asked = 0.0
+        self._retry_at = 0.0
+        self._backoff = bs.Backoff()
+        self._busy = threading.Event()  # a GET is in flight
+
+    def ask(self, now: float) -> None:
+        if self.table is not None or self._busy.is_set():
+            return
+        if not self._asked and now >= self._retry_at:
+            self._asked = now
+            self._busy.set()
+            threading.Thread(target=self._get, name="dcp2d-http-query", daemon=True).start()
+
+    def _get(self) -> None:
+        try:
+            with urllib.request.urlopen(self.address + "/query", timeout=HTTP_TIMEOUT_S) as r:
+                body = json.loads(r.read(MAX_ANSWER + 1)[:MAX_ANSWER])
+            entry = body["0"]["dcp2d"]
+            payload = base64.b64decode(entry["rank_table"], validate=True)
+        except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError) as e:
+            payload = encode(Reply(False, f"GET {self.address}/query: {type(e).__name__}: {e}"[:400]))
+        push = bs.context().socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        try:
+            push.connect(self._inproc)
+            push.send(payload, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the loop closed the query meanwhile
+            log.debug("http bootstrap answer from %s dropped: %s", self.address, e)
+        finally:
+            push.close()
+            self._busy.clear()
+
+    def read(self) -> RankTable | None:
+        payload = self.sock.recv()
+        self._asked = 0.0
+        msg = decode(payload, (RankTable, Reply))
+        if isinstance(msg, Reply):
+            self.last_reason = msg.reason
+            if msg.reason.startswith("GET "):  # no answer: again after the resend schedule's wait
+                self._retry_at = time.monotonic() + self._backoff.next()
+            else:  # the ranks are not all registered yet
+                self._backoff.reset()
+                self._retry_at = time.monotonic() + self.QUERY_RETRY_S
+            return None
+        self._backoff.reset()
+        self.fingerprint.check(msg.fingerprint)
+        self.table = msg
+        return msg
+
+    def forget(self) -> None:
+        self.table, self._asked = None, 0.0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.monitor.close()
+
