@@ -96,18 +96,26 @@ def test_plugin_is_a_no_op_without_dcp(tmp_path):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama", tmp_path / "model")
-    runs = {}
-    for name, plugins in (("plugin", None), ("stock", "")):
+    procs = {}
+    for name, plugins in (("plugin", None), ("stock", "")):  # both engines at once
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         env.pop("TRITON_INTERPRET", None)
         env.pop("VLLM_PLUGINS", None)
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins
-        out = tmp_path / f"{name}.json"
-        proc = subprocess.run([sys.executable, __file__, "--plain", model, str(out)], env=env,
-                              capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, f"{name} engine failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-        runs[name] = json.loads(out.read_text())
+        procs[name] = subprocess.Popen([sys.executable, __file__, "--plain", model, str(tmp_path / f"{name}.json")],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = {}
+    try:
+        for name, proc in procs.items():
+            log, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"{name} engine failed:\n{log[-6000:]}"
+            runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert runs["plugin"]["backend"] == "vllm_dcp2d.vllm_compat.cpu_attn.DCPCPUAttentionBackend"
     assert runs["stock"]["backend"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
     assert runs["plugin"]["tokens"] == runs["stock"]["tokens"]

@@ -51,12 +51,12 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(work):
-    """The colocated reference: no speculation, no connector."""
+    """The colocated reference: no speculation, no connector. Started here, waited for
+    with the first cluster (the engines start at once)."""
     p = vllm_server("plain", work["model"], free_port(), work["root"], role="", tp=2, block_size=PAGE,
                     dtype="float32", extra_config={})
     try:
         p.start()
-        wait_all([p], timeout_s=600)
         yield p
     finally:
         p.stop()
@@ -80,7 +80,7 @@ def cluster(request, work, plain):
     try:
         for p in procs:
             p.start()
-        wait_all(procs, timeout_s=600)
+        wait_all([plain, *procs], timeout_s=600)
         yield {"kind": kind, "model": model, "stats": stats, "proxy": proxy, "plain": plain, "decode": decode}
     finally:
         for p in procs:
