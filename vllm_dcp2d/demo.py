@@ -76,7 +76,7 @@ def _print_paths(records: list[dict], tokens: int) -> None:
 def main(argv: list[str]) -> int:
     import tempfile
 
-    from vllm_dcp2d.report import format_matrix, reshard_matrix
+    from vllm_dcp2d.report import format_matrix, matrix_from_records
 
     args = parse(argv)
     if args.decode_tp % args.decode_dcp:
@@ -123,15 +123,8 @@ def main(argv: list[str]) -> int:
             if text != ref_text and mla:
                 print("  (MLA: vLLM's CPU MLA runs the last prompt token through its prefill path there and "
                       "through its decode path here; docs/connector.md, \"MLA\")")
-            ok = [r for r in recs if r.get("ok")]
-            if i == 0 and ok:
-                r = ok[0]
-                rank_pages = len(range(r["dcp_rank"], r["pages"], r["dcp_size"]))
-                nl = r["layers"][1] - r["layers"][0]
-                page = r["page_size"]
-                per_token_layer = r["bytes"] // max(1, nl * rank_pages * page)
-                m = reshard_matrix(max(x["layers"][1] for x in ok), r["cp_size"], r["dcp_size"], tokens, page,
-                                   per_token_layer)
+            m = matrix_from_records(recs, tokens) if i == 0 else None
+            if m is not None:
                 print("\n" + "\n".join("  " + line for line in format_matrix(m).splitlines()) + "\n")
             _print_paths(recs, tokens)
         return 1 if failures else 0

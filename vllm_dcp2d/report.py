@@ -12,7 +12,7 @@ import numpy as np
 from vllm_dcp2d.connector.plan import Descriptors, KVRegions, plan_request
 from vllm_dcp2d.layout import _check_size, cdiv, cp_layer_range
 
-__all__ = ["synthetic_request", "reshard_matrix", "format_matrix"]
+__all__ = ["synthetic_request", "reshard_matrix", "format_matrix", "matrix_from_records"]
 
 _SPACE = 1 << 40  # each synthetic rank gets its own 1 TiB of address space
 
@@ -72,6 +72,27 @@ def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, pa
             "page_size": page_size, "pages": pages, "page_bytes": page_bytes, "paths": paths,
             "kv_bytes": kv_bytes, "total_bytes": sum(p["bytes"] for p in paths),
             "naive_bytes": kv_bytes * dcp_size}
+
+
+def matrix_from_records(records: list[dict], tokens: int) -> dict | None:
+    """The :func:`reshard_matrix` of a request served through PD, from its consumer
+    ``stats_file`` records (one per (cp rank, decode TP rank) path that moved it); None
+    when no record tells the bytes per token and layer.
+
+    The bytes per token and layer come from a record that moved pages: a DCP rank may
+    have none (a prompt shorter than ``dcp_size`` pages), and a draft's replicated bytes
+    are left out (records with any are skipped)."""
+    ok = [r for r in records if r.get("ok") and r.get("bytes", 0) > 0 and not r.get("replicated_bytes", 0)]
+    if not ok:
+        return None
+    r = max(ok, key=lambda r: r["bytes"])
+    rank_pages = len(range(r["dcp_rank"], r["pages"], r["dcp_size"]))
+    layers = r["layers"][1] - r["layers"][0]
+    per_token_layer, rest = divmod(r["bytes"], layers * rank_pages * r["page_size"])
+    if rest:  # not whole pages of one size (a cached prefix): no honest figure
+        return None
+    num_layers = max(x["layers"][1] for x in records if x.get("ok"))
+    return reshard_matrix(num_layers, r["cp_size"], r["dcp_size"], tokens, r["page_size"], per_token_layer)
 
 
 def _human(n: float) -> str:
