@@ -80,7 +80,8 @@ def test_consumer_per_request_timeout_cap_is_a_config_key():
 
 
 @pytest.mark.parametrize("params,why", [
-    ({"do_remote_prefill": True}, "lack ['remote_request_id', 'remote_bootstrap_addr', 'remote_engine_id']"),
+    ({"do_remote_prefill": True}, "lack ['remote_request_id or transfer_id', 'remote_bootstrap_addr', "
+                                  "'remote_engine_id']"),
     (dict(REMOTE, remote_bootstrap_addr="tcp://127.0.0.1:notaport"), "'tcp://127.0.0.1:notaport': expected"),
     (dict(REMOTE, remote_bootstrap_addr="x"), "remote_bootstrap_addr = 'x'"),
     (dict(REMOTE, remote_bootstrap_addr="tcp://h:70000"), "port in [1, 65535]"),

@@ -63,7 +63,7 @@ def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], .
     """A ``LoadSpec`` from a consumer request's ``params`` plus what the scheduler
     allocated, and a warning ("" if none). Raises ValueError naming the first bad
     field: the request is then prefilled locally."""
-    missing = [k for k in REQUIRED if k not in params] + ([" or ".join(KEYS)] if not set(KEYS) & set(params) else [])
+    missing = ([" or ".join(KEYS)] if not set(KEYS) & set(params) else []) + [k for k in REQUIRED if k not in params]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing} (got {sorted(params)})")
     key = _name(params, "remote_request_id" if "remote_request_id" in params else "transfer_id")
