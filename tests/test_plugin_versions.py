@@ -10,9 +10,10 @@ DCP2D instance that needs the patch is refused with one message naming the vLLM
 version, the patch and the reason.
 
 Each case runs in a fresh interpreter, the only way to see vLLM unpatched: a vLLM
-version the patches were not written for (0.31.1, 0.34.0), and on the installed
-0.32.0 every patch made unavailable in turn both ways (its target missing, its
-target's parameters changed). The control case (0.32.0 as it is) checks that the
+version the patches were not written for (0.31.1, 0.34.0); on the installed 0.32.0
+every patch made unavailable (its target missing, or its target's parameters
+changed); and each patch made unavailable in turn, half of them per interpreter,
+beside the other half installed. The control case (0.32.0 as it is) checks that the
 snapshot does see the patches, so the comparison cannot pass by looking at nothing.
 """
 
@@ -29,18 +30,26 @@ pytestmark = pytest.mark.vllm
 
 SCRIPT = textwrap.dedent("""
     import dataclasses, importlib, inspect, json, sys
+    import vllm
     from types import SimpleNamespace as NS
     version, broken = sys.argv[1], sys.argv[2]
     from vllm_dcp2d.vllm_compat import patches, registry
     if version != "installed":
         registry.installed_vllm_version = lambda: version
     def breaks(i, p):
-        # the patch's targets made unavailable, every other patch one way: missing, or taking
-        # other parameters than the patch was written for
-        if i % 2 == 0:
+        # the patch's targets made unavailable, alternately: missing, or taking other
+        # parameters than the patch was written for
+        if i % 4 < 2:
             return {v: tuple(patches.Target("vllm.no_such_module:" + t.path.split(":")[1], t.params) for t in ts)
                     for v, ts in p.targets.items()}
         return {v: tuple(patches.Target(t.path, t.params + ("changed",)) for t in ts) for v, ts in p.targets.items()}
+
+    def raw(path):  # the object at a target's path now, wrapped or not
+        module, _, qual = path.partition(":")
+        obj = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
+        return obj
     # Every module a patch targets, loaded before the snapshot so a rebinding shows.
     for p in patches.PATCHES:
         for ts in p.targets.values():
@@ -50,8 +59,15 @@ SCRIPT = textwrap.dedent("""
                 except ImportError:
                     pass  # a target of the other supported version
     importlib.import_module("vllm.distributed.kv_transfer.kv_connector.factory")
-    if broken != "none":  # the registry reads this same list
-        patches.PATCHES[:] = [dataclasses.replace(p, targets=breaks(i, p)) for i, p in enumerate(patches.PATCHES)]
+    # broken: "none", "all", or "even"/"odd": those patches broken, the others as they are
+    parity = {"even": 0, "odd": 1}.get(broken)
+    hit = [broken == "all" or (parity is not None and i % 2 == parity) for i in range(len(patches.PATCHES))]
+    version_targets = [p.targets.get(vllm.__version__.split("+")[0], ()) for p in patches.PATCHES]
+    own = {t.path: raw(t.path) for ts in version_targets for t in ts}
+    broken_paths = [t.path for i, ts in enumerate(version_targets) if hit[i] for t in ts]
+    if any(hit):  # the registry reads this same list
+        patches.PATCHES[:] = [dataclasses.replace(p, targets=breaks(i, p)) if hit[i] else p
+                              for i, p in enumerate(patches.PATCHES)]
 
     def snapshot():
         seen = {}
@@ -70,6 +86,8 @@ SCRIPT = textwrap.dedent("""
     plugin.register()
     after = snapshot()
     changed = sorted(k for k in before if after.get(k) != before[k])
+    # every target of a broken patch is still vLLM's own object
+    kept = all(raw(path) is own[path] for path in broken_paths)
 
     # DCP2D instances: a decode with DCP=2 serving an MLA model with a draft, and a
     # layer-split prefill; between them every patch that is needed anywhere is needed.
@@ -88,7 +106,8 @@ SCRIPT = textwrap.dedent("""
                     if p.needed(config("kv_consumer", 2, True, True)) or p.needed(config("kv_producer", 1, True, False)))
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     print(json.dumps({"changed": changed, "status": registry.status(), "refusals": refusals, "needed": needed,
-                      "registered": plugin.CONNECTOR_NAME in KVConnectorFactory._registry}))
+                      "registered": plugin.CONNECTOR_NAME in KVConnectorFactory._registry, "hit": hit,
+                      "broken_kept": kept}))
 """)
 
 
@@ -122,15 +141,35 @@ def test_another_vllm_is_left_as_vllm_made_it(version):
     _check_nothing_patched_and_refused(run(version), version, f"not {version}")
 
 
-def test_a_patch_whose_target_does_not_fit_is_left_out():
-    """Every patch made unavailable at once on the installed vLLM, every other one each
-    way (its target missing; its target's parameters changed). Each patch is resolved
-    and checked on its own before it is installed, so this is each one forced
-    unavailable in turn, in one interpreter."""
+def test_every_patch_made_unavailable_leaves_vllm_as_it_was():
+    """Every patch's targets made unavailable on the installed vLLM (alternately missing,
+    or taking other parameters): nothing changes, and DCP2D instances are refused."""
     from vllm_dcp2d.vllm_compat import installed_vllm_version
 
-    _check_nothing_patched_and_refused(run(broken="yes"), installed_vllm_version(),
-                                       lambda i: ("vllm.no_such_module cannot be imported", "the patch was written for")[i % 2])
+    _check_nothing_patched_and_refused(run(broken="all"), installed_vllm_version(), _why)
+
+
+def _why(i: int) -> str:
+    return ("vllm.no_such_module cannot be imported", "the patch was written for")[i % 4 >= 2]
+
+
+@pytest.mark.parametrize("half", ["even", "odd"])
+def test_a_patch_whose_target_does_not_fit_is_left_out_and_the_others_install(half):
+    """Each patch forced unavailable in turn, half of them per interpreter: a broken
+    patch is not installed (its targets stay vLLM's own objects) and is named with its
+    reason; the other half installs as usual; a DCP2D instance that needs a broken one
+    is refused naming it, one that needs only installed ones is not."""
+    got = run(broken=half)
+    status, hit = got["status"], got["hit"]
+    assert got["broken_kept"] and got["registered"]
+    for i, (name, state) in enumerate(status.items()):
+        if hit[i]:
+            assert state is not None and _why(i) in state, (name, state)
+        else:
+            assert state is None or state.startswith("CPU only"), (name, state)
+    for who, refusal in got["refusals"].items():
+        patch = refusal.split("the patch '", 1)[1].split("'", 1)[0]
+        assert hit[list(status).index(patch)], (who, refusal)
 
 
 def test_the_installed_vllm_is_patched():
