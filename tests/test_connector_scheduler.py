@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace as NS
 
 import pytest
@@ -319,3 +320,47 @@ def test_release_can_be_turned_off():
     s.update_state_after_alloc(request(params=dict(REMOTE)), NS(get_block_ids=lambda: ([1],)), 0)
     s.request_finished(request("q", params=dict(REMOTE), status=RequestStatus.FINISHED_ABORTED), ([],))
     assert s.build_connector_meta(sched_out()).releases == {}
+
+
+def test_consumer_idle_step_ends_when_a_worker_rings(monkeypatch):
+    """An idle step (nothing scheduled, nothing to hand over) that follows another one
+    sleeps IDLE_POLL_S unless a worker rings the bell named in the metadata (a fetch
+    ended); the first idle step after work does not sleep."""
+    from vllm_dcp2d.connector import scheduler
+    from vllm_dcp2d.connector.step_bell import BellRope
+    s = side(consumer=True)
+    monkeypatch.setattr(scheduler, "IDLE_POLL_S", 30.0)
+    s.build_connector_meta(sched_out(tokens={"r": 5}))
+    t0 = time.monotonic()
+    s.build_connector_meta(sched_out())  # the first idle step after work: no sleep
+    assert time.monotonic() - t0 < 15.0
+    monkeypatch.setattr(scheduler, "IDLE_POLL_S", 0.3)
+    t0 = time.monotonic()
+    meta = s.build_connector_meta(sched_out())
+    assert time.monotonic() - t0 >= 0.29 and meta.bell.startswith("ipc://")
+    monkeypatch.setattr(scheduler, "IDLE_POLL_S", 30.0)
+    rope = BellRope(meta.bell)
+    rope.ring()
+    t0 = time.monotonic()
+    assert s.build_connector_meta(sched_out()).bell == meta.bell
+    assert time.monotonic() - t0 < 15.0
+    rope.close()
+    s.shutdown()
+    assert side(producer=True).build_connector_meta(sched_out(tokens={"r": 1})).bell == ""  # only decode waits
+
+
+@pytest.mark.parametrize("producer", [True, False])
+def test_idle_steps_sleep_from_the_second_on(monkeypatch, producer):
+    """The polling rate stays bounded (every idle step after the first of a stretch
+    sleeps), and a step with work or a hand-over never sleeps."""
+    from vllm_dcp2d.connector import scheduler
+    s = side(producer=producer, consumer=not producer)
+    slept = []
+    monkeypatch.setattr(scheduler.time, "sleep", slept.append)
+    if s.bell is not None:
+        monkeypatch.setattr(s.bell, "sleep", slept.append)
+    pattern = [0, 0, 0, 5, 0, 0, 7, 3, 0]  # scheduled tokens per step
+    for n in pattern:
+        s.build_connector_meta(sched_out(tokens={"r": n} if n else None))
+    assert len(slept) == 3 and set(slept) == {scheduler.IDLE_POLL_S}  # steps 2, 3 and 6 (1-based)
+    s.shutdown()

@@ -214,6 +214,14 @@ def test_metrics(cluster):
     secs = {(str(r["cp_rank"]), str(r["dcp_rank"]), str(DCP)): r["seconds"] for r in recs}
     got = path_deltas(before, after, "vllm:dcp2d_path_write_seconds_sum")
     assert set(got) <= set(want) and all(got.get(k, 0.0) == pytest.approx(s) for k, s in secs.items())
+    # the stage histograms (issue 29): one fetch per decode rank, the stats file's seconds
+    inst = tuple(sorted({"engine": "0", "model_name": c["model"]}.items()))
+    per_rank = {r["dcp_rank"]: (r["fetch_seconds"], r["reported_after_seconds"]) for r in recs}
+    assert len(per_rank) == DCP
+    for i, name in enumerate(("vllm:dcp2d_fetch_seconds", "vllm:dcp2d_fetch_reported_after_seconds")):
+        assert after[(name + "_count", inst)] - before[(name + "_count", inst)] == DCP, name
+        assert after[(name + "_sum", inst)] - before[(name + "_sum", inst)] == \
+            pytest.approx(sum(v[i] for v in per_rank.values()), abs=1e-9), name
     for name in ("failed_fetches", "expired_requests", "quarantined_blocks"):  # a clean fetch failed nothing
         key = (f"vllm:dcp2d_{name}_total", tuple(sorted({"engine": "0", "model_name": c["model"]}.items())))
         assert after[key] == before[key], name

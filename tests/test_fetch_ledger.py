@@ -86,3 +86,34 @@ def test_one_fetch_per_key_and_fail_all_quarantines_what_is_in_flight():
     (g,) = led.poll()
     assert g is f and set(f.quarantined) == {0, 1} and led.poll_lifted() == []
     assert led.busy(A) and led.busy(B)
+
+
+def test_on_output_runs_after_the_output_is_visible():
+    """The worker rings the step bell from ``on_output``: by then ``poll`` (or
+    ``poll_lifted``) must return what ended, or the step it wakes sees nothing."""
+    seen = []
+    led = FetchLedger()
+    led.on_output = lambda: seen.append((led.poll(), led.poll_lifted()))
+    f = fetch()
+    sent_to_two(led, f)
+    led.answered(A, 1)
+    led.answered(B, 2)
+    assert seen == []  # answers alone end nothing
+    led.finish(f, None)
+    assert seen == [([f], [])]
+    g = fetch("g")
+    sent_to_two(led, g)
+    led.answered(A, 1)
+    led.quarantine(g, 1, (B, 2), "silent")
+    led.finish(g, FetchError("g", 1, "deadline"))
+    assert seen[-1] == ([g], [])  # ended, its blocks still quarantined
+    led.settle((B, 2), "cancel confirmed")
+    assert seen[-1] == ([], [g]) and len(seen) == 3
+
+
+def test_on_output_that_raises_is_only_logged():
+    led = FetchLedger(on_output=lambda: 1 / 0)
+    f = fetch()
+    assert led.begin(f)
+    led.finish(f, None)
+    assert led.poll() == [f]

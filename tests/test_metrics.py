@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # no
 
 from vllm_dcp2d.connector.prom import (METRICS, WRITE_SECONDS_BUCKETS, DCP2DPromMetrics,  # noqa: E402
                                        exposed_names, markdown_table)
-from vllm_dcp2d.connector.stats import _COUNTERS, MAX_OBSERVATIONS, DCP2DStats, parse_path_key  # noqa: E402
+from vllm_dcp2d.connector.stats import _COUNTERS, _TIMERS, MAX_OBSERVATIONS, DCP2DStats, parse_path_key  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 
@@ -31,8 +31,10 @@ _path_event = st.tuples(st.just("path"), st.integers(0, 3), st.integers(0, 3), s
                         st.integers(0, 1 << 20), st.integers(0, 10_000),
                         st.sampled_from([0.0, 0.0004, 0.001, 0.003, 0.07, 1.0, 9.99, 10.0, 25.0, 75.0]))
 _count_event = st.tuples(st.just("count"), st.sampled_from(_COUNTERS), st.integers(0, 1000))
+_seconds = st.sampled_from([0.0, 0.0004, 0.001, 0.003, 0.02, 0.07, 1.0, 25.0, 75.0])
+_fetch_event = st.tuples(st.just("fetch"), _seconds, _seconds)
 # steps of (TP rank -> events): what each worker records between two snapshots
-_steps = st.lists(st.lists(st.lists(st.one_of(_path_event, _count_event), max_size=6), min_size=1, max_size=3),
+_steps = st.lists(st.lists(st.lists(st.one_of(_path_event, _count_event, _fetch_event), max_size=6), min_size=1, max_size=3),
                   min_size=1, max_size=5)
 
 
@@ -41,6 +43,8 @@ def _apply(stats: DCP2DStats, events) -> None:
         if e[0] == "path":
             _, r, d, nbytes, repl, desc, s = e
             stats.record_path(r, d, nbytes + repl, desc, s, replicated_bytes=repl)
+        elif e[0] == "fetch":
+            stats.record_fetch(e[1], e[2])
         else:
             stats.count(e[1], e[2])
 
@@ -65,8 +69,9 @@ def _step_payloads(steps) -> list[dict]:
 
 
 def _expected(steps):
-    """Totals straight from the events: per path (bytes, replicated, descriptors, [seconds]), counters."""
-    paths, counters = {}, dict.fromkeys(_COUNTERS, 0)
+    """Totals straight from the events: per path (bytes, replicated, descriptors, [seconds]), counters
+    (with the fetch timers' lists of seconds)."""
+    paths, counters = {}, {**dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _TIMERS}}
     for step in steps:
         for events in step:
             for e in events:
@@ -77,6 +82,9 @@ def _expected(steps):
                     p[1] += repl
                     p[2] += desc
                     p[3].append(s)
+                elif e[0] == "fetch":
+                    counters["fetch_seconds"].append(e[1])
+                    counters["reported_after_seconds"].append(e[2])
                 else:
                     counters[e[1]] += e[2]
     return paths, counters
@@ -98,7 +106,7 @@ def test_stats_steps_aggregate_to_the_totals(steps):
         assert (p["transfers"], p["bytes"], p["replicated_bytes"], p["descriptors"]) == (len(secs), nbytes, repl,
                                                                                           desc)
         assert sorted(p["write_seconds"]) == sorted(secs) and p["seconds"] == pytest.approx(sum(secs))
-    assert {k: total.data[k] for k in _COUNTERS} == counters
+    assert {k: total.data[k] for k in _COUNTERS + _TIMERS} == counters
     r = total.reduce()
     assert r["bytes"] == sum(p[0] for p in paths.values()) and all(r[k] == counters[k] for k in _COUNTERS)
 
@@ -170,6 +178,13 @@ def test_prom_metrics_equal_the_recorded_figures(steps):
             assert val(m.name + "_total") == counters[m.source], m.name
             assert val(m.name + "_total", engine="0") == 0
     assert val("vllm:dcp2d_blocks_in_quarantine") == counters["quarantined"] - counters["lifted"]
+    for m in METRICS:
+        if not m.per_path and m.kind == "histogram":
+            secs = counters[m.source]
+            assert val(m.name + "_count") == len(secs) and val(m.name + "_count", engine="0") == 0, m.name
+            assert val(m.name + "_sum") == pytest.approx(sum(secs)), m.name
+            for le in WRITE_SECONDS_BUCKETS:
+                assert val(m.name + "_bucket", le=float(le)) == sum(s <= le for s in secs), (m.name, le)
 
 
 def test_prom_metrics_exist_from_start_and_reject_bad_data():

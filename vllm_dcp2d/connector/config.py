@@ -95,7 +95,8 @@ KEYS: dict[str, tuple[str, str]] = {
                        "advertises to its peers."),
     "stats_file": ("both", "If set, every worker appends one JSON line per transfer path and request "
                    "(`cp_rank`, `dcp_rank`, `bytes` and of them `replicated_bytes`, a draft's, `descriptors`, "
-                   "`seconds`, `ok`) to this file; the "
+                   "`seconds`, `ok`; a decode's also `fetch_seconds` and `reported_after_seconds`, the wait from the "
+                   "fetch's end to the engine step that reported it) to this file; the "
                    "same figures also go to vLLM's periodic `KV Transfer metrics` log."),
     "cpu_poll_sleep_us": ("both", "CPU hosts only: microseconds vLLM's shared-memory queues sleep between "
                           "polls instead of spinning (their latency grows by at most this). Without it, "

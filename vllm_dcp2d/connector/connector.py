@@ -72,7 +72,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self._scheduler = SchedulerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer,
                                             layer_split=compat.layer_split_applies(vllm_config, kv_cache_config))
         else:
-            from vllm_dcp2d.connector.worker import WorkerSide  # Mooncake/ZMQ only in workers
+            from vllm_dcp2d.connector.worker import WorkerSide  # Mooncake only in workers
             self._worker = WorkerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, kv_cache_config)
 
     # ---- scheduler side (engine core process) ----
@@ -175,3 +175,5 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

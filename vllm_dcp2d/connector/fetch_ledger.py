@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 class FetchLedger:
     """What one decode rank's fetches wait for (see the module doc)."""
 
-    def __init__(self):
+    def __init__(self, on_output=None):
+        self.on_output = on_output  # called (no arguments) after a fetch ends or a quarantine lifts
         self._active: dict[str, Fetch] = {}  # transfer key -> fetch not ended
         self._inflight: dict[tuple[str, int], tuple[Fetch, int]] = {}  # (addr, attempt) -> (fetch, cp rank)
         self._limbo: dict[tuple[str, int], tuple[Fetch, int]] = {}  # quarantined attempts, same keys
@@ -99,6 +100,7 @@ class FetchLedger:
             self._done.append(f)
             if f.quarantined and not f.limbo:  # every quarantined attempt settled before the fetch ended
                 self._lifted.append(f)
+        self._announce()
 
     # ---- attempts ----
 
@@ -143,6 +145,7 @@ class FetchLedger:
         if not f.limbo and self._active.get(f.transfer_key) is not f:
             with self._out:
                 self._lifted.append(f)
+            self._announce()
 
     def settle_rank(self, addr: str, bootstrap: str, how: str) -> None:
         """Every attempt quarantined on ``addr`` for a prefill at ``bootstrap`` settled
@@ -156,6 +159,13 @@ class FetchLedger:
         return any(ad == addr for ad, _ in self._inflight) or any(ad == addr for ad, _ in self._limbo)
 
     # ---- outputs (any thread) ----
+
+    def _announce(self) -> None:
+        if self.on_output is not None:
+            try:
+                self.on_output()
+            except Exception:  # only a wake-up: whoever polls sees the output at its next poll anyway
+                log.exception("fetch ledger: on_output failed")
 
     def poll(self) -> list[Fetch]:
         with self._out:

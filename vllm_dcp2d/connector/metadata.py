@@ -102,6 +102,8 @@ class DCP2DMetadata(compat.KVConnectorMetadata):
     context_blocks: sorted ids of the blocks that hold the scheduled requests' tokens
                computed before this step (producer with layer-split storage: the
                owners broadcast them; else None).
+    bell:      consumer: the scheduler's ``StepBell`` address; workers ring it when
+               a fetch ends, to end an idle step's sleep (``step_bell``). "" = none.
     """
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
@@ -112,6 +114,7 @@ class DCP2DMetadata(compat.KVConnectorMetadata):
     dropped: dict[str, str] = field(default_factory=dict)
     preempted: dict[str, str] = field(default_factory=dict)
     context_blocks: list[int] | None = None
+    bell: str = ""
 
 
 @dataclass

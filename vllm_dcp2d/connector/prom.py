@@ -26,8 +26,9 @@ from vllm_dcp2d.connector.stats import parse_path_key
 
 __all__ = ["METRICS", "Metric", "DCP2DPromMetrics", "WRITE_SECONDS_BUCKETS", "exposed_names", "markdown_table"]
 
-# From 1 ms (a page of a tiny model) to the 10-30 s of a Mooncake stall and its
-# retry (issue 14), which the dashboard must tell apart from a slow write.
+# Write, fetch and reporting seconds: from 1 ms (a page of a tiny model) to the 10-30 s
+# of a Mooncake stall and its retry (issue 14), which the dashboard must tell apart
+# from a slow write.
 WRITE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                          30.0, 60.0)
 PATH_LABELS = ("cp_rank", "dcp_rank", "dcp_size")
@@ -60,6 +61,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("vllm:dcp2d_path_write_seconds", "histogram", True, "decode", "write_seconds",
            "Seconds the prefill CP rank spent in Mooncake writes for one request's path (summed over "
            "its writes when layers go early; from its transfer outcome)."),
+    Metric("vllm:dcp2d_fetch_seconds", "histogram", False, "decode", "fetch_seconds",
+           "Seconds from a decode rank asking every prefill CP rank for a request's KV to the last answer "
+           "(one observation per request and decode TP rank; successful fetches)."),
+    Metric("vllm:dcp2d_fetch_reported_after_seconds", "histogram", False, "decode", "reported_after_seconds",
+           "Seconds an ended fetch waited for the engine step that reported it to vLLM's scheduler: PD latency "
+           "that is neither compute nor transfer (an idle step's sleep, ended early by the step bell)."),
     Metric("vllm:dcp2d_failed_fetches", "counter", False, "decode", "failed",
            "Fetches that ended with an error (length mismatches included); expiries are counted apart."),
     Metric("vllm:dcp2d_expired_requests", "counter", False, "both", "expired",
@@ -119,7 +126,10 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
                 else:
                     self._path[m.source] = self._counter_cls(name=m.name, documentation=m.doc, labelnames=names)
                 continue
-            if m.kind == "gauge":
+            if m.kind == "histogram":
+                metric = self._histogram_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
+                                             buckets=list(WRITE_SECONDS_BUCKETS))
+            elif m.kind == "gauge":
                 # Each front-end process holds the deltas it was sent: their sum is the level.
                 metric = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
                                          multiprocess_mode="livesum")
@@ -147,6 +157,9 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
         for m in METRICS:
             if not m.per_path and m.kind == "counter" and data[m.source]:
                 self._inst[m.source][engine_idx].inc(data[m.source])
+            elif not m.per_path and m.kind == "histogram":
+                for s in data[m.source]:
+                    self._inst[m.source][engine_idx].observe(s)
         level = data["quarantined"] - data["lifted"]
         if level:
             self._inst["quarantined - lifted"][engine_idx].inc(level)

@@ -32,7 +32,7 @@ Public API
     ``.quarantined: dict[int, str]`` (cp rank -> why its writes may still land), ``.seconds``;
     ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
 ``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
-           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0)``
+           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0, on_output=None)``
     ``.start(transfer_key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens,
              remote_engine_id=None)``
     ``.release(transfer_key, bootstrap, num_tokens)``  this rank will never fetch it: tell every CP rank.
@@ -82,12 +82,15 @@ class Receiver:
     timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
                  may hold the request while its prefill is still running.
     cancel_grace_s: how long a failing fetch waits for its cancels to be confirmed.
+    on_output:  called with no arguments, on this object's thread, right after a
+                fetch ended or a quarantine lifted (what ``poll``/``poll_lifted`` return
+                next); must not block (the worker rings the step bell: ``step_bell``).
     """
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
                  dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
-                 cancel_grace_s: float = 2.0):
+                 cancel_grace_s: float = 2.0, on_output=None):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
                              f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
@@ -101,7 +104,7 @@ class Receiver:
         self.memory = Memory.of(transport.registered().items())
         self.num_blocks = blocks_within(regions, self.memory)
         self.failed = ""
-        self.ledger = FetchLedger()
+        self.ledger = FetchLedger(on_output)
         self._attempts = itertools.count(1)
         self._identity = b"dcp2d-" + uuid.uuid4().bytes
         self._new: queue.Queue = queue.Queue()

@@ -60,6 +60,7 @@ import numpy as np
 from vllm_dcp2d.connector.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
+from vllm_dcp2d.connector.step_bell import StepBell
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
@@ -98,6 +99,8 @@ class SchedulerSide:
         self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
         self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
         self._key_owner: dict[str, str] = {}  # transfer key -> request id
+        self.bell = StepBell() if is_consumer else None  # ends an idle step when a fetch ends
+        self._was_idle = False  # the last step had nothing to compute or hand over
 
     # -- consumer ----------------------------------------------------------------------------
 
@@ -203,15 +206,26 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
         """Called by the scheduler at the end of ``schedule()``; resets the pending sets."""
-        if scheduler_output.total_num_scheduled_tokens == 0 and not (self._loads or self._ready or self._aborted
-                                                                    or self._releases or self._dropped):
+        idle = scheduler_output.total_num_scheduled_tokens == 0 and not (
+            self._loads or self._ready or self._aborted or self._releases or self._dropped)
+        if idle and self._was_idle:
             # Nothing to compute: vLLM keeps stepping only to poll transfers (held
             # blocks, remote KV). Unthrottled, that loop and the TP workers it drives
             # starve the API server on small machines (measured: new requests wait
-            # ~10 s with TP=2 on 2 cores). A short sleep bounds the polling rate.
-            time.sleep(IDLE_POLL_S)
+            # ~10 s with TP=2 on 2 cores). A short sleep bounds the polling rate;
+            # a worker whose fetch ended rings the bell to end it early (step_bell).
+            # The first idle step after work does not sleep: it is often vLLM's
+            # clean-up step for requests that just finished, and a request arriving
+            # during a sleep there waited for it (issue 29: +20 ms after every
+            # colocated request on a prefill). Bounded all the same: one full-speed
+            # step per stretch of work.
+            if self.bell is not None:
+                self.bell.sleep(IDLE_POLL_S)
+            else:
+                time.sleep(IDLE_POLL_S)
+        self._was_idle = idle
         meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted, releases=self._releases,
-                             dropped=self._dropped)
+                             dropped=self._dropped, bell=self.bell.address if self.bell is not None else "")
         self._loads, self._ready, self._aborted, self._releases, self._dropped = {}, {}, {}, {}, {}
         for req_id in meta.dropped:  # the workers learn of it in this step: its key may be reused now
             self._unbind_key(req_id)
@@ -231,6 +245,10 @@ class SchedulerSide:
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
                                                       self._keys.get(req_id, req_id))
         return meta
+
+    def shutdown(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
 
     def _context_blocks(self, scheduler_output) -> list[int]:
         # Layer-split storage applies to one KV cache group only (vllm_compat.kv_cache).

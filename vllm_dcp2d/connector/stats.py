@@ -30,6 +30,8 @@ __all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVA
 
 _COUNTERS = ("failed", "expired", "quarantined", "lifted", "prefix_broadcast_bytes", "stalls", "retries")
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
+# Per-request stage durations of a decode rank (issue 29), one observation per fetch.
+_TIMERS = ("fetch_seconds", "reported_after_seconds")
 # Write durations kept per path between two snapshots, for the histogram. A
 # snapshot covers one engine step, so a path sees at most one write per request
 # per TP rank in it; past this bound the oldest are dropped (the log line's
@@ -57,7 +59,8 @@ def _new_path() -> dict[str, Any]:
 class DCP2DStats(KVConnectorStats):
     """``data = {"paths": {"r,d": {"transfers", "bytes", "replicated_bytes", "descriptors", "seconds",
     "write_seconds": [float]}}, "failed": int, "expired": int, "quarantined": int, "lifted": int,
-    "prefix_broadcast_bytes": int, "stalls": int, "retries": int}``.
+    "prefix_broadcast_bytes": int, "stalls": int, "retries": int, "fetch_seconds": [float],
+    "reported_after_seconds": [float]}``.
 
     bytes:       everything the path moved; replicated_bytes: the part that went to
                  replicated KV cache groups (a speculative draft's KV, every page to
@@ -76,6 +79,10 @@ class DCP2DStats(KVConnectorStats):
     stalls:      Mooncake writes (batches) this rank gave up after ``STALL_S`` without
                  progress (``connector/transport.py``), retried or not.
     retries:     batches re-sent on a fresh Mooncake engine after a stall.
+    fetch_seconds: decode, per ended fetch that succeeded: from asking the prefill
+                 ranks to the last answer. reported_after_seconds: from then to the
+                 engine step that reported it (``step_bell``). Each at most
+                 ``MAX_OBSERVATIONS`` per snapshot, like ``write_seconds``.
     """
 
     def __post_init__(self):
@@ -93,7 +100,7 @@ class DCP2DStats(KVConnectorStats):
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        self.data = {"paths": {}, **dict.fromkeys(_COUNTERS, 0)}
+        self.data = {"paths": {}, **dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _TIMERS}}
 
     def record_path(self, cp_rank: int, dcp_rank: int, nbytes: int, descriptors: int, seconds: float,
                     replicated_bytes: int = 0) -> None:
@@ -108,6 +115,14 @@ class DCP2DStats(KVConnectorStats):
             obs = p["write_seconds"]
             obs.append(float(seconds))
             del obs[:-MAX_OBSERVATIONS]
+
+    def record_fetch(self, seconds: float, reported_after_s: float) -> None:
+        """Called by a decode worker when it reports a fetch that succeeded."""
+        with self._lock:
+            for k, v in zip(_TIMERS, (seconds, reported_after_s)):
+                obs = self.data[k]
+                obs.append(float(v))
+                del obs[:-MAX_OBSERVATIONS]
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to counter ``name`` (one of ``_COUNTERS``)."""
@@ -124,7 +139,7 @@ class DCP2DStats(KVConnectorStats):
         return snap
 
     def is_empty(self) -> bool:
-        return not self.data["paths"] and not any(self.data[k] for k in _COUNTERS)
+        return not self.data["paths"] and not any(self.data[k] for k in _COUNTERS + _TIMERS)
 
     def aggregate(self, other: KVConnectorStats) -> DCP2DStats:
         """Fold ``other`` (another TP rank, or a later interval) into ``self``."""
@@ -138,6 +153,8 @@ class DCP2DStats(KVConnectorStats):
                 p["write_seconds"] = (p["write_seconds"] + q["write_seconds"])[-MAX_OBSERVATIONS:]
             for k in _COUNTERS:
                 self.data[k] += other.data[k]
+            for k in _TIMERS:
+                self.data[k] = (self.data[k] + other.data[k])[-MAX_OBSERVATIONS:]
         return self
 
     def reduce(self) -> dict[str, int | float]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -48,6 +49,7 @@ from vllm_dcp2d.connector.receiver import Fetch, Receiver
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
 from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
+from vllm_dcp2d.connector.step_bell import BellRope
 from vllm_dcp2d.connector.transport import MooncakeTransport
 from vllm_dcp2d.layout import cp_layer_range
 from vllm_dcp2d.prefill import layer_split
@@ -92,6 +94,7 @@ class WorkerSide:
         self.http_bootstrap: HttpBootstrap | None = None
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
+        self.rope = BellRope("")  # rings the scheduler's step bell once a step names it
         self._loading: dict[str, tuple[str, list[int], int]] = {}  # transfer key -> (req id, blocks, first page)
         self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
         self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
@@ -181,20 +184,26 @@ class WorkerSide:
                                      consumer_rank=self.tp_rank, consumer_size=self.tp_size,
                                      dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                                      timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
-                                     cancel_grace_s=self.cfg.cancel_grace_s)
+                                     cancel_grace_s=self.cfg.cancel_grace_s, on_output=self._ring)
             log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d", self.tp_rank, self.dcp_rank, self.dcp_size)
 
     # -- per step -----------------------------------------------------------------------------
 
     def bind(self, meta) -> None:
         """Called every step with its metadata, before the forward (None after it):
-        the context blocks the layer-split fill broadcasts."""
+        the context blocks the layer-split fill broadcasts, the step bell to ring."""
+        if isinstance(meta, DCP2DMetadata) and meta.bell != self.rope.address:
+            self.rope.close()
+            self.rope = BellRope(meta.bell)
         if self.layer_split is not None:
             blocks = meta.context_blocks if isinstance(meta, DCP2DMetadata) else None
             if isinstance(meta, DCP2DMetadata) and blocks is None:
                 raise RuntimeError("layer-split storage is on in this worker, but the scheduler side sent no "
                                    "context_blocks: the owners cannot fill the transient slots")
             self.layer_split.bind(blocks)
+
+    def _ring(self) -> None:
+        self.rope.ring()
 
     def handle_preemptions(self, meta) -> None:
         """Called by the model runner first thing in every step, before the forward
@@ -327,13 +336,17 @@ class WorkerSide:
         return meta
 
     def _record(self, f) -> None:
+        # how long the ended fetch waited for this step to report it (issue 29: the idle sleep)
+        reported_after_s = max(0.0, time.monotonic() - f.started - f.seconds)
+        self.stats.record_fetch(f.seconds, reported_after_s)
         for cp_rank, o in sorted(f.outcomes.items()):
             self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s, o.replicated_bytes)
             self.stats_file.write(transfer_key=f.transfer_key, cp_rank=cp_rank, cp_size=o.cp_size,
                                   replicated_bytes=o.replicated_bytes,
                                   tp_rank=self.tp_rank, dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
                                   pages=o.num_pages, page_size=self.page_size, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
-                                  descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds, ok=True)
+                                  descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds,
+                                  reported_after_seconds=reported_after_s, ok=True)
 
     def _fail(self, req_id: str, key: str, f: Fetch | None, block_ids: list[int], first_page: int,
               why: str = "") -> None:
@@ -413,6 +426,7 @@ class WorkerSide:
                     log.warning("DCP2D: closing %s failed: %s", type(part).__name__, e)
         if self.transport is not None:
             self.transport.close()
+        self.rope.close()
         self.receiver = self.sender = self.bootstrap = self.transport = None
 
 

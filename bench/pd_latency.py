@@ -1,0 +1,224 @@
+"""PD latency beside a colocated instance, per prompt length, and where PD's extra time goes (issue 29).
+
+Cluster on loopback: tiny ``llama-mqa`` in float32 (a bench copy with 16K positions),
+prefill TP=2 = 2 layer-split CP ranks (``kv_producer``), decode TP=2 DCP=2 with a
+``stats_file``, and ``vllm-dcp2d proxy`` (sequential, and a second one ``--pipelined``); prefix caching off on both instances.
+For each prompt length, ``--requests`` distinct prompts, each sent three ways in
+turn (so each way sees the machine in the same state), 8 output tokens, greedy:
+
+  colocated   the prefill instance alone, as a plain request (how issue 29 measured it)
+  PD          through the proxy
+  PD pipelined  through ``vllm-dcp2d proxy --pipelined`` (the decode asks first; layers
+              go as they are computed)
+  vllm-router nixl / mooncake  through vLLM's router (``vllm-router`` 0.1.17) in each
+              PD protocol (README, "Behind vLLM's router")
+  PD by hand  the proxy's two hops made from here and timed apart: the prefill
+              (``proxy.app.prefill_body``: one token, ``do_remote_decode``) and the
+              decode (``decode_body`` with the prefill's ``kv_transfer_params``)
+
+Every answer must equal the colocated one (token ids); a mismatch stops the bench.
+Printed: end-to-end p50 / p99 / max per way, PD minus colocated (difference of the
+medians, issue 29's target), and the stages of PD by hand: the prefill hop, the
+decode hop and inside it the fetch (slowest decode rank's ``fetch_seconds``), the wait
+from the fetch's end to the step that reported it (``reported_after_seconds``), and the
+rest (scheduling the request, 8 decode steps, HTTP). A warm-up round per length is
+not counted.
+
+    MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_latency.py \
+        [--lengths 100,400,2000,8000] [--requests 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from vllm_dcp2d.proxy.app import decode_body, prefill_body
+from vllm_dcp2d.testing.harness import (free_port, post_json, proxy_server, read_stats, router_server, vllm_server,
+                                        wait_all)
+from vllm_dcp2d.testing.tiny_models import build_tiny_model
+
+os.environ.setdefault("MC_FORCE_TCP", "1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+PAGE, MAX_LEN, OUT_TOKENS = 32, 8448, 8
+
+
+def long_model(path: Path) -> str:
+    """The tiny model with ``max_position_embeddings`` raised to 16K (rope tables are
+    computed, not learned: the weights stay as built)."""
+    model = build_tiny_model("llama-mqa", path, dtype="float32")
+    cfg_path = Path(model) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("max_position_embeddings") != 16384:
+        cfg["max_position_embeddings"] = 16384
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+    return model
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 13) % 500 + 6 for i in range(n)]
+
+
+def body(model: str, ids: list[int]) -> dict:
+    return {"model": model, "prompt": ids, "max_tokens": OUT_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+
+
+def pct(xs, q: float) -> float:
+    xs = [x for x in xs if x == x]
+    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+def timed(url: str, payload: dict) -> tuple[float, dict]:
+    t0 = time.monotonic()
+    status, out = post_json(url, payload, timeout_s=300)
+    dt = time.monotonic() - t0
+    if status != 200:
+        raise RuntimeError(f"{url}: HTTP {status}: {out}")
+    return dt, out
+
+
+def proxy_sums(url: str) -> dict[str, float]:
+    """The proxy's own histograms (``proxy/metrics.py``): sample name -> value, for the
+    ``_sum`` and ``_count`` of its request, prefill and (non-streamed) decode seconds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name.endswith(("_sum", "_count")) and smp.labels.get("stream", "false") == "false":
+                out[smp.name] = out.get(smp.name, 0.0) + smp.value
+    return out
+
+
+def tokens(out: dict) -> list[int]:
+    return out["choices"][0]["token_ids"]
+
+
+def run(work: Path, lengths: list[int], n: int) -> None:
+    model = long_model(work / "model")
+    stats = work / "decode-stats.jsonl"
+    common = dict(block_size=PAGE, dtype="float32", kv_cache_bytes=256 << 20, max_model_len=MAX_LEN,
+                  args=("--no-enable-prefix-caching",))
+    prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2,
+                          extra_config={"bootstrap_port": free_port()}, **common)
+    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=2,
+                         extra_config={"stats_file": str(stats), "transfer_timeout_s": 120.0}, **common)
+    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work)
+    pipelined = proxy_server(free_port(), [prefill.url], [decode.url], work, name="proxy-pipelined", pipelined=True)
+    routers = {f"vllm-router {mode}": router_server(free_port(), [prefill], [decode], work, mode, f"router-{mode}")
+               for mode in ("nixl", "mooncake")}
+    procs = [prefill, decode, proxy, pipelined, *routers.values()]
+    try:
+        for p in procs:
+            p.start()
+        wait_all(procs, 900)
+        rows, stages, inside = [], [], []
+        for length in lengths:
+            e2e = {"colocated": [], "PD": [], "PD pipelined": [], **{name: [] for name in routers}, "PD by hand": []}
+            hops = {"prefill hop": [], "decode hop": [], "fetch": [], "reported after": [], "rest": []}
+            keys, sums = [], {}
+            for i in range(n + 1):  # round 0 warms up
+                if i == 1:
+                    sums = proxy_sums(proxy.url)
+                ids = prompt(length, 1000 * length + i)
+                dt_c, ref = timed(prefill.url + "/v1/completions", body(model, ids))
+                dt_p, out = timed(proxy.url + "/v1/completions", body(model, ids))
+                assert tokens(out) == tokens(ref), (length, i, "proxy", tokens(out), tokens(ref))
+                dt_pp, out = timed(pipelined.url + "/v1/completions", body(model, ids))
+                assert tokens(out) == tokens(ref), (length, i, "pipelined", tokens(out), tokens(ref))
+                dt_r = {}
+                for name, router in routers.items():
+                    dt_r[name], out = timed(router.url + "/v1/completions", body(model, ids))
+                    assert tokens(out) == tokens(ref), (length, i, name, tokens(out), tokens(ref))
+                dt_pre, pre = timed(prefill.url + "/v1/completions",
+                                    prefill_body(body(model, ids), f"bench-{length}-{i}"))
+                dt_dec, out = timed(decode.url + "/v1/completions", decode_body(body(model, ids),
+                                                                                pre["kv_transfer_params"]))
+                assert tokens(out) == tokens(ref), (length, i, "by hand", tokens(out), tokens(ref))
+                if i == 0:
+                    continue
+                e2e["colocated"].append(dt_c)
+                e2e["PD"].append(dt_p)
+                e2e["PD pipelined"].append(dt_pp)
+                for name, dt in dt_r.items():
+                    e2e[name].append(dt)
+                e2e["PD by hand"].append(dt_pre + dt_dec)
+                hops["prefill hop"].append(dt_pre)
+                hops["decode hop"].append(dt_dec)
+                keys.append(pre["kv_transfer_params"]["remote_request_id"])
+            after = proxy_sums(proxy.url)
+            mean = {k.removeprefix("vllm_dcp2d_proxy_").removesuffix("_seconds_sum"):
+                    (after[k] - sums.get(k, 0.0)) / max(1.0, after[k[:-4] + "_count"] - sums.get(k[:-4] + "_count", 0))
+                    for k in after if k.endswith("_seconds_sum")}
+            inside.append((length, float(np.mean(e2e["PD"])), mean))
+            time.sleep(1.0)  # stats lines are written in the step that reports the fetch
+            by_key: dict[str, list[dict]] = {}
+            for r in read_stats(stats):
+                by_key.setdefault(r.get("transfer_key"), []).append(r)
+            for k, dec in zip(keys, hops["decode hop"]):
+                recs = by_key.get(k, [])
+                fetch = max((r["fetch_seconds"] for r in recs), default=float("nan"))
+                after = max((r.get("reported_after_seconds", float("nan")) for r in recs), default=float("nan"))
+                hops["fetch"].append(fetch)
+                hops["reported after"].append(after)
+                hops["rest"].append(dec - fetch - (after if after == after else 0.0))
+            rows.append((length, e2e))
+            stages.append((length, hops))
+        print(f"\n## PD and colocated end to end ({n} requests per length, {OUT_TOKENS} output tokens, "
+              "prefill TP=2 layer-split -> decode TP=2 DCP=2, tiny llama-mqa fp32, loopback, prefix caching off)\n")
+        print("| prompt tokens | way | p50 (s) | p99 (s) | max (s) | p50 minus colocated p50 (ms) |")
+        print("|---|---|---|---|---|---|")
+        for length, e2e in rows:
+            base = pct(e2e["colocated"], 50)
+            for way, xs in e2e.items():
+                print(f"| {length} | {way} | {pct(xs, 50):.3f} | {pct(xs, 99):.3f} | {max(xs):.3f} | "
+                      f"{(pct(xs, 50) - base) * 1e3:+.0f} |")
+        print("\n## Stages of PD by hand (ms: p50 / p99 / max)\n")
+        names = list(stages[0][1])
+        print("| prompt tokens | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for length, hops in stages:
+            cells = [f"{pct(hops[k], 50) * 1e3:.0f} / {pct(hops[k], 99) * 1e3:.0f} / "
+                     f"{max(hops[k]) * 1e3:.0f}" for k in names]
+            print(f"| {length} | " + " | ".join(cells) + " |")
+        print("\n## Inside the proxy (means, ms; from its own histograms)\n")
+        print("| prompt tokens | PD end to end | proxy request | its prefill call | its decode call | "
+              "proxy's own (request - calls) | outside the proxy (end to end - request) |")
+        print("|---|---|---|---|---|---|---|")
+        for length, e2e_mean, m in inside:
+            req, pre, dec = m.get("request", float("nan")), m.get("prefill", float("nan")), m.get("decode", float("nan"))
+            print(f"| {length} | {e2e_mean * 1e3:.0f} | {req * 1e3:.0f} | {pre * 1e3:.0f} | {dec * 1e3:.0f} | "
+                  f"{(req - pre - dec) * 1e3:.0f} | {(e2e_mean - req) * 1e3:.0f} |")
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="100,400,2000,8000")
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--work", default="", help="directory for the model and logs (default: a temporary one)")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    if max(lengths) + OUT_TOKENS > MAX_LEN:
+        raise SystemExit(f"--lengths: {max(lengths)} + {OUT_TOKENS} output tokens > max_model_len {MAX_LEN}")
+    if a.work:
+        run(Path(a.work), lengths, a.requests)
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            run(Path(d), lengths, a.requests)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The step bell (``connector/step_bell.py``): an idle engine step ends when a worker
+rings, also from another process, and sleeps its full time otherwise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from hypothesis import given, settings, strategies as st
+
+from vllm_dcp2d.connector.step_bell import BellRope, StepBell
+
+LONG_S = 30.0  # a sleep no test waits out: a ring must end it
+
+
+def test_ring_from_another_thread_ends_the_sleep():
+    bell = StepBell()
+    rope = BellRope(bell.address)
+    try:
+        t = threading.Timer(0.05, rope.ring)
+        t.start()
+        t0 = time.monotonic()
+        assert bell.sleep(LONG_S) is True
+        assert time.monotonic() - t0 < LONG_S / 2
+        t.join()
+    finally:
+        rope.close()
+        bell.close()
+
+
+def test_ring_from_another_process_ends_the_sleep():
+    bell = StepBell()
+    code = ("import sys; from vllm_dcp2d.connector.step_bell import BellRope; "
+            "r = BellRope(sys.argv[1]); r.ring(); import time; time.sleep(0.5); r.close()")
+    try:
+        p = subprocess.Popen([sys.executable, "-c", code, bell.address])
+        t0 = time.monotonic()
+        assert bell.sleep(LONG_S) is True
+        assert time.monotonic() - t0 < LONG_S / 2
+        assert p.wait(timeout=60) == 0
+    finally:
+        bell.close()
+
+
+def test_no_ring_sleeps_the_full_time():
+    bell = StepBell()
+    try:
+        t0 = time.monotonic()
+        assert bell.sleep(0.3) is False
+        assert time.monotonic() - t0 >= 0.29
+    finally:
+        bell.close()
+
+
+@settings(max_examples=10, deadline=None)
+@given(rings=st.integers(1, 50))
+def test_one_sleep_takes_every_queued_ring(rings):
+    """Rings queued while a step ran wake the next sleep once, not once per ring
+    (the idle polling rate stays bounded), and the sleep after it waits again."""
+    bell = StepBell()
+    rope = BellRope(bell.address)
+    try:
+        for _ in range(rings):
+            rope.ring()
+        assert bell.sleep(LONG_S) is True
+        t0 = time.monotonic()
+        assert bell.sleep(0.2) is False
+        assert time.monotonic() - t0 >= 0.19
+    finally:
+        rope.close()
+        bell.close()
+
+
+def test_close_removes_the_socket_file_and_a_late_ring_is_harmless():
+    bell = StepBell()
+    path = bell.address.removeprefix("ipc://")
+    assert os.path.exists(path)
+    rope = BellRope(bell.address)
+    bell.close()
+    assert not os.path.exists(path)
+    rope.ring()
+    rope.ring()  # nobody listens: dropped, never blocks
+    rope.close()
+    rope.ring()  # closed: nothing
+
+
+def test_without_an_address_ringing_does_nothing_and_the_sleep_is_plain(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / ("d" * 120)))  # too long for an ipc address
+    (tmp_path / ("d" * 120)).mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    bell = StepBell()
+    assert bell.address == ""
+    BellRope("").ring()
+    t0 = time.monotonic()
+    assert bell.sleep(0.2) is False and time.monotonic() - t0 >= 0.19
+    bell.close()

@@ -1,0 +1,112 @@
+"""Wake an idle engine step when a fetch ends (issue 29).
+
+A decode engine waiting for remote KV keeps stepping with nothing to compute, and
+each such step sleeps ``IDLE_POLL_S`` (``scheduler.py``) so that the polling does
+not starve the API server on a small machine. A fetch that ended during the sleep
+waited out the rest of it before a worker reported it in ``finished_recving``, and
+the request was scheduled in the step after that: 10 ms on average, 20 ms at worst,
+added to every PD request.
+
+The scheduler side binds a ``StepBell`` (an ipc PULL socket in the engine-core
+process) and sends its address to the workers in every step's metadata
+(``DCP2DMetadata.bell``); a worker's ``BellRope`` rings it whenever its receiver
+ends a fetch (or lifts a quarantine). The idle sleep waits on the bell, so it ends
+as soon as a worker has something to report.
+
+Why this keeps the starvation fix: a ring comes only from a finished fetch, so the
+idle steps still run at most once per ``IDLE_POLL_S`` plus once per fetch. No ring
+is needed for correctness: a ring that is lost (a worker on another host, where
+the ipc path does not exist; a bell that could not bind) costs what the sleep
+costs and nothing else. The ring is sent after the fetch's result is visible to
+``Receiver.poll`` and the bell is drained before the step that polls it, so a ring
+is never consumed by a step that cannot see its fetch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+
+import zmq
+
+from vllm_dcp2d.connector.bootstrap import socket
+
+__all__ = ["StepBell", "BellRope"]
+
+log = logging.getLogger(__name__)
+
+
+class StepBell:
+    """Scheduler side: ``sleep(timeout_s)`` returns early when a worker rings.
+
+    ``address`` is ``""`` when the socket could not be bound (e.g. a ``TMPDIR``
+    path longer than an ipc address may be); ``sleep`` then sleeps the whole time.
+    """
+
+    def __init__(self):
+        self.address, self._sock = "", None
+        path = os.path.join(tempfile.gettempdir(), f"dcp2d-bell-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            sock = socket(zmq.PULL)
+            sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as e:
+            sock.close()
+            log.warning("DCP2D: no step bell at ipc://%s (%s): idle steps sleep their full time", path, e)
+            return
+        self.address, self._sock = f"ipc://{path}", sock
+
+    def sleep(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for a ring; True if one came. Drains every
+        ring queued so far (one step reports every fetch that ended before it)."""
+        if self._sock is None:
+            time.sleep(timeout_s)
+            return False
+        if not self._sock.poll(max(0, int(timeout_s * 1000))):
+            return False
+        while True:
+            try:
+                self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):  # ZMQ removes it too, but later, on its I/O thread
+                os.unlink(self.address.removeprefix("ipc://"))
+
+
+class BellRope:
+    """Worker side: ``ring()`` from any thread; never blocks and never raises.
+
+    ``address``: a ``StepBell.address`` (``""``: ringing does nothing)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._lock = threading.Lock()
+        self._sock = None
+        if address:
+            self._sock = socket(zmq.PUSH)
+            self._sock.setsockopt(zmq.SNDHWM, 1)  # one queued ring wakes the step; more add nothing
+            self._sock.connect(address)
+
+    def ring(self) -> None:
+        with self._lock:
+            if self._sock is None:
+                return
+            try:
+                self._sock.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:  # a ring already queued (Again), or the bell is gone: the sleep ends anyway
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
