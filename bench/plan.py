@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-from vllm_dcp2d.connector.plan import plan_request
+from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.report import synthetic_request
 
 

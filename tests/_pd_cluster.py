@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from vllm_dcp2d.connector.plan import plan_request
+from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
 from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all

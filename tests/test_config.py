@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_dcp2d.connector.config import KEYS, ConfigError, DCP2DConfig, markdown_table, parse_extra_config
+from vllm_dcp2d.config import KEYS, ConfigError, DCP2DConfig, markdown_table, parse_extra_config
 
 
 def test_defaults():

@@ -11,16 +11,28 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from vllm_dcp2d.connector.config import DCP2DConfig  # noqa: E402
+from vllm_dcp2d.config import DCP2DConfig  # noqa: E402
 from vllm_dcp2d.connector.scheduler import SchedulerSide  # noqa: E402
 
 PAGE = 32
+
+
+_SIDES: list[SchedulerSide] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_sides():
+    """A consumer side binds a step bell (an ipc socket file): closed after each test."""
+    yield
+    while _SIDES:
+        _SIDES.pop().shutdown()
 
 
 def side(producer=False, consumer=False, **cfg):
     vc = NS(cache_config=NS(block_size=PAGE))
     s = SchedulerSide(vc, DCP2DConfig(bootstrap_port=4242, **cfg), "eng", producer, consumer)
     s.kv_cache_manager = NS(get_block_ids=lambda rid: ([10, 11, 12, 13, 14],))
+    _SIDES.append(s)
     return s
 
 
@@ -343,9 +355,13 @@ def test_consumer_idle_step_ends_when_a_worker_rings(monkeypatch):
     rope.ring()
     t0 = time.monotonic()
     assert s.build_connector_meta(sched_out()).bell == meta.bell
+    s.build_connector_meta(sched_out())  # after a ring: not slept (async scheduling reads the rung step later)
     assert time.monotonic() - t0 < 15.0
+    monkeypatch.setattr(scheduler, "IDLE_POLL_S", 0.3)
+    t0 = time.monotonic()
+    s.build_connector_meta(sched_out())  # and then the sleeps resume
+    assert time.monotonic() - t0 >= 0.29
     rope.close()
-    s.shutdown()
     assert side(producer=True).build_connector_meta(sched_out(tokens={"r": 1})).bell == ""  # only decode waits
 
 
@@ -363,4 +379,3 @@ def test_idle_steps_sleep_from_the_second_on(monkeypatch, producer):
     for n in pattern:
         s.build_connector_meta(sched_out(tokens={"r": n} if n else None))
     assert len(slept) == 3 and set(slept) == {scheduler.IDLE_POLL_S}  # steps 2, 3 and 6 (1-based)
-    s.shutdown()

@@ -21,7 +21,7 @@ import pytest
 from test_sender_pipelined import DST_IDS, FP, NUM_TOKENS, SRC_IDS, expected_layer, regions, wait_until
 
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
-from vllm_dcp2d.connector.config import DCP2DConfig
+from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, check_http_addr, start_http_bootstrap
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
 from vllm_dcp2d.connector.receiver import Receiver
@@ -44,7 +44,6 @@ def prefill():
         http = HttpBootstrap("127.0.0.1", 0, boot, "prefill-engine")
         recv = Receiver(td, regions(dst), FP, engine_id="D", dcp_size=2, dcp_rank=1,
                         buffers=[(dst.ctypes.data, dst.nbytes)], timeout_s=30.0, wait_s=20.0)
-        sender = None
         try:
             yield {"src": src, "dst": dst, "tp": tp, "boot": boot, "http": http, "recv": recv,
                    "start_sender": lambda: Sender(tp, regions(src), FP, engine_id="prefill-engine", cp_rank=0,

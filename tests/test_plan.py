@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.connector.plan import Descriptors, KVRegions, plan_path, plan_request
+from vllm_dcp2d.plan import Descriptors, KVRegions, plan_path, plan_request
 from vllm_dcp2d.layout import cdiv, cp_layer_owner, cp_layer_range
 
 ARENA = 1 << 32  # arena k owns fake addresses [k * ARENA, (k + 1) * ARENA)

@@ -123,7 +123,7 @@ class Decode:
     the producer's page format, into a buffer of its own."""
 
     def __init__(self, stack, sender, port: int):
-        from vllm_dcp2d.connector.plan import KVRegions
+        from vllm_dcp2d.plan import KVRegions
         from vllm_dcp2d.connector.receiver import Receiver
         from vllm_dcp2d.connector.transport import MooncakeTransport
 

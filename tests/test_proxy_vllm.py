@@ -152,7 +152,7 @@ def reference(c, prompt: list[int]) -> dict:
 @pytest.mark.parametrize("mode", ["nixl", "mooncake"])
 def test_vllm_router(cluster, mode):
     """vLLM's router in front, unchanged: the connector speaks both of its PD protocols."""
-    from vllm_dcp2d.connector.plan import plan_request
+    from vllm_dcp2d.plan import plan_request
     from vllm_dcp2d.report import synthetic_request
 
     c = cluster

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from vllm_dcp2d import demo
-from vllm_dcp2d.connector.plan import plan_request
+from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 from vllm_dcp2d.report import format_matrix, matrix_from_records, reshard_matrix, synthetic_request
 

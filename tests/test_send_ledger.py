@@ -5,13 +5,12 @@ callers do and checks the invariants after every step."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_dcp2d.connector import send_ledger
 from vllm_dcp2d.connector.messages import Fingerprint, ReleaseTransfer, TransferOutcome, TransferRequest
-from vllm_dcp2d.connector.plan import KVRegions, Memory
+from vllm_dcp2d.plan import KVRegions, Memory
 from vllm_dcp2d.connector.send_ledger import Attempt, SendLedger
 
 FP = Fingerprint("m", 2, 16, "uint8", 256, "test", "cfg")

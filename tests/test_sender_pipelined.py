@@ -14,7 +14,7 @@ from test_transfer_safety import deadline_now
 
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.messages import Fingerprint
-from vllm_dcp2d.connector.plan import KVRegions, plan_path
+from vllm_dcp2d.plan import KVRegions, plan_path
 from vllm_dcp2d.connector.receiver import Receiver
 from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.transport import MooncakeTransport

@@ -28,7 +28,7 @@ from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.codec import fields_to_wire
 from vllm_dcp2d.connector.messages import (PROTOCOL_VERSION, CancelTransfer, MessageError, QueryRanks, RankTable,
                                            Reply, TransferOutcome, TransferRequest, decode, encode)
-from vllm_dcp2d.connector.plan import Memory
+from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.connector.receiver import Receiver
 from vllm_dcp2d.connector.transport import MooncakeTransport
 

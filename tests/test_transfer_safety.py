@@ -21,7 +21,7 @@ from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
 from _fake_rank import FakeRank, outcome
 
 from vllm_dcp2d.connector.messages import Fingerprint, RegisterRank
-from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.plan import KVRegions
 from vllm_dcp2d.connector.receiver import Receiver
 from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.transport import MooncakeTransport, TransferError

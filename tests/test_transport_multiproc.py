@@ -187,7 +187,7 @@ _FAKE_KV = np.zeros((L, 8, 1024), np.uint8)  # never written: the request fails 
 def _fake_regions():
     from xfer_procs import regions
 
-    from vllm_dcp2d.connector.plan import Memory
+    from vllm_dcp2d.plan import Memory
     return regions(_FAKE_KV, range(L)), Memory([_FAKE_KV.ctypes.data], [_FAKE_KV.nbytes])
 
 

@@ -8,7 +8,7 @@ from _fake_rank import FakeRank
 
 from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
 from vllm_dcp2d.connector.messages import CancelTransfer, Fingerprint, RegisterRank
-from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.plan import KVRegions
 from vllm_dcp2d.connector.receiver import Receiver
 from vllm_dcp2d.connector.transport import MooncakeTransport
 

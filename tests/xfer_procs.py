@@ -38,7 +38,7 @@ def full_kv(num_layers: int, num_blocks: int, seed: int = 1234) -> np.ndarray:
 
 def regions(buf: np.ndarray, layer_ids):
     """KVRegions of ``buf`` (uint8 ``[len(layer_ids), blocks, STRIDE]``): K and V planes."""
-    from vllm_dcp2d.connector.plan import KVRegions
+    from vllm_dcp2d.plan import KVRegions
     layer_base = buf.ctypes.data + np.arange(len(layer_ids), dtype=np.int64) * buf.shape[1] * STRIDE
     return KVRegions(np.asarray(layer_ids), np.stack([layer_base, layer_base + V_OFF], axis=1),
                      np.array([STRIDE, STRIDE]), np.array([K_BYTES, V_BYTES]))

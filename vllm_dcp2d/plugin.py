@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_dcp2d.connector import CONNECTOR_NAME
+from vllm_dcp2d.config import CONNECTOR_NAME
 
 logger = logging.getLogger(__name__)
 

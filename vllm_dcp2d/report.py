@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dcp2d.connector.plan import Descriptors, KVRegions, plan_request
+from vllm_dcp2d.plan import Descriptors, KVRegions, plan_request
 from vllm_dcp2d.layout import _check_size, cdiv, cp_layer_range
 
 __all__ = ["synthetic_request", "reshard_matrix", "format_matrix", "matrix_from_records"]

@@ -1,9 +1,9 @@
-"""The KV connector: DCP2DConnector and the transfer path behind it.
+"""The KV connector: DCP2DConnector and the transfer path behind it (README, "Modules").
 
-The connector's name, as users write it in ``--kv-transfer-config``, lives here,
-in a module that imports nothing, so the plugin entry point and the vLLM glue can
-both name it without importing each other.
+Its name, as users write it in ``--kv-transfer-config``, lives in the leaf
+``vllm_dcp2d.config``, which the plugin entry point and the vLLM glue read too.
 """
 
-CONNECTOR_NAME = "DCP2DConnector"
-CONNECTOR_CLASS = ("vllm_dcp2d.connector.connector", "DCP2DConnector")  # module, class, for vLLM's factory
+from vllm_dcp2d.config import CONNECTOR_CLASS, CONNECTOR_NAME
+
+__all__ = ["CONNECTOR_CLASS", "CONNECTOR_NAME"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_dcp2d.connector.config import parse_extra_config
+from vllm_dcp2d.config import parse_extra_config
 from vllm_dcp2d.connector.prom import DCP2DPromMetrics
 from vllm_dcp2d.connector.metadata import DCP2DMetadata
 from vllm_dcp2d.connector.scheduler import SchedulerSide

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from vllm_dcp2d.connector.config import DCP2DConfig
+from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
 from vllm_dcp2d.connector.messages import MAX_NAME
 

@@ -65,8 +65,9 @@ METRICS: tuple[Metric, ...] = (
            "Seconds from a decode rank asking every prefill CP rank for a request's KV to the last answer "
            "(one observation per request and decode TP rank; successful fetches)."),
     Metric("vllm:dcp2d_fetch_reported_after_seconds", "histogram", False, "decode", "reported_after_seconds",
-           "Seconds an ended fetch waited for the engine step that reported it to vLLM's scheduler: PD latency "
-           "that is neither compute nor transfer (an idle step's sleep, ended early by the step bell)."),
+           "Seconds an ended fetch waited for the engine step that reported it to vLLM's scheduler, per decode "
+           "TP rank (a request waits for its slowest rank): PD latency that is neither compute nor transfer "
+           "(an idle step's sleep, ended early by the step bell)."),
     Metric("vllm:dcp2d_failed_fetches", "counter", False, "decode", "failed",
            "Fetches that ended with an error (length mismatches included); expiries are counted apart."),
     Metric("vllm:dcp2d_expired_requests", "counter", False, "both", "expired",

@@ -60,7 +60,7 @@ from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_even
 from vllm_dcp2d.connector.fetch_ledger import FetchLedger
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, ReleaseTransfer,
                                            Reply, TransferOutcome, TransferRequest, decode)
-from vllm_dcp2d.connector.plan import KVRegions, Memory, block_tables, blocks_within
+from vllm_dcp2d.plan import KVRegions, Memory, block_tables, blocks_within
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError"]

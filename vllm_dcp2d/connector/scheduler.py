@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_dcp2d.connector.config import DCP2DConfig
+from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
 from vllm_dcp2d.connector.step_bell import StepBell
@@ -219,10 +219,15 @@ class SchedulerSide:
             # during a sleep there waited for it (issue 29: +20 ms after every
             # colocated request on a prefill). Bounded all the same: one full-speed
             # step per stretch of work.
+            # After a ring the next idle step does not sleep either: under async
+            # scheduling the rung step's output (the finished fetch) is processed
+            # only after the next step is scheduled (step_bell).
+            rung = False
             if self.bell is not None:
-                self.bell.sleep(IDLE_POLL_S)
+                rung = self.bell.sleep(IDLE_POLL_S)
             else:
                 time.sleep(IDLE_POLL_S)
+            idle = not rung
         self._was_idle = idle
         meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted, releases=self._releases,
                              dropped=self._dropped, bell=self.bell.address if self.bell is not None else "")

@@ -60,7 +60,7 @@ from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
                                            decode, encode)
-from vllm_dcp2d.connector.plan import KVRegions, Memory, block_tables, plan_path
+from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
 from vllm_dcp2d.connector.send_ledger import Attempt, Request, SendLedger
 from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
 from vllm_dcp2d.layout import cdiv, cp_layer_range

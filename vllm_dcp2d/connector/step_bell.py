@@ -4,11 +4,11 @@ A decode engine waiting for remote KV keeps stepping with nothing to compute, an
 each such step sleeps ``IDLE_POLL_S`` (``scheduler.py``) so that the polling does
 not starve the API server on a small machine. A fetch that ended during the sleep
 waited out the rest of it before a worker reported it in ``finished_recving``, and
-the request was scheduled in the step after that: 10 ms on average, 20 ms at worst,
-added to every PD request.
+the request was scheduled once that step's output was processed: 10 ms on average,
+20 ms at worst, added to every PD request.
 
 The scheduler side binds a ``StepBell`` (an ipc PULL socket in the engine-core
-process) and sends its address to the workers in every step's metadata
+process, in Linux's abstract namespace: nothing on disk) and sends its address to the workers in every step's metadata
 (``DCP2DMetadata.bell``); a worker's ``BellRope`` rings it whenever its receiver
 ends a fetch (or lifts a quarantine). The idle sleep waits on the bell, so it ends
 as soon as a worker has something to report.
@@ -19,7 +19,10 @@ is needed for correctness: a ring that is lost (a worker on another host, where
 the ipc path does not exist; a bell that could not bind) costs what the sleep
 costs and nothing else. The ring is sent after the fetch's result is visible to
 ``Receiver.poll`` and the bell is drained before the step that polls it, so a ring
-is never consumed by a step that cannot see its fetch.
+is never consumed by a step that cannot see its fetch. Under async scheduling (two
+steps in flight) the step after a rung one would sleep again before the rung step's
+output is processed, so the scheduler lets the idle step after a ring run unslept
+too: still a bounded number of steps per finished fetch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -44,21 +48,29 @@ log = logging.getLogger(__name__)
 class StepBell:
     """Scheduler side: ``sleep(timeout_s)`` returns early when a worker rings.
 
-    ``address`` is ``""`` when the socket could not be bound (e.g. a ``TMPDIR``
-    path longer than an ipc address may be); ``sleep`` then sleeps the whole time.
+    address: where to bind; default a fresh name in Linux's abstract socket namespace
+    (no file to leave behind, whatever kills the process), elsewhere a file in the
+    temporary directory. ``.address`` is ``""`` when it could not be bound (a name
+    too long for an ipc address, no file descriptors left); ``sleep`` then sleeps
+    the whole time.
     """
 
-    def __init__(self):
+    def __init__(self, address: str | None = None):
+        if address is None:
+            name = f"dcp2d-bell-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            address = (f"ipc://@{name}" if sys.platform.startswith("linux")
+                       else f"ipc://{os.path.join(tempfile.gettempdir(), name)}")
         self.address, self._sock = "", None
-        path = os.path.join(tempfile.gettempdir(), f"dcp2d-bell-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        sock = None
         try:
             sock = socket(zmq.PULL)
-            sock.bind(f"ipc://{path}")
+            sock.bind(address)
         except zmq.ZMQError as e:
-            sock.close()
-            log.warning("DCP2D: no step bell at ipc://%s (%s): idle steps sleep their full time", path, e)
+            if sock is not None:
+                sock.close()
+            log.warning("DCP2D: no step bell at %s (%s): idle steps sleep their full time", address, e)
             return
-        self.address, self._sock = f"ipc://{path}", sock
+        self.address, self._sock = address, sock
 
     def sleep(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for a ring; True if one came. Drains every
@@ -78,8 +90,10 @@ class StepBell:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-            with contextlib.suppress(FileNotFoundError):  # ZMQ removes it too, but later, on its I/O thread
-                os.unlink(self.address.removeprefix("ipc://"))
+            path = self.address.removeprefix("ipc://")
+            if not path.startswith("@"):  # ZMQ removes the file too, but later, on its I/O thread
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 class BellRope:
@@ -92,9 +106,17 @@ class BellRope:
         self._lock = threading.Lock()
         self._sock = None
         if address:
-            self._sock = socket(zmq.PUSH)
-            self._sock.setsockopt(zmq.SNDHWM, 1)  # one queued ring wakes the step; more add nothing
-            self._sock.connect(address)
+            sock = None
+            try:
+                sock = socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 1)  # more rings only fill queues: StepBell.sleep drains them at once
+                sock.connect(address)
+            except zmq.ZMQError as e:
+                if sock is not None:
+                    sock.close()
+                log.warning("DCP2D: cannot ring the step bell at %s (%s): fetches wait for the idle sleep", address, e)
+                return
+            self._sock = sock
 
     def ring(self) -> None:
         with self._lock:

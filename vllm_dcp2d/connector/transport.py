@@ -42,7 +42,7 @@ import os
 import threading
 import time
 
-from vllm_dcp2d.connector.plan import Descriptors
+from vllm_dcp2d.plan import Descriptors
 
 __all__ = ["TransportError", "TransferError", "MooncakeTransport"]
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, start_http_bootstrap
-from vllm_dcp2d.connector.config import ConfigError, DCP2DConfig
+from vllm_dcp2d.config import ConfigError, DCP2DConfig
 from vllm_dcp2d.connector.messages import Fingerprint
 from vllm_dcp2d.connector.receiver import Fetch, Receiver
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec

@@ -127,7 +127,7 @@ def check_mooncake(device: str = "cuda") -> str:
     import numpy as np
     import torch
 
-    from vllm_dcp2d.connector.plan import plan_request
+    from vllm_dcp2d.plan import plan_request
     from vllm_dcp2d.connector.transport import MooncakeTransport
     from vllm_dcp2d.layout import cp_layer_range
     from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, kv_cache_layouts, logical_pages

@@ -6,7 +6,7 @@ refuses an instance that needs a patch that does not fit the installed vLLM,
 3-argument constructor, its stats and Prometheus bases), the scheduler's
 ``KVCacheBlocks`` / ``KVCacheManager`` / ``SchedulerOutput``, request statuses,
 parallel state and the KV cache tensor layouts of the CPU and GPU backends
-(``connector/page_format.py``).
+(``page_format.py``).
 
 Two pieces reach past the connector API; each is fenced below:
 
@@ -36,8 +36,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from vllm_dcp2d.connector.plan import KVRegions
-from vllm_dcp2d.connector import page_format
+from vllm_dcp2d import page_format
+from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.vllm_compat.instance import kv_replicated
 
 __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",
            "KVConnectorStats", "KVConnectorPromMetrics",
@@ -95,7 +96,7 @@ def group_sharded(kv_cache_config) -> list[bool]:
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
-    from vllm_dcp2d.connector.config import ConfigError
+    from vllm_dcp2d.config import ConfigError
 
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return [True]
@@ -196,12 +197,6 @@ def dcp_rank_size() -> tuple[int, int]:
     except AssertionError:  # group not initialized: no DCP
         return 0, 1
     return g.rank_in_group, g.world_size
-
-
-def kv_replicated(vllm_config) -> bool:
-    """Whether every TP rank holds the whole KV of each layer (MLA, or one KV head)."""
-    mc = vllm_config.model_config
-    return bool(mc.use_mla) or mc.get_total_num_kv_heads() == 1
 
 
 def check_interleave(vllm_config, resolved: bool = True) -> None:

@@ -38,32 +38,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from vllm_dcp2d.config import ConfigError, parse_extra_config
 from vllm_dcp2d.layout import StoragePlan
+from vllm_dcp2d.vllm_compat.instance import is_dcp2d, kv_replicated
 
 log = logging.getLogger(__name__)
 
 __all__ = ["StoragePlan", "storage_plan", "split_tensors", "get_kv_cache_configs", "install",
-           "layer_split_may_apply", "KV_CACHE_ARG", "hook_cache_writes", "unhook_cache_writes",
+           "KV_CACHE_ARG", "hook_cache_writes", "unhook_cache_writes",
            "graphs_capture_cache_writes"]
-
-
-def layer_split_may_apply(vllm_config) -> bool:
-    """Whether this is a DCP2D producer that asks for layer-split storage (``layer_split``
-    not "off", ``cp_size`` > 1); ``storage_plan`` decides whether it can apply."""
-    from vllm_dcp2d.connector.config import parse_extra_config
-    from vllm_dcp2d.vllm_compat.startup import is_dcp2d
-
-    if not is_dcp2d(vllm_config):
-        return False
-    kv = vllm_config.kv_transfer_config
-    cfg = parse_extra_config(kv.kv_connector_extra_config)
-    cp = cfg.cp_size or vllm_config.parallel_config.tensor_parallel_size
-    return kv.kv_role == "kv_producer" and cfg.layer_split != "off" and cp > 1
 
 
 def _fail_or_skip(mode: str, why: str) -> None:
     if mode == "on":
-        from vllm_dcp2d.connector.config import ConfigError
         raise ConfigError(f"kv_connector_extra_config['layer_split'] = 'on', but {why}. "
                           f"Set layer_split to 'auto' or 'off'.")
     log.info("DCP2D layer-split storage off: %s", why)
@@ -74,14 +61,9 @@ def storage_plan(vllm_config, num_layers: int) -> StoragePlan | None:
 
     Raises ``ConfigError`` when ``layer_split`` is ``"on"`` and it cannot apply.
     """
-    from vllm_dcp2d.vllm_compat.startup import is_dcp2d
-
     if not is_dcp2d(vllm_config):
         return None
     kv = vllm_config.kv_transfer_config
-    from vllm_dcp2d.connector.config import parse_extra_config
-    from vllm_dcp2d.vllm_compat.connector_api import kv_replicated
-
     cfg = parse_extra_config(kv.kv_connector_extra_config)
     mode = cfg.layer_split
     if mode == "off" or kv.kv_role != "kv_producer":

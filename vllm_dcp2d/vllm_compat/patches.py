@@ -20,6 +20,8 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm_dcp2d.vllm_compat.instance import layer_split_may_apply
+
 __all__ = ["Target", "Patch", "PATCHES", "SUPPORTED", "Unavailable", "installed_vllm_version"]
 
 SUPPORTED = ("0.32.0", "0.33.0")
@@ -119,14 +121,10 @@ def _mla_dcp_on_cpu(vllm_config) -> bool:
 
 
 def _cpu_backends(vllm_config) -> bool:
-    from vllm_dcp2d.vllm_compat.kv_cache import layer_split_may_apply
-
     return _cpu() and (_dcp(vllm_config) > 1 or layer_split_may_apply(vllm_config))
 
 
 def _layer_split(vllm_config) -> bool:
-    from vllm_dcp2d.vllm_compat.kv_cache import layer_split_may_apply
-
     return layer_split_may_apply(vllm_config)
 
 

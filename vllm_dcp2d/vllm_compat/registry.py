@@ -30,7 +30,7 @@ def register_connector() -> None:
     (a public vLLM API, the same in 0.32 and 0.33; idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from vllm_dcp2d.connector import CONNECTOR_CLASS, CONNECTOR_NAME
+    from vllm_dcp2d.config import CONNECTOR_CLASS, CONNECTOR_NAME
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, *CONNECTOR_CLASS)

@@ -75,7 +75,7 @@ def _active(vllm_config) -> bool:
         return False
     from vllm.platforms import current_platform
 
-    from vllm_dcp2d.vllm_compat.startup import is_dcp2d
+    from vllm_dcp2d.vllm_compat.instance import is_dcp2d
 
     return current_platform.is_cpu() or is_dcp2d(vllm_config)
 

@@ -31,18 +31,12 @@ from __future__ import annotations
 
 import logging
 
+from vllm_dcp2d.vllm_compat.instance import is_dcp2d, layer_split_may_apply
+
 log = logging.getLogger(__name__)
 
-__all__ = ["draft_backend", "install_mla_backend", "install_interleave", "is_dcp2d", "mla_backend",
+__all__ = ["draft_backend", "install_mla_backend", "install_interleave", "mla_backend",
            "resolve_interleave"]
-
-
-def is_dcp2d(vllm_config) -> bool:
-    """Whether this instance's KV connector is DCP2DConnector."""
-    from vllm_dcp2d.connector import CONNECTOR_NAME
-
-    kv = vllm_config.kv_transfer_config
-    return kv is not None and kv.kv_connector == CONNECTOR_NAME
 
 
 def mla_backend(vllm_config, amx: bool) -> str | None:
@@ -57,8 +51,6 @@ def mla_backend(vllm_config, amx: bool) -> str | None:
     where it can work (a DCP=1 decode or a producer without layer-split, with
     the same backend on the other side); elsewhere it raises ``ValueError``.
     """
-    from vllm_dcp2d.vllm_compat.kv_cache import layer_split_may_apply
-
     mc = vllm_config.model_config
     if not (is_dcp2d(vllm_config) and mc is not None and mc.use_mla and amx):
         return None

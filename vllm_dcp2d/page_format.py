@@ -30,7 +30,7 @@ import hashlib
 import numpy as np
 import torch
 
-from vllm_dcp2d.connector.plan import KVRegions
+from vllm_dcp2d.plan import KVRegions
 
 __all__ = ["kv_regions", "page_format", "kv_content", "order_digest", "MHA_BACKENDS", "MLA_BACKENDS"]
 
@@ -137,7 +137,7 @@ def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) 
 
     cpu_order: for CPU_ATTN, a callable returning its ISA and element-order digest.
     """
-    from vllm_dcp2d.connector.config import ConfigError
+    from vllm_dcp2d.config import ConfigError
 
     if cache_dtype not in ("auto", str(t.dtype).removeprefix("torch.")):
         raise ConfigError(f"DCP2DConnector moves unquantized KV only (a quantized page has scales outside it); "

@@ -1,5 +1,7 @@
-"""``kv_connector_extra_config`` of DCP2DConnector: parse and validate.
+"""DCP2DConnector's name and its ``kv_connector_extra_config``: parse and validate.
 
+A leaf (standard library only), so the plugin entry point, the vLLM glue
+(``vllm_compat``) and the connector all read it without importing each other.
 Every key, its type, default and meaning is in ``KEYS`` (the README table is
 generated from the same text). An unknown key or an invalid value raises
 ``ConfigError`` from the connector's constructor, which stops vLLM's start-up
@@ -10,7 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ConfigError", "DCP2DConfig", "KEYS", "parse_extra_config", "markdown_table"]
+__all__ = ["CONNECTOR_NAME", "CONNECTOR_CLASS", "ConfigError", "DCP2DConfig", "KEYS", "parse_extra_config",
+           "markdown_table"]
+
+CONNECTOR_NAME = "DCP2DConnector"  # as users write it in --kv-transfer-config
+CONNECTOR_CLASS = ("vllm_dcp2d.connector.connector", "DCP2DConnector")  # module, class, for vLLM's factory
 
 
 class ConfigError(ValueError):

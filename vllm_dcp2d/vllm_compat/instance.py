@@ -1,0 +1,36 @@
+"""What a ``VllmConfig`` says about this instance, as the plugin reads it (vLLM 0.32.0, 0.33.0).
+
+A leaf of ``vllm_compat`` (it imports no other module of it, and nothing of
+vLLM's), so the patch table, the start-up choices and the KV layout can all ask
+"is this a DCP2D instance, and does it want layer-split storage?" without
+importing each other.
+"""
+
+from __future__ import annotations
+
+from vllm_dcp2d.config import CONNECTOR_NAME, parse_extra_config
+
+__all__ = ["is_dcp2d", "kv_replicated", "layer_split_may_apply"]
+
+
+def is_dcp2d(vllm_config) -> bool:
+    """Whether this instance's KV connector is DCP2DConnector."""
+    kv = vllm_config.kv_transfer_config
+    return kv is not None and kv.kv_connector == CONNECTOR_NAME
+
+
+def kv_replicated(vllm_config) -> bool:
+    """Whether every TP rank holds the whole KV of each layer (MLA, or one KV head)."""
+    mc = vllm_config.model_config
+    return bool(mc.use_mla) or mc.get_total_num_kv_heads() == 1
+
+
+def layer_split_may_apply(vllm_config) -> bool:
+    """Whether this is a DCP2D producer that asks for layer-split storage (``layer_split``
+    not "off", ``cp_size`` > 1); ``kv_cache.storage_plan`` decides whether it can apply."""
+    if not is_dcp2d(vllm_config):
+        return False
+    kv = vllm_config.kv_transfer_config
+    cfg = parse_extra_config(kv.kv_connector_extra_config)
+    cp = cfg.cp_size or vllm_config.parallel_config.tensor_parallel_size
+    return kv.kv_role == "kv_producer" and cfg.layer_split != "off" and cp > 1
