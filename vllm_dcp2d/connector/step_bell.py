@@ -60,17 +60,8 @@ class StepBell:
             name = f"dcp2d-bell-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             address = (f"ipc://@{name}" if sys.platform.startswith("linux")
                        else f"ipc://{os.path.join(tempfile.gettempdir(), name)}")
-        self.address, self._sock = "", None
-        sock = None
-        try:
-            sock = socket(zmq.PULL)
-            sock.bind(address)
-        except zmq.ZMQError as e:
-            if sock is not None:
-                sock.close()
-            log.warning("DCP2D: no step bell at %s (%s): idle steps sleep their full time", address, e)
-            return
-        self.address, self._sock = address, sock
+        self._sock = _open(zmq.PULL, address, "no step bell", "idle steps sleep their full time")
+        self.address = address if self._sock is not None else ""
 
     def sleep(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for a ring; True if one came. Drains every
@@ -104,19 +95,8 @@ class BellRope:
     def __init__(self, address: str):
         self.address = address
         self._lock = threading.Lock()
-        self._sock = None
-        if address:
-            sock = None
-            try:
-                sock = socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDHWM, 1)  # more rings only fill queues: StepBell.sleep drains them at once
-                sock.connect(address)
-            except zmq.ZMQError as e:
-                if sock is not None:
-                    sock.close()
-                log.warning("DCP2D: cannot ring the step bell at %s (%s): fetches wait for the idle sleep", address, e)
-                return
-            self._sock = sock
+        self._sock = _open(zmq.PUSH, address, "cannot ring the step bell",
+                           "fetches wait for the idle sleep") if address else None
 
     def ring(self) -> None:
         with self._lock:
@@ -132,3 +112,23 @@ class BellRope:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+
+
+def _open(kind: int, address: str, what: str, then: str) -> zmq.Socket | None:
+    """A PULL socket bound to ``address``, or a PUSH socket connected to it; None (logged:
+    ``what`` failed, so ``then``) if ZMQ refuses (a name too long for ipc, no file
+    descriptors left)."""
+    sock = None
+    try:
+        sock = socket(kind)
+        if kind == zmq.PULL:
+            sock.bind(address)
+        else:
+            sock.setsockopt(zmq.SNDHWM, 1)  # more rings only fill queues: StepBell.sleep drains them at once
+            sock.connect(address)
+        return sock
+    except zmq.ZMQError as e:
+        if sock is not None:
+            sock.close()
+        log.warning("DCP2D: %s at %s (%s): %s", what, address, e, then)
+        return None
