@@ -1,6 +1,7 @@
 """Bootstrap registry over ZMQ (threads in one process; no Mooncake)."""
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -8,7 +9,7 @@ import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.bootstrap import BootstrapError, BootstrapServer, query_ranks, register_rank
-from vllm_dcp2d.connector.messages import Fingerprint, RankTable, RegisterRank, Reply, decode
+from vllm_dcp2d.connector.messages import Fingerprint, RankTable, RegisterRank, Reply, decode, encode
 
 pytestmark = pytest.mark.timeout(30)
 FP = Fingerprint("m", 5, 16, "bfloat16", 1024, "test", "cfg")
@@ -40,6 +41,28 @@ def test_inconsistent_ranks_rejected(server):
         register_rank(server.address, RegisterRank("P", 1, 2, "tcp://127.0.0.1:1001", other), 0.5)
     with pytest.raises(BootstrapError, match="cp_size 3, rank 0 has 'P' cp_size 2"):
         register_rank(server.address, RegisterRank("P", 1, 3, "tcp://127.0.0.1:1001", FP), 0.5)
+
+
+def test_a_refusal_outlives_a_later_silence():
+    """The server refuses once, then says nothing: the error names the refusal.
+    (The retry before the deadline gets no reply; on a loaded host the last retry
+    always gets too little time to be answered, and its 'no reply' used to replace
+    the server's reason.)"""
+    router = bs.socket(zmq.ROUTER)
+    address = bs.bind(router, "127.0.0.1")
+
+    def refuse_once():
+        ident, _ = router.recv_multipart()
+        router.send_multipart([ident, encode(Reply(False, "nope: page_size 16 vs 32"))])
+
+    t = threading.Thread(target=refuse_once, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(BootstrapError, match=r"nope: page_size 16 vs 32 \(then: no reply"):
+            register_rank(address, RegisterRank("P", 0, 1, "tcp://127.0.0.1:1000", FP), 0.5)
+    finally:
+        t.join(5)
+        router.close()
 
 
 def test_malformed_message_gets_error_and_server_keeps_serving(server):

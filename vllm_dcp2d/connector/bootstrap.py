@@ -174,12 +174,15 @@ def _retry(what: str, server: str, timeout_s: float, attempt):
     waiting as ``Backoff`` says."""
     deadline = time.monotonic() + timeout_s
     last = "no attempt"
+    answer = ""  # the server's last refusal: the reason worth reporting, even if
+    # a later attempt, cut short by the deadline, got no reply at all
     backoff = Backoff()
     wait = backoff.next()
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise BootstrapError(f"{what} via {server} failed within {timeout_s:.1f}s: {last}")
+            why = f"{answer} (then: {last})" if answer and last != answer else last
+            raise BootstrapError(f"{what} via {server} failed within {timeout_s:.1f}s: {why}")
         try:
             reply = attempt(min(left, wait))
         except BootstrapError as e:
@@ -188,7 +191,7 @@ def _retry(what: str, server: str, timeout_s: float, attempt):
         else:
             if not isinstance(reply, Reply) or reply.ok:
                 return reply
-            last = reply.reason
+            last = answer = reply.reason
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
