@@ -22,6 +22,13 @@ def test_all_keys():
     assert isinstance(cfg.transfer_timeout_s, float) and cfg.protocol == "rdma"
 
 
+def test_router_discovery_needs_the_http_address():
+    with pytest.raises(ConfigError, match=r"'router_discovery_address'\] = 'r:30001' needs .*'router_http_address'"):
+        parse_extra_config({"router_discovery_address": "r:30001"})
+    cfg = parse_extra_config({"router_discovery_address": "r:30001", "router_http_address": "10.0.0.1:8000"})
+    assert (cfg.router_discovery_address, cfg.router_http_address) == ("r:30001", "10.0.0.1:8000")
+
+
 def test_unknown_key_names_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown .*\['bootstarp_port'\].*valid keys: \[.*'bootstrap_port'"):
         parse_extra_config({"bootstarp_port": 1})
@@ -42,6 +49,10 @@ def test_unknown_key_names_valid_ones():
     ("stats_file", 1, "file path"),
     ("cpu_poll_sleep_us", -1, r"int in \[0, 100000\] microseconds"),
     ("cpu_poll_sleep_us", 0.5, "microseconds"),
+    ("router_discovery_address", "127.0.0.1", r'"host:port" \(port in \[1, 65535\]\) or ""'),
+    ("router_discovery_address", "tcp://127.0.0.1:30001", '"host:port"'),
+    ("router_http_address", "h:0", '"host:port"'),
+    ("router_http_address", 8000, '"host:port"'),
 ])
 def test_bad_values(key, value, expect):
     with pytest.raises(ConfigError, match=expect) as e:

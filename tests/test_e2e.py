@@ -9,9 +9,9 @@ is the non-disaggregated reference (``_pd_cluster.py``). Started once per module
 (~1 min on 2 cores) and always killed.
 
 Every instance runs on its own host where network namespaces can be made (root,
-``ip``; ``vllm_dcp2d/testing/netns.py``): prefill at 198.18.0.10, decode (DCP=2) at
-.11, decode1 (DCP=1) at .12, the proxies at .13, joined by a bridge; the test talks
-to them from the bridge, 198.18.0.1. Nothing is reachable over another host's
+``ip``; ``vllm_dcp2d/testing/netns.py``), in a /24 of 198.18.0.0/15 no interface
+uses: prefill at .10, decode (DCP=2) at .11, decode1 (DCP=1) at .12, the proxies at
+.13, joined by a bridge; the test talks to them from the bridge, .1. Nothing is reachable over another host's
 loopback, so every address that travels (``remote_bootstrap_addr`` in
 ``kv_transfer_params``, the CP ranks' side channels in the rank table, Mooncake
 session ids) must be the host's own. Elsewhere the cluster runs on loopback and the
@@ -22,6 +22,7 @@ faults, the proxy over four instances, speculative decoding, MLA).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -33,6 +34,7 @@ from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import QueryRanks, RankTable
 from vllm_dcp2d.testing.harness import kv_cache_usage, post_json, read_stats
 from vllm_dcp2d.testing.netns import Hosts, unavailable
+from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -40,9 +42,8 @@ WHY_NOT_HOSTS = unavailable()  # None where network namespaces can be made
 HOSTS = ["prefill", "decode", "decode1", "proxy"]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    work = tmp_path_factory.mktemp("e2e")
+@contextlib.contextmanager
+def _start(work):
     if WHY_NOT_HOSTS:
         with pd_cluster(work) as c:
             yield c
@@ -53,6 +54,11 @@ def cluster(tmp_path_factory):
 
         with pd_cluster(work, place) as c:
             yield {**c, "hosts": hosts}
+
+
+# one cluster for the module's tests, checked before each and started again if a test broke
+# it (testing/shared.py)
+shared, cluster = fixtures("e2e", lambda work: _start(work))
 
 
 @pytest.fixture

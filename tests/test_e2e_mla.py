@@ -19,6 +19,7 @@ colocated reference would flip near-tied tokens for reasons that are not ours.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -28,6 +29,7 @@ from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
 from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -68,11 +70,15 @@ def _served(c, which: str, prompt: list[int], dcp: int) -> list[int] | None:
     return out["choices"][0]["token_ids"]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+# one cluster for the module's tests, checked before each and started again if a test broke
+# it (testing/shared.py)
+shared, cluster = fixtures("e2e_mla", lambda work: _start(work))
+
+
+@contextlib.contextmanager
+def _start(work):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
-    work = tmp_path_factory.mktemp("e2e_mla")
     model = build_tiny_model("deepseek-v2-mla", work / "model", dtype="float32")
     stats = work / "stats.jsonl"
     common = {"stats_file": str(stats)}

@@ -18,6 +18,7 @@ instance without speculation or connector.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -25,6 +26,7 @@ from _pd_cluster import stalled
 
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.testing.shared import SharedCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -63,8 +65,22 @@ def plain(work):
 
 
 @pytest.fixture(scope="module", params=["draft_model", "eagle"])
-def cluster(request, work, plain):
-    kind, model, root = request.param, work["model"], work["root"] / f"pd-{request.param}"
+def shared(request, work, plain):
+    """One PD cluster per draft kind (``testing/shared.py``): checked before each test,
+    started again in a fresh directory if a test broke it."""
+    starts = iter(range(1, 1000))
+    with SharedCluster(lambda: _start(request.param, work, plain, next(starts))) as s:
+        yield s
+
+
+@pytest.fixture
+def cluster(shared, plain):
+    return {**shared.get(), "plain": plain}
+
+
+@contextlib.contextmanager
+def _start(kind, work, plain, n):
+    model, root = work["model"], work["root"] / f"pd-{kind}-{n}"
     root.mkdir()
     stats = root / "stats.jsonl"
     spec = ("--speculative-config", json.dumps({"method": kind, "model": work["eagle"] if kind == "eagle" else model,
@@ -81,7 +97,7 @@ def cluster(request, work, plain):
         for p in procs:
             p.start()
         wait_all([plain, *procs], timeout_s=600)
-        yield {"kind": kind, "model": model, "stats": stats, "proxy": proxy, "plain": plain, "decode": decode}
+        yield {"kind": kind, "model": model, "stats": stats, "proxy": proxy, "decode": decode}
     finally:
         for p in procs:
             p.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_dcp2d.testing.faults import FaultCluster, FaultConfig
+from vllm_dcp2d.testing.shared import SharedCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -21,9 +22,17 @@ REQUESTS = 12  # per fault: two waves of the 6 clients
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with FaultCluster(tmp_path_factory.mktemp("faults"), FaultConfig()) as c:
-        yield c
+def shared(tmp_path_factory):
+    """One cluster for the four faults (``testing/shared.py``): each fault restarts what
+    it killed; if one leaves a server dead or frozen, the next starts on a new cluster."""
+    with SharedCluster(lambda: FaultCluster(tmp_path_factory.mktemp("faults"), FaultConfig()),
+                       servers=lambda c: c.procs.values()) as s:
+        yield s
+
+
+@pytest.fixture
+def cluster(shared):
+    return shared.get()
 
 
 def report(r) -> str:

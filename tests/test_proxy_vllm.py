@@ -9,6 +9,9 @@ kind), started once for the module:
   parameters with a ``transfer_id``). Plain and streamed: greedy tokens equal the
   non-disaggregated answer, every request's KV fetched (bytes equal the plan), both
   instances of each kind used, KV usage back to 0 everywhere.
+* vLLM's router with no instance list (``--vllm-discovery-address``): every instance
+  registers itself (``router_discovery_address``), and a decode instance started
+  under load joins it and, stopped, leaves it.
 * Our proxy (last: it kills a decode): load spreads over both instances of each
   kind, greedy tokens equal the non-disaggregated answer (the prefill instance asked
   without ``kv_transfer_params``), a decode instance killed with SIGKILL while it
@@ -25,10 +28,13 @@ decode asks the prefill ranks by the transfer key while the prefill may still ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import itertools
 import signal
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +44,7 @@ import pytest
 from vllm_dcp2d.proxy.metrics import METRICS, PREFIX
 from vllm_dcp2d.testing.harness import (Process, bin_path, free_port, kv_cache_usage, post_json, read_stats,
                                         router_server, vllm_server, wait_all)
+from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
@@ -51,7 +58,8 @@ def ids(n: int, seed: int) -> list[int]:
 
 PROMPTS = [ids(20 + 5 * i, i + 1) for i in range(11)]  # distinct: no decode has any cached
 ROUTER_PROMPTS = {mode: [ids(40 + 7 * i, 100 + 10 * k + i) for i in range(4)]  # none of PROMPTS'
-                  for k, mode in enumerate(("nixl", "mooncake"))}
+                  for k, mode in enumerate(("nixl", "mooncake", "discovery"))}
+LOAD_PROMPTS = [ids(30 + 9 * i, 200 + i) for i in range(6)]  # the membership test's clients
 PAGE_BYTES = PAGE * 2 * 32 * 4  # 1 KV head x (K+V) x head_dim 32 x fp32, per token per layer
 LAYERS = 4
 
@@ -98,18 +106,31 @@ def fetched(stats_path) -> list[dict]:
     return [r for r in read_stats(stats_path) if r["side"] == "consumer" and r.get("ok")]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+# one cluster for the module's tests, checked before each and started again if a test broke
+# it (the kill test breaks it on purpose, and runs last) (testing/shared.py)
+shared, cluster = fixtures("proxy_vllm", lambda work: _start(work))
+
+
+@contextlib.contextmanager
+def _start(tmp_path):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
-    tmp_path = tmp_path_factory.mktemp("proxy_vllm")
     model = build_tiny_model("llama-mqa", tmp_path / "model")
     common = {"dtype": "float32", "block_size": PAGE, "tp": 1}
-    prefill = [vllm_server(f"prefill{i}", model, free_port(), tmp_path, role="kv_producer", **common,
-                           extra_config={"bootstrap_port": free_port(), "stats_file": str(tmp_path / f"p{i}.jsonl")})
+    disc = f"127.0.0.1:{free_port()}"  # every instance also registers with the discovery router
+
+    def joins(port: int) -> dict:
+        return {"router_discovery_address": disc, "router_http_address": f"127.0.0.1:{port}"}
+
+    ports = [free_port() for _ in range(4)]
+    prefill = [vllm_server(f"prefill{i}", model, ports[i], tmp_path, role="kv_producer", **common,
+                           extra_config={"bootstrap_port": free_port(), "stats_file": str(tmp_path / f"p{i}.jsonl"),
+                                         **joins(ports[i])})
                for i in range(2)]
-    decode = [vllm_server(f"decode{i}", model, free_port(), tmp_path, role="kv_consumer", failure_policy="recompute",
-                          **common, extra_config={"transfer_timeout_s": 120.0, "stats_file": str(tmp_path / f"d{i}.jsonl")})
+    decode = [vllm_server(f"decode{i}", model, ports[2 + i], tmp_path, role="kv_consumer",
+                          failure_policy="recompute", **common,
+                          extra_config={"transfer_timeout_s": 120.0, "stats_file": str(tmp_path / f"d{i}.jsonl"),
+                                        **joins(ports[2 + i])})
               for i in range(2)]
 
     def proxy(name: str, *flags: str) -> Process:
@@ -126,6 +147,8 @@ def cluster(tmp_path_factory):
     px_pipe = proxy("proxy_pipelined", "--health-interval", "0", "--pipelined")
     routers = {mode: router_server(free_port(), prefill, decode, tmp_path, mode, name=f"router_{mode}")
                for mode in ("nixl", "mooncake")}
+    # no instance list: it serves once the instances registered (its /health answers 503 before)
+    routers["discovery"] = router_server(free_port(), [], [], tmp_path, name="router_discovery", discovery=disc)
     # the proxies and routers start beside the instances, as users start them: a proxy serves an
     # instance that came up after it (it polls a kind again when it finds none in rotation); the
     # router in Mooncake mode asks each prefill's /query until it answers
@@ -135,7 +158,7 @@ def cluster(tmp_path_factory):
             p.start()
         wait_all(procs, 840)
         yield {"tmp": tmp_path, "model": model, "prefill": prefill, "decode": decode, "px": px,
-               "px_nohealth": px_nohealth, "px_pipe": px_pipe, "routers": routers}
+               "px_nohealth": px_nohealth, "px_pipe": px_pipe, "routers": routers, "joins": joins}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -149,9 +172,10 @@ def reference(c, prompt: list[int]) -> dict:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["nixl", "mooncake"])
+@pytest.mark.parametrize("mode", ["nixl", "mooncake", "discovery"])
 def test_vllm_router(cluster, mode):
-    """vLLM's router in front, unchanged: the connector speaks both of its PD protocols."""
+    """vLLM's router in front, unchanged: the connector speaks both of its PD protocols, and
+    the instances join a router that has no list of them (``router_discovery_address``)."""
     from vllm_dcp2d.plan import plan_request
     from vllm_dcp2d.report import synthetic_request
 
@@ -179,6 +203,72 @@ def test_vllm_router(cluster, mode):
         assert all(r["transfer_key"].startswith("xfer-") for r in new), new
     # no instance holds KV for these requests any more
     for p in (*c["prefill"], *c["decode"]):
+        wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
+
+
+@pytest.mark.timeout(900)
+def test_router_discovery_membership_under_load(cluster):
+    """A decode instance joins vLLM's router while two clients keep sending, then is
+    stopped (SIGTERM) and leaves. No request fails while it joins (it registers only
+    once its /health answers), it fetches KV once it is in, and after it stops only
+    requests the router sent it before dropping it (at most 5 s after its last
+    registration; the router does not retry) may fail, each with an HTTP error. Every
+    200 is the non-disaggregated answer."""
+    c = cluster
+    url = c["routers"]["discovery"].url
+    refs = [reference(c, p)["token_ids"] for p in LOAD_PROMPTS]
+    port = free_port()
+    added = vllm_server("decode2", c["model"], port, c["tmp"], role="kv_consumer", failure_policy="recompute",
+                        dtype="float32", block_size=PAGE, tp=1,
+                        extra_config={"transfer_timeout_s": 120.0, "stats_file": str(c["tmp"] / "d2.jsonl"),
+                                      **c["joins"](port)})
+    results = []  # (sent at, answered at, status, right answer)
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        for n in itertools.count(k, 2):
+            if stop.is_set():
+                return
+            i = n % len(LOAD_PROMPTS)
+            t = time.monotonic()
+            try:
+                status, out = post_json(url + "/v1/completions", body(c["model"], LOAD_PROMPTS[i]), timeout_s=120)
+            except OSError as e:  # the router itself must answer every request
+                results.append((t, time.monotonic(), f"no answer: {e}", False))
+                continue
+            right = status == 200 and out["choices"][0]["token_ids"] == refs[i]
+            results.append((t, time.monotonic(), status, right))
+
+    with ThreadPoolExecutor(2) as pool:
+        clients = [pool.submit(client, k) for k in (0, 1)]
+        try:
+            added.start()
+            wait_all([added], 600)
+            wait_for("decode2 fetching", lambda: len(fetched(c["tmp"] / "d2.jsonl")) >= 2, 120)
+            t_stop = time.monotonic()
+            # SIGTERM; vLLM's HTTP server then waits for its open requests, whose engine it
+            # has already stopped: SIGKILL after 3 s
+            added.stop(timeout_s=3)
+            t_gone = time.monotonic() + 6  # dropped 5 s after its last registration at the latest
+            wait_for("requests after decode2 left", lambda: sum(t > t_gone for t, *_ in results) >= 4, 120)
+        finally:
+            stop.set()
+            added.stop()
+        for f in clients:
+            f.result(timeout=300)
+    wrong = [r for r in results if r[2] == 200 and not r[3]]
+    assert not wrong, f"200 with a wrong answer: {wrong}"
+    before = [r for r in results if r[1] < t_stop]                 # answered before the stop
+    after = [r for r in results if r[0] >= t_gone]                 # sent once the router had dropped it
+    window = [r for r in results if r not in before and r not in after]
+    assert before and all(s == 200 for _, _, s, _ in before), f"failed while decode2 joined: {before}"
+    assert all(isinstance(s, int) and s >= 400 for _, _, s, _ in window if s != 200), window
+    assert after and all(s == 200 for _, _, s, _ in after), f"failed after decode2 left: {after}"
+    failed = [r for r in window if r[2] != 200]
+    print(f"membership under load: {len(before)} answered while decode2 joined and served, {len(window)} around "
+          f"its stop ({len(failed)} failed, the last sent {max((r[0] - t_stop for r in failed), default=0):.1f} s "
+          f"after the stop), {len(after)} after; decode2 fetched {len(fetched(c['tmp'] / 'd2.jsonl'))}")
+    for p in c["decode"]:
         wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
 
 

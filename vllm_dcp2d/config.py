@@ -41,6 +41,8 @@ class DCP2DConfig:
     local_hostname: str = "127.0.0.1"
     stats_file: str = ""
     cpu_poll_sleep_us: int = 500
+    router_discovery_address: str = ""
+    router_http_address: str = ""
 
 
 # key -> (role it matters to, doc). Order is the README's order.
@@ -108,6 +110,13 @@ KEYS: dict[str, tuple[str, str]] = {
                           "polls instead of spinning (their latency grows by at most this). Without it, "
                           "every TP worker of an instance that holds or awaits KV spins a core, starving "
                           "the transfers on small hosts. 0 keeps vLLM's spinning; ignored on GPU hosts."),
+    "router_discovery_address": ("both", "`host:port` of vllm-router's `--vllm-discovery-address`: the instance "
+                                 "joins that router (a prefill as `P`, a decode as `D`) by registering "
+                                 "`router_http_address` every 2 s while it answers `/health`, and leaves by "
+                                 "stopping (the router drops it 5 s after the last). `\"\"` (default): off."),
+    "router_http_address": ("both", "`host:port` the router sends this instance's requests to (its "
+                            "`vllm serve --host/--port`, as reachable from the router); needed with "
+                            "`router_discovery_address`."),
 }
 
 assert list(KEYS) == [f.name for f in fields(DCP2DConfig)]
@@ -124,6 +133,13 @@ def _is_int(v) -> bool:
 
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _host_port(v) -> bool:
+    if not isinstance(v, str) or ":" not in v or "/" in v:
+        return False
+    host, port = v.rsplit(":", 1)
+    return host.strip() != "" and port.isdigit() and 1 <= int(port) <= 65535
 
 
 def parse_extra_config(extra: dict | None) -> DCP2DConfig:
@@ -170,7 +186,14 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "protocol" in extra:
         v = extra["protocol"]
         _expect("protocol", v, v in ("tcp", "rdma"), 'one of "tcp", "rdma"')
+    for key in ("router_discovery_address", "router_http_address"):
+        if key in extra:
+            _expect(key, extra[key], extra[key] == "" or _host_port(extra[key]), '"host:port" (port in [1, 65535]) or ""')
     cfg = DCP2DConfig(**extra)
+    if cfg.router_discovery_address and not cfg.router_http_address:
+        raise ConfigError(f"kv_connector_extra_config['router_discovery_address'] = {cfg.router_discovery_address!r} "
+                          "needs kv_connector_extra_config['router_http_address']: expected the \"host:port\" the "
+                          "router sends this instance's requests to (its vllm serve --host/--port)")
     if cfg.transfer_timeout_s > cfg.max_transfer_timeout_s:
         raise ConfigError(f"kv_connector_extra_config['transfer_timeout_s'] = {cfg.transfer_timeout_s}: expected "
                           f"at most max_transfer_timeout_s = {cfg.max_transfer_timeout_s}")

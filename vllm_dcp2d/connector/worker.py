@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
+from vllm_dcp2d.connector.discovery import Registration, registration
 from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.config import ConfigError, DCP2DConfig
 from vllm_dcp2d.connector.messages import Fingerprint
@@ -92,6 +93,7 @@ class WorkerSide:
         self.transport: MooncakeTransport | None = None
         self.bootstrap: BootstrapServer | None = None
         self.http_bootstrap: HttpBootstrap | None = None
+        self.registration: Registration | None = None  # with vllm-router's discovery (TP rank 0)
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
         self.rope = BellRope("")  # rings the scheduler's step bell once a step names it
@@ -186,6 +188,8 @@ class WorkerSide:
                                      timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
                                      cancel_grace_s=self.cfg.cancel_grace_s, on_output=self._ring)
             log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d", self.tp_rank, self.dcp_rank, self.dcp_size)
+        if self.tp_rank == 0:  # last: the router may send requests from now on
+            self.registration = registration(self.cfg, self.is_producer, self.is_consumer)
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -418,7 +422,7 @@ class WorkerSide:
         if self.layer_split is not None:
             unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
             self.layer_split = None
-        for part in (self.receiver, self.sender, self.http_bootstrap, self.bootstrap):
+        for part in (self.registration, self.receiver, self.sender, self.http_bootstrap, self.bootstrap):
             if part is not None:
                 try:
                     part.close()
@@ -427,7 +431,7 @@ class WorkerSide:
         if self.transport is not None:
             self.transport.close()
         self.rope.close()
-        self.receiver = self.sender = self.bootstrap = self.transport = None
+        self.registration = self.receiver = self.sender = self.bootstrap = self.transport = None
 
 
 @contextlib.contextmanager

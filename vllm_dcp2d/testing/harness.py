@@ -250,14 +250,18 @@ def extra_config(p: Process) -> dict:
 
 
 def router_server(port: int, prefill: list[Process], decode: list[Process], log_dir: Path, mode: str = "nixl",
-                  name: str = "router", host: str = "127.0.0.1") -> Process:
+                  name: str = "router", host: str = "127.0.0.1", discovery: str = "") -> Process:
     """vLLM's router (``vllm-router``, pip ``vllm-router``) in PD mode in front of the given
     ``vllm_server`` instances, speaking ``mode``'s request protocol: ``"nixl"`` (the decode
     gets the prefill's ``kv_transfer_params`` verbatim) or ``"mooncake"`` (the router asks
-    each prefill's HTTP bootstrap ``GET /query`` and builds the decode's parameters)."""
+    each prefill's HTTP bootstrap ``GET /query`` and builds the decode's parameters).
+    ``discovery`` ("host:port"): no instance list; the router takes the instances that
+    register there (``router_discovery_address``; its protocol is the nixl one)."""
     cmd = [bin_path("vllm-router"), "--vllm-pd-disaggregation", "--kv-connector", mode, "--policy", "round_robin",
            "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port", str(free_port()),
            "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2"]
+    if discovery:
+        cmd += ["--vllm-discovery-address", discovery]
     for p in prefill:
         cmd += ["--prefill", p.url] + ([str(extra_config(p)["http_bootstrap_port"])] if mode == "mooncake" else [])
     for d in decode:
