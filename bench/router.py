@@ -1,8 +1,9 @@
 """The PD fronts side by side, and the prefill's KV after decodes that failed (issue 27).
 
 Part 1 starts the demo's cluster on loopback (tiny ``llama-mqa`` in float32: prefill
-TP=2 = 2 layer-split CP ranks, decode TP=2 DCP=2) with three fronts: our proxy,
-vLLM's router in NIXL mode and in Mooncake mode (``vllm-router`` 0.1.17), and sends
+TP=2 = 2 layer-split CP ranks, decode TP=2 DCP=2) with four fronts: our proxy,
+vLLM's router in NIXL mode, in Mooncake mode and with no instance list, the
+instances registering with it (``router_discovery_address``; ``vllm-router`` 0.1.17), and sends
 the same ``--requests`` prompts through each, one after another, front by front
 in turn, with every answer checked against the prefill's own (after one warm-up call
 per front, not counted). Printed per front: end-to-end p50 / p99 / max.
@@ -55,14 +56,17 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def fronts(work: Path, model: str, n: int) -> None:
-    prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE,
+    disc, ports = f"127.0.0.1:{free_port()}", (free_port(), free_port())
+    joins = [{"router_discovery_address": disc, "router_http_address": f"127.0.0.1:{p}"} for p in ports]
+    prefill = vllm_server("prefill", model, ports[0], work, role="kv_producer", tp=2, block_size=PAGE,
                           dtype="float32", extra_config={"bootstrap_port": free_port(),
-                                                         "send_timeout_s": SEND_TIMEOUT_S})
-    decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=2, block_size=PAGE,
-                         dtype="float32", extra_config={"transfer_timeout_s": 60.0})
+                                                         "send_timeout_s": SEND_TIMEOUT_S, **joins[0]})
+    decode = vllm_server("decode", model, ports[1], work, role="kv_consumer", tp=2, dcp=2, block_size=PAGE,
+                         dtype="float32", extra_config={"transfer_timeout_s": 60.0, **joins[1]})
     front = {"proxy": proxy_server(free_port(), [prefill.url], [decode.url], work),
              "router nixl": router_server(free_port(), [prefill], [decode], work, "nixl", "router_nixl"),
-             "router mooncake": router_server(free_port(), [prefill], [decode], work, "mooncake", "router_mc")}
+             "router mooncake": router_server(free_port(), [prefill], [decode], work, "mooncake", "router_mc"),
+             "router discovery": router_server(free_port(), [], [], work, name="router_disc", discovery=disc)}
     procs = [prefill, decode, *front.values()]
     try:
         for p in procs:

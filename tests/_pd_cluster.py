@@ -27,6 +27,12 @@ PAGE_BYTES = PAGE * 2 * 32 * 4  # 1 KV head x (K+V) x head_dim 32 x fp32, per to
 MAX_TOKENS = 12
 EXPIRY_S = 4.0
 DCP = 2
+# Both decodes get the same KV memory per rank, 34 pages of 32 tokens (1,088 tokens): decode1
+# (DCP=1) can then be started for at most 1,024-token requests, decode (DCP=2, a page on each
+# rank in turn) for 2,048. LONG fits only there (test_e2e.py, the design's capacity win).
+DECODE_KV_BYTES = 34 * LAYERS * PAGE_BYTES
+DECODE_MAX_LEN = {1: 1024, DCP: 2048}
+LONG = 1600
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -109,13 +115,15 @@ def pd_cluster(work, place=loopback):
         return {"host": host, "netns": netns}
 
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE,
-                          dtype=DTYPE, engine_id="prefill", **at("prefill"),
+                          dtype=DTYPE, engine_id="prefill", max_model_len=DECODE_MAX_LEN[DCP], **at("prefill"),
                           extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, dtype=DTYPE,
-                         block_size=PAGE, **at("decode"),
+                         block_size=PAGE, kv_cache_bytes=DECODE_KV_BYTES, max_model_len=DECODE_MAX_LEN[DCP],
+                         **at("decode"),
                          extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     decode1 = vllm_server("decode1", model, free_port(), work, role="kv_consumer", tp=2, block_size=PAGE,
-                          dtype=DTYPE, failure_policy="recompute", **at("decode1"),
+                          dtype=DTYPE, failure_policy="recompute", kv_cache_bytes=DECODE_KV_BYTES,
+                          max_model_len=DECODE_MAX_LEN[1], **at("decode1"),
                           extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy", **at("proxy"))
     proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1", **at("proxy"))

@@ -319,6 +319,22 @@ def test_consumer_releases_a_request_finished_before_admission(status):
     assert s.build_connector_meta(sched_out()).releases == {}
 
 
+def test_a_request_the_front_end_refused_is_released_with_the_producers_count():
+    """vLLM's front end refusing a request (longer than max_model_len, say) hands the
+    connector a pre-aborted one-token stand-in with the request's ``kv_transfer_params``
+    (``notify_kv_transfer_request_rejected``): the release names the prompt length the
+    producer gave (``remote_num_tokens``), which is what the producer checks it against;
+    without one, the stand-in's own."""
+    s = side(consumer=True)
+    stand_in = request(n=1, params={**REMOTE, "remote_num_tokens": 1600}, status=RequestStatus.FINISHED_ABORTED)
+    assert s.request_finished(stand_in, ([],)) == (False, None)
+    assert s.build_connector_meta(sched_out()).releases["r"].num_tokens == 1600
+    for bad in (None, "1600", -3, True):
+        params = {**REMOTE, **({} if bad is None else {"remote_num_tokens": bad})}
+        s.request_finished(request(n=1, params=params, status=RequestStatus.FINISHED_ABORTED), ([],))
+        assert s.build_connector_meta(sched_out()).releases["r"].num_tokens == 1, bad
+
+
 def test_consumer_does_not_release_what_it_loads_or_cannot_address():
     s = side(consumer=True)
     s.update_state_after_alloc(request(params=dict(REMOTE)), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 36)

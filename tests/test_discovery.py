@@ -7,6 +7,9 @@ the decode verbatim, drops a decode that fell silent, and takes one that joined.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -119,9 +122,22 @@ def test_nothing_queued_while_the_router_is_away(fakes):
     assert reg.sent == 0 and not reg._thread.is_alive()
 
 
-def test_bad_kinds_are_refused():
+def test_bad_kinds_and_addresses_are_refused_by_name():
     with pytest.raises(ValueError, match=r"kinds \('X',\): expected one or both of 'P', 'D'"):
         Registration("127.0.0.1:1", "127.0.0.1:2", ("X",), "")
+    with pytest.raises(ValueError, match=r"router_discovery_address 'no such host:1': ZMQ cannot connect"):
+        Registration("no such host:1", "127.0.0.1:2", ("D",), "")
+
+
+def test_health_is_asked_directly_not_through_a_proxy(fakes):
+    """A fresh process with ``http_proxy`` set (urllib's default opener would use it)."""
+    inst = fakes("D")
+    code = f"from vllm_dcp2d.connector.discovery import healthy; print(healthy({inst.address!r}))"
+    env = {**os.environ, "http_proxy": "http://127.0.0.1:9", "no_proxy": ""}  # nothing listens on :9
+    for health, want in ((200, "True"), (503, "False")):
+        inst.health = health
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == want, out
 
 
 def _complete(url: str) -> tuple[int, dict | str]:

@@ -27,12 +27,12 @@ import time
 
 import pytest
 
-from _pd_cluster import (DCP, EXPIRY_S, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
+from _pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
                          complete, expected_bytes, ids, pd_cluster, prompts, stalled, tokens)
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import QueryRanks, RankTable
-from vllm_dcp2d.testing.harness import kv_cache_usage, post_json, read_stats
+from vllm_dcp2d.testing.harness import kv_cache_usage, kv_capacity, post_json, read_stats
 from vllm_dcp2d.testing.netns import Hosts, unavailable
 from vllm_dcp2d.testing.shared import fixtures
 
@@ -96,6 +96,37 @@ def test_streaming(cluster):
             if line.startswith("data: ") and line != "data: [DONE]":
                 text += json.loads(line[6:])["choices"][0]["text"]
     assert text == ref["choices"][0]["text"]
+
+
+@pytest.mark.timeout(600)
+def test_a_request_too_long_for_one_decode_rank(cluster):
+    """The capacity win the design exists for. Both decodes have the same KV memory per rank
+    (``DECODE_KV_BYTES``): a request of ``LONG`` tokens does not fit decode1 (DCP=1), which
+    refuses it (vLLM cannot start it for requests longer than its memory holds), and fits
+    decode (DCP=2, half its pages on each rank), which answers it through PD with the
+    colocated answer, every path moving the plan's bytes. The refused request's prefill
+    blocks are released at once, well before ``claim_timeout_s`` (30 s): vLLM's front end
+    hands decode1's connector a one-token stand-in of the refused request, whose release
+    names the prefill's count (it used to be ignored as a reused key and to hold the
+    blocks for ``send_timeout_s``, 600 s here)."""
+    c = cluster
+    prompt = ids(LONG, 41)
+    assert kv_capacity(c["decode1"]) < LONG + MAX_TOKENS <= kv_capacity(c["decode"]), \
+        (kv_capacity(c["decode1"]), kv_capacity(c["decode"]))
+    ref = complete(c["prefill"].url, c["model"], prompt)
+    status, out = post_json(c["proxy1"].url + "/v1/completions",
+                            {"model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0},
+                            timeout_s=300)
+    assert status == 400 and "maximum context length is 1024" in str(out), (status, out)
+    refused = time.monotonic()
+    while kv_cache_usage(c["prefill"].url) != 0.0:
+        assert time.monotonic() - refused < 15, "the prefill still holds the refused request's blocks"
+        time.sleep(0.2)
+    before = len(read_stats(c["stats"]))
+    got = complete(c["proxy"].url, c["model"], prompt)
+    assert tokens(got) == tokens(ref)
+    recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
+    check_paths(recs, LONG, DCP, 2, 0)
 
 
 @pytest.mark.timeout(600)

@@ -20,7 +20,6 @@ colocated reference would flip near-tied tokens for reasons that are not ours.
 from __future__ import annotations
 
 import contextlib
-import re
 
 import pytest
 from _pd_cluster import stalled
@@ -28,7 +27,8 @@ from _pd_cluster import stalled
 from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
-from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.testing.harness import (free_port, kv_capacity, post_json, proxy_server, read_stats, vllm_server,
+                                        wait_all)
 from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
@@ -119,13 +119,6 @@ def test_mla_pd_layer_split_to_dcp2_and_dcp1(cluster):
         assert got2 == got1, f"{n} tokens: DCP=2 {got2} != DCP=1 {got1}"
 
 
-def _capacity(server) -> int:
-    """The engine's KV capacity in tokens, from vLLM's "KV cache size" line."""
-    cap = re.findall(r"KV cache size: ([\d,]+) tokens", server.log_path.read_text())
-    assert cap, f"no KV capacity line in {server.log_path}"
-    return int(cap[0].replace(",", ""))
-
-
 @pytest.mark.timeout(600)
 def test_mla_dcp2_matches_dcp1_and_doubles_kv_capacity(cluster):
     """MLA under TP=2 + DCP=2 (the plugin's CPU_MLA: its own prefill and decode, no
@@ -144,4 +137,4 @@ def test_mla_dcp2_matches_dcp1_and_doubles_kv_capacity(cluster):
         got, ref = (_complete(c[name].url, c["model"], prompt, max_tokens=40) for name in ("decode", "decode1"))
         assert got[0] == ref[0] == 200, (got, ref)
         assert got[1]["choices"][0]["token_ids"] == ref[1]["choices"][0]["token_ids"], prompt
-    assert _capacity(c["decode"]) == 2 * _capacity(c["decode1"])
+    assert kv_capacity(c["decode"]) == 2 * kv_capacity(c["decode1"])

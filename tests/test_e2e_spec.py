@@ -163,7 +163,7 @@ def _counter(url: str, name: str) -> float:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("cluster", ["draft_model"], indirect=True)
+@pytest.mark.parametrize("shared", ["draft_model"], indirect=True)  # that cluster only
 def test_the_decode_drafts_from_the_transferred_draft_kv(cluster):
     """The target as its own draft accepts nearly every draft only if the draft KV of
     the prompt is right: the decode computes none of it, it all came over the wire

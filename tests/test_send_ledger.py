@@ -170,11 +170,23 @@ def test_invariant_6_a_request_nobody_asks_for_is_freed_after_claim_s():
         assert b.ledger.pop_finished() == {"k": "expired"}, asked
 
 
-def test_release_of_another_token_count_is_ignored():
-    b = Book()
-    b.add()
-    b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 41))
-    assert b.ledger.pop_finished() == {}
+def test_release_of_another_token_count_is_ignored_and_claims_nothing():
+    """vLLM's front end hands a refused request to the connector as a one-token stand-in
+    (``notify_kv_transfer_request_rejected``); a release with its count must neither free
+    the request nor claim it, which would hold its blocks for the full expiry instead of
+    ``claim_s`` (seen: 600 s on a prefill whose decode refused a too-long prompt)."""
+    import time
+
+    for early in (False, True):
+        b = Book()
+        if early:  # the release comes before the request is added
+            b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 1))
+        b.add(claim_s=5.0)
+        if not early:
+            b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 1))
+        assert b.ledger.pop_finished() == {}, early
+        b.ledger.expire(now=time.monotonic() + 6.0)
+        assert b.ledger.pop_finished() == {"k": "unclaimed"}, early
 
 
 def test_abort_and_drop():

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import threading
 import urllib.error
-import urllib.request
 
 import msgpack
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.http_bootstrap import direct_get
 
 __all__ = ["PING_S", "Registration", "registration"]
 
@@ -38,7 +38,7 @@ HEALTH_TIMEOUT_S = 1.0
 def healthy(http_address: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
     """Whether ``http://http_address/health`` answers 200 within ``timeout_s``."""
     try:
-        with urllib.request.urlopen(f"http://{http_address}/health", timeout=timeout_s) as r:
+        with direct_get(f"http://{http_address}/health", timeout_s) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -62,7 +62,12 @@ class Registration:
         self._sock = bs.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.SNDHWM, 4)
-        self._sock.connect(f"tcp://{router}")
+        try:
+            self._sock.connect(f"tcp://{router}")
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise ValueError(f"router_discovery_address {router!r}: ZMQ cannot connect to it ({e}); "
+                             "expected the host:port vllm-router's --vllm-discovery-address listens on") from e
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dcp2d-router-registration", daemon=True)
         self._thread.start()

@@ -36,13 +36,21 @@ import zmq
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import RankTable, Reply, decode, encode
 
-__all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "start_http_bootstrap", "MAX_ANSWER"]
+__all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER"]
 
 log = logging.getLogger(__name__)
 MAX_ANSWER = 1 << 20  # bytes of a /query answer a decode reads at most
 HTTP_TIMEOUT_S = 5.0
 _ADDR = re.compile(r"http://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
 _ids = itertools.count()
+# Peers are asked directly: urllib's default opener would send these GETs through
+# $http_proxy, which on a cluster behind a proxy cannot reach the peer.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def direct_get(url: str, timeout_s: float):
+    """``GET url`` never through a proxy; the response, as ``urllib.request.urlopen`` returns it."""
+    return _DIRECT.open(url, timeout=timeout_s)
 
 
 def check_http_addr(addr) -> str:
@@ -170,7 +178,7 @@ class HttpTableQuery:
 
     def _get(self) -> None:
         try:
-            with urllib.request.urlopen(self.address + "/query", timeout=HTTP_TIMEOUT_S) as r:
+            with direct_get(self.address + "/query", HTTP_TIMEOUT_S) as r:
                 body = json.loads(r.read(MAX_ANSWER + 1)[:MAX_ANSWER])
             entry = body["0"]["dcp2d"]
             payload = base64.b64decode(entry["rank_table"], validate=True)

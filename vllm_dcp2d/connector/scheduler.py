@@ -150,8 +150,14 @@ class SchedulerSide:
             addr = check_bootstrap_addr(params.get("remote_bootstrap_addr"))
         except ValueError:
             return  # nowhere to send it: the producer's send_timeout_s frees the request
+        # The producer's count when it gave one: vLLM's front end, refusing a request
+        # (say, longer than this instance's max_model_len), hands the connector a
+        # stand-in of one token (``notify_kv_transfer_request_rejected``), and a release
+        # naming another count than the producer's is ignored as a reused key.
+        remote = params.get("remote_num_tokens")
+        num_tokens = remote if type(remote) is int and remote >= 0 else request.num_prompt_tokens
         if isinstance(key, str) and 0 < len(key) <= 512:
-            self._releases[request.request_id] = ReleaseSpec(key, addr, request.num_prompt_tokens)
+            self._releases[request.request_id] = ReleaseSpec(key, addr, num_tokens)
 
     # -- producer ----------------------------------------------------------------------------
 

@@ -26,11 +26,12 @@ Invariants (each tested directly in ``tests/test_send_ledger.py``)
    until ``STALL_S`` after the answer.
 5. Releases free a request only once some consumer engine is *covered* (each of
    its ``consumer_size`` ranks served or released) and no attempt of another
-   engine is open; a release naming another token count is ignored (a reused key).
+   engine is open; a release naming another token count is ignored (a reused key),
+   and does not claim the request either.
 6. A request no decode rank has asked for (no attempt, no release) within
    ``claim_s`` of its ``add`` is freed then ("unclaimed"), like an expiry: no write
-   can read its blocks, since none was ever asked for; the first attempt or release
-   gives it the full ``expiry_s``.
+   can read its blocks, since none was ever asked for; the first attempt or counted
+   release gives it the full ``expiry_s``.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class SendLedger:
             waiting = self._waiting.pop(key, [])
             self._gone.pop(key, None)
             early = self._early.pop(key, (0.0, []))[1]
-            if waiting or early:
+            if waiting:
                 state.claim()
             for msg in early:  # the decode dropped it before we had it
                 self._count_release(state, key, msg)
@@ -296,7 +297,6 @@ class SendLedger:
         with self._lock:
             state = self._requests.get(key)
             if state is not None:
-                state.claim()
                 return self._count_release(state, key, msg)
             if key in self._gone:
                 log.debug("%s: release of %r ignored: already finished", self.name, key)
@@ -386,10 +386,11 @@ class SendLedger:
                 self._finished[key] = state.closing
 
     def _count_release(self, state: Request, key: str, msg: ReleaseTransfer) -> None:
-        if msg.num_tokens != state.num_tokens:
+        if msg.num_tokens != state.num_tokens:  # nor does it claim: claim_s still frees the request
             log.debug("%s: release of %r for %d tokens ignored: the request has %d (key reused?)",
                       self.name, key, msg.num_tokens, state.num_tokens)
             return
+        state.claim()
         state.released.setdefault(msg.engine_id, set()).add(msg.consumer_rank)
         state.sizes[msg.engine_id] = msg.consumer_size
         self._try_close(key, state)
