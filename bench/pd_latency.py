@@ -25,7 +25,11 @@ rest (scheduling the request, 8 decode steps, HTTP). A warm-up round per length 
 not counted.
 
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_latency.py \
-        [--lengths 100,400,2000,8000] [--requests 30]
+        [--lengths 100,400,2000,8000] [--requests 30] [--out-tokens 8]
+
+With ``--out-tokens 1`` the stages of PD by hand are a TTFT split: the prefill hop, the
+fetch, the wait for the step that reports it, and the first decode step with the HTTP
+around it ("rest").
 """
 
 from __future__ import annotations
@@ -47,17 +51,19 @@ from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-PAGE, MAX_LEN, OUT_TOKENS = 32, 8448, 8
+PAGE = 32
+OUT_TOKENS = 8      # --out-tokens; 1 makes the decode hop's "rest" the first decode step
+MAX_LEN = 8448      # set from --lengths: the longest prompt and its output, in whole pages
 
 
-def long_model(path: Path) -> str:
-    """The tiny model with ``max_position_embeddings`` raised to 16K (rope tables are
-    computed, not learned: the weights stay as built)."""
+def long_model(path: Path, positions: int) -> str:
+    """The tiny model with ``max_position_embeddings`` raised to ``positions`` (rope
+    tables are computed, not learned: the weights stay as built)."""
     model = build_tiny_model("llama-mqa", path, dtype="float32")
     cfg_path = Path(model) / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    if cfg.get("max_position_embeddings") != 16384:
-        cfg["max_position_embeddings"] = 16384
+    if cfg.get("max_position_embeddings", 0) < positions:
+        cfg["max_position_embeddings"] = positions
         cfg_path.write_text(json.dumps(cfg, indent=2))
     return model
 
@@ -105,7 +111,7 @@ def tokens(out: dict) -> list[int]:
 
 
 def run(work: Path, lengths: list[int], n: int) -> None:
-    model = long_model(work / "model")
+    model = long_model(work / "model", max(16384, MAX_LEN))
     stats = work / "decode-stats.jsonl"
     common = dict(block_size=PAGE, dtype="float32", kv_cache_bytes=256 << 20, max_model_len=MAX_LEN,
                   args=("--no-enable-prefix-caching",))
@@ -205,14 +211,18 @@ def run(work: Path, lengths: list[int], n: int) -> None:
 
 
 def main() -> None:
+    global OUT_TOKENS, MAX_LEN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="100,400,2000,8000")
     ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
     ap.add_argument("--work", default="", help="directory for the model and logs (default: a temporary one)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
-    if max(lengths) + OUT_TOKENS > MAX_LEN:
-        raise SystemExit(f"--lengths: {max(lengths)} + {OUT_TOKENS} output tokens > max_model_len {MAX_LEN}")
+    if a.out_tokens < 1 or min(lengths) < 1:
+        raise SystemExit(f"--out-tokens {a.out_tokens}, --lengths {a.lengths}: expected positive counts")
+    OUT_TOKENS = a.out_tokens
+    MAX_LEN = max(MAX_LEN, -(-(max(lengths) + OUT_TOKENS) // PAGE) * PAGE + PAGE)
     if a.work:
         run(Path(a.work), lengths, a.requests)
     else:
