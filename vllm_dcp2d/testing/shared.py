@@ -41,7 +41,8 @@ def processes(value: Any) -> Iterator[Process]:
 class SharedCluster:
     """start: returns a context manager that starts the servers and yields the cluster,
     stopping them on exit. servers: the cluster's ``Process`` objects, checked before
-    each test (default ``processes``: those in a dict's values, lists and tuples). check_s: how long a live server may take to answer ``/health`` before the
+    each test (default ``processes``: those in a dict's values, lists and tuples).
+    check_s: how long a live server may take to answer ``/health`` before the
     cluster counts as broken. max_failures: after that many failed starts in a row,
     ``get`` raises at once instead of trying again (a start can take minutes, and a
     cluster that cannot start fails every test the same way). ``starts``: how many
