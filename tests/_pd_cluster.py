@@ -16,7 +16,7 @@ import json
 from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
-from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, running, vllm_server
 
 PAGE = 32
 LAYERS = 4                # tiny llama-mqa
@@ -68,18 +68,19 @@ def tokens(out: dict) -> list[int]:
     return choice.get("token_ids") or choice["text"]
 
 
-def expected_bytes(n_tokens: int, dcp: int, first_page: int) -> dict[tuple[int, int], int]:
+def expected_bytes(n_tokens: int, dcp: int, first_page: int, page_bytes: int = PAGE_BYTES) -> dict[tuple[int, int], int]:
     """The plan's bytes per (cp_rank, dcp_rank) path for one request."""
-    src, src_ids, dst, dst_ids = synthetic_request(LAYERS, 2, dcp, n_tokens, PAGE, PAGE_BYTES)
+    src, src_ids, dst, dst_ids = synthetic_request(LAYERS, 2, dcp, n_tokens, PAGE, page_bytes)
     plans = plan_request(LAYERS, 2, src, src_ids, dst, dst_ids, first_page=first_page)
     return {k: d.nbytes for k, d in plans.items()}
 
 
-def check_paths(recs: list[dict], n_tokens: int, dcp: int, tp: int, first_page: int) -> None:
+def check_paths(recs: list[dict], n_tokens: int, dcp: int, tp: int, first_page: int,
+                page_bytes: int = PAGE_BYTES) -> None:
     ok = [r for r in recs if r.get("ok")]
     # every decode TP rank got one outcome from each of the 2 CP ranks
     assert len(ok) == 2 * tp, recs
-    want = expected_bytes(n_tokens, dcp, first_page)
+    want = expected_bytes(n_tokens, dcp, first_page, page_bytes)
     for r in ok:
         assert r["dcp_size"] == dcp and r["cp_size"] == 2 and r["pages"] == cdiv(n_tokens, PAGE)
         assert r["bytes"] == want[(r["cp_rank"], r["dcp_rank"])], (r, want)
@@ -128,15 +129,8 @@ def pd_cluster(work, place=loopback):
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy", **at("proxy"))
     proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1", **at("proxy"))
     proxyp = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxyp", pipelined=True, **at("proxy"))
-    procs = [prefill, decode, decode1, proxy, proxy1, proxyp]
-    try:
-        for p in procs:
-            p.start()
-        wait_all(procs, 900)
-        yield {"model": model, "stats": stats, **{p.name: p for p in procs}}
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    with running([prefill, decode, decode1, proxy, proxy1, proxyp], 900) as procs:
+        yield {"model": model, "stats": stats, **procs}
 
 
 def stalled(recs: list[dict]) -> list[dict]:
@@ -147,7 +141,7 @@ def stalled(recs: list[dict]) -> list[dict]:
     return [r for r in recs if not r.get("ok") and r.get("quarantined") and "Mooncake write" in r["reason"]]
 
 
-def check_proxy(c, which: str, tp: int, dcp: int, salt: int) -> None:
+def check_proxy(c, which: str, tp: int, dcp: int, salt: int, page_bytes: int = PAGE_BYTES) -> None:
     """Every prompt through proxy ``which``: the bytes of every (cp_rank, dcp_rank) path
     equal the plan's, and the greedy tokens equal the non-disaggregated instance's.
 
@@ -158,12 +152,12 @@ def check_proxy(c, which: str, tp: int, dcp: int, salt: int) -> None:
     set must pass every check. Stalls in both sets, or any other failure, fail."""
     for retry in range(2):
         # ids() repeats every 500 seeds (10 per salt): salt + 50 would send the same prompts again
-        if _check_prompts(c, which, tp, dcp, salt + 17 * retry):
+        if _check_prompts(c, which, tp, dcp, salt + 17 * retry, page_bytes):
             return
     raise AssertionError(f"{which}: Mooncake stalls in two prompt sets in a row (issue 14)")
 
 
-def _check_prompts(c, which: str, tp: int, dcp: int, salt: int) -> bool:
+def _check_prompts(c, which: str, tp: int, dcp: int, salt: int, page_bytes: int) -> bool:
     """False if a fetch stalled (after checking it was handled safely), else True."""
     for name, prompt in prompts(salt).items():
         ref = complete(c["prefill"].url, c["model"], prompt)
@@ -177,6 +171,6 @@ def _check_prompts(c, which: str, tp: int, dcp: int, salt: int) -> bool:
             print(f"{which} {name}: Mooncake stall (issue 14), handled safely: {stalled(recs)[0]}")
             return False
         assert status == 200, out
-        check_paths(recs, len(prompt), dcp, tp, FIRST_PAGE[name])
+        check_paths(recs, len(prompt), dcp, tp, FIRST_PAGE[name], page_bytes)
         assert tokens(out) == tokens(ref), name
     return True

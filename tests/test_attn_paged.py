@@ -289,7 +289,7 @@ def test_peak_memory_is_bounded_by_one_chunk(dtype):
         qsl = torch.arange(r + 1)
         run = lambda: paged_attention_lse(q, cache[..., : page * d], cache[..., page * d:], layout,  # noqa: E731
                                           layout, table, lens, qsl, 0.1, max_kv_len=length, chunk=chunk)
-        paged._WORKSPACE.clear()  # count the scratch buffers too
+        paged._buffers().clear()  # count the scratch buffers too
         peaks.append(_peak_bytes(run))
     e, a, m = torch.finfo(dtype).bits // 8, 4, h // hkv
     chunk_pages = hkv * chunk * 2 * d * (e + (a if e != a else 0))
@@ -316,7 +316,7 @@ def test_long_query_peak_memory_is_bounded_by_one_chunk():
         run = lambda: paged_attention_lse(q, cache[..., : page * d], cache[..., page * d:], layout,  # noqa: E731
                                           layout, table, torch.tensor([length]), torch.tensor([0, nq]), 0.1,
                                           chunk=chunk)
-        paged._WORKSPACE.clear()
+        paged._buffers().clear()
         peaks.append(_peak_bytes(run))
     a = 4
     rows = nq * h * (d + 1) * a  # one [Q, H, D] output with its LSE

@@ -94,26 +94,42 @@ def test_cp_slot_mapping_without_cp_delegates_to_vllm():
     assert slots[:3].tolist() == [5 * 32 + 30, 5 * 32 + 31, 9 * 32]
 
 
-@pytest.mark.parametrize("dtype,block_size,head_size", [
-    (torch.float32, 32, 32), (torch.bfloat16, 32, 32), (torch.bfloat16, 32, 80), (torch.float16, 16, 64),
+FP8_HOST = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+FP8 = pytest.mark.skipif(not FP8_HOST, reason="vLLM's CPU fp8 KV writer needs x86 with AVX-512 or AMX")
+CACHE_DTYPES = ["auto", pytest.param("fp8", marks=FP8), pytest.param("fp8_e5m2", marks=FP8)]
+
+
+@pytest.mark.parametrize("dtype,block_size,head_size,cache_dtype", [
+    (torch.float32, 32, 32, "auto"), (torch.bfloat16, 32, 32, "auto"), (torch.bfloat16, 32, 80, "auto"),
+    (torch.float16, 16, 64, "auto"), pytest.param(torch.float32, 32, 64, "fp8", marks=FP8),
+    pytest.param(torch.bfloat16, 32, 32, "fp8_e5m2", marks=FP8),
 ])
-def test_cpu_kv_layout_reads_back_what_vllm_wrote(dtype, block_size, head_size):
+def test_cpu_kv_layout_reads_back_what_vllm_wrote(dtype, block_size, head_size, cache_dtype):
+    """Byte for byte: an fp8 cache gets values fp8 holds exactly (the writer's
+    truncation then changes nothing), so a misplaced element cannot go unseen."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_dcp2d.attention.paged import gather_pages
+    from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
 
-    isa = _get_attn_isa(dtype, block_size, head_size)
-    k_layout, v_layout = compat.cpu_kv_layout(isa, dtype, block_size, head_size)
+    fp8 = FP8_DTYPES.get(kv_dtype_name(cache_dtype, dtype))
+    isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+    k_layout, v_layout = compat.cpu_kv_layout(isa, dtype, block_size, head_size, cache_dtype)
     nb, hkv, n = 5, 2, 2 * block_size + 7
-    kv = torch.zeros(nb, hkv, block_size, 2 * head_size, dtype=dtype)
+    kv = torch.zeros(nb, hkv, block_size, 2 * head_size, dtype=torch.uint8 if fp8 else dtype)
     kc, vc = kv.view(nb, hkv, 2 * block_size, head_size).chunk(2, dim=2)
-    k = torch.randn(n, hkv, head_size).to(dtype)
-    v = torch.randn(n, hkv, head_size).to(dtype)
+    k = torch.randn(n, hkv, head_size).to(fp8 or dtype).to(dtype)
+    v = torch.randn(n, hkv, head_size).to(fp8 or dtype).to(dtype)
     table = torch.tensor([[3, 0, 4]], dtype=torch.int32)
     slots = (table[0, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size)
-    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-    pages = kv.view(nb, hkv, -1)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, kv_cache_dtype=cache_dtype)
+    pages = (kv.view(fp8) if fp8 else kv).view(nb, hkv, -1)
+    if fp8:  # the attention over these pages: test_dcp_forward_equals_attention_over_what_vllm_wrote
+        half = block_size * head_size
+        assert torch.equal(gather_pages(pages[..., :half], k_layout, table, n)[0].to(dtype), k)
+        assert torch.equal(gather_pages(pages[..., half:], v_layout, table, n)[0].to(dtype), v)
+        return
     half = block_size * head_size
     assert torch.equal(gather_pages(pages[..., :half], k_layout, table, n)[0], k)
     assert torch.equal(gather_pages(pages[..., half:], v_layout, table, n)[0], v)
@@ -132,3 +148,97 @@ def test_cpu_kv_layout_reads_back_what_vllm_wrote(dtype, block_size, head_size):
         torch.testing.assert_close(o[r].double(), torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vv),
                                    atol=1e-5, rtol=0)
         torch.testing.assert_close(lse[r].double(), torch.logsumexp(s, -1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(2, 3), reqs=st.lists(st.tuples(st.integers(0, 150), st.integers(1, 5)), min_size=1, max_size=3),
+       k_scale=st.sampled_from([1.0, 0.37, 2.5]), v_scale=st.sampled_from([1.0, 0.8, 3.0]),
+       seed=st.integers(0, 2**16))
+def test_dcp_forward_equals_attention_over_what_vllm_wrote(cache_dtype, n, reqs, k_scale, v_scale, seed):
+    """``DCPCPUAttentionImpl.forward`` on ``n`` ranks (threads): each rank's cache holds
+    the context tokens vLLM's own writer put there under the CP slot mapping (fp8: ``x /
+    scale``, truncated), and the ranks' merged output for the step's tokens (``reqs``:
+    context and new tokens per request) equals float64 attention over what a DCP=1 cache
+    holds after the same writer stored the context and the step's tokens: the stock
+    kernel's inputs, scales applied. So the scales fold in once and the step's own
+    tokens are quantized as the cache would hold them."""
+    import threading
+    from types import SimpleNamespace as NS
+
+    from _ranks import run_ranks
+    from vllm import _custom_ops as ops
+
+    from vllm_dcp2d.attention.paged import gather_pages
+    from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
+    from vllm_dcp2d.vllm_compat import cpu_attn
+
+    bs, d, h, isa, scale = 32, 32, 2, "vec", 0.3
+    fp8 = FP8_DTYPES.get(kv_dtype_name(cache_dtype, torch.float32))
+    g = torch.Generator().manual_seed(seed)
+    ctx, new = [c for c, _ in reqs], [q for _, q in reqs]
+    seq = [c + q for c, q in reqs]
+    k_all = [torch.randn(s, 1, d, generator=g) for s in seq]
+    v_all = [torch.randn(s, 1, d, generator=g) for s in seq]
+    q = torch.randn(sum(new), h * n, d, generator=g)
+    cols = max(cdiv(s, bs) for s in seq) + 1
+    table = torch.randperm(len(reqs) * cols + 1, generator=g)[: len(reqs) * cols].view(len(reqs), cols).int()
+    nb = len(reqs) * cols + 1
+
+    def write(cache, k, v, starts, lens, cp, rank):
+        """The tokens ``[starts[r], starts[r] + lens[r])`` of each request, through vLLM's writer."""
+        num = sum(lens)
+        if num == 0:
+            return
+        qsl = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
+        pos = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lens)])
+        slots = torch.empty(num, dtype=torch.int64)
+        compat.cp_slot_mapping(num, num, qsl, pos, table, cols, slots, bs, cp, rank, bs, -1)
+        kc, vc = cache.view(nb, 1, 2 * bs, d).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=k_scale, v_scale=v_scale,
+                                       kv_cache_dtype=cache_dtype)
+
+    cache_dtype_t = torch.uint8 if fp8 else torch.float32
+    ctx_k = torch.cat([k[:c] for k, c in zip(k_all, ctx)])
+    ctx_v = torch.cat([v[:c] for v, c in zip(v_all, ctx)])
+    caches = [torch.zeros(nb, 1, bs, 2 * d, dtype=cache_dtype_t) for _ in range(n)]
+    for rank, cache in enumerate(caches):
+        write(cache, ctx_k, ctx_v, [0] * len(reqs), ctx, n, rank)
+    new_k = torch.cat([k[c:] for k, c in zip(k_all, ctx)])
+    new_v = torch.cat([v[c:] for v, c in zip(v_all, ctx)])
+
+    # DCP=1: the context and the step's tokens, as the stock kernel reads them.
+    ref = torch.zeros(nb, 1, bs, 2 * d, dtype=cache_dtype_t)
+    write(ref, torch.cat(k_all), torch.cat(v_all), [0] * len(reqs), seq, 1, 0)
+    k_layout, v_layout = compat.cpu_kv_layout(isa, torch.float32, bs, d, cache_dtype)
+    pages = (ref.view(fp8) if fp8 else ref).view(nb, 1, 2 * bs * d)
+    deq_k = gather_pages(pages[..., : bs * d], k_layout, table, max(seq)).double() * (k_scale if fp8 else 1)
+    deq_v = gather_pages(pages[..., bs * d:], v_layout, table, max(seq)).double() * (v_scale if fp8 else 1)
+    want, t = [], 0
+    for r, (c, m) in enumerate(reqs):
+        for i in range(m):
+            s = torch.einsum("hd,ld->hl", q[t].double(), deq_k[r, : c + i + 1, 0]) * scale
+            want.append(torch.softmax(s, -1) @ deq_v[r, : c + i + 1, 0])
+            t += 1
+    want = torch.stack(want)  # [T, h * n, d]
+
+    local = threading.local()
+    meta = NS(num_actual_tokens=sum(new), seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=table,
+              query_start_loc=torch.tensor([0] + np.cumsum(new).tolist(), dtype=torch.int32))
+    layer = NS(isa=isa, _k_scale_float=k_scale, _v_scale_float=v_scale)
+
+    def rank_forward(rank, group):
+        local.group = group
+        impl = object.__new__(cpu_attn.DCPCPUAttentionImpl)  # the attributes forward reads, no vLLM config
+        impl.num_heads, impl.head_size, impl.scale, impl.kv_cache_dtype = h, d, scale, cache_dtype
+        impl.dcp_world_size, impl._fp8 = n, fp8
+        impl._parallel_config = NS(cp_kv_cache_interleave_size=bs)
+        out = torch.zeros(sum(new), h * d)
+        return impl.forward(layer, q[:, rank * h:(rank + 1) * h].contiguous(), new_k, new_v, caches[rank], meta, out)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_attn, "get_dcp_group", lambda: local.group)
+        results, errors, _ = run_ranks(rank_forward, list(range(n)))
+    assert errors == [None] * n, errors
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out.view(-1, h, d).double(), want[:, rank * h:(rank + 1) * h], atol=2e-5, rtol=2e-5)

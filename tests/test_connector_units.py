@@ -142,7 +142,8 @@ def test_page_layout_leaves_out_the_block_count():
 def _order(monkeypatch, isa: str, dtype=torch.bfloat16) -> str:
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: isa)
-    vc = NS(compilation_config=NS(static_forward_context={}), cache_config=NS(cache_dtype="auto"))
+    vc = NS(compilation_config=NS(static_forward_context={}), cache_config=NS(cache_dtype="auto"),
+            model_config=NS(dtype=dtype))
     return compat.kv_element_order(vc, "model.layers.0.self_attn.attn", torch.empty(4, 1, 32, 128, dtype=dtype))
 
 
@@ -244,3 +245,29 @@ def test_cache_write_hook_refuses_a_layer_it_cannot_fill(kw, why):
     vc = NS(compilation_config=NS(static_forward_context={"x": layer}))
     with pytest.raises(RuntimeError, match=f"cannot fill layer 'x'.*{why}.*layer_split='off'"):
         hook_cache_writes(vc, ["x"], lambda *a: None)
+
+
+def test_kv_scales_name_every_layers_scales_for_an_fp8_cache():
+    """The fingerprint's ``kv_scales``: "none" unquantized; for fp8 a digest over every
+    layer's K and V scales in KV layer order, so two instances whose checkpoints (or
+    defaults) scale any layer differently are refused, naming both digests."""
+    from vllm_dcp2d.connector.messages import Fingerprint, FingerprintMismatch
+
+    def vc(cache_dtype, scales):
+        ctx = {f"model.layers.{i}.attn": NS(_k_scale_float=k, _v_scale_float=v) for i, (k, v) in enumerate(scales)}
+        return NS(cache_config=NS(cache_dtype=cache_dtype), compilation_config=NS(static_forward_context=ctx))
+
+    ids = {f"model.layers.{i}.attn": i for i in range(3)}
+    ones = [(1.0, 1.0)] * 3
+    assert compat.kv_scales(vc("auto", ones), ids) == "none"
+    a = compat.kv_scales(vc("fp8", ones), ids)
+    assert a.startswith("sha256:") and a == compat.kv_scales(vc("fp8_e4m3", ones), ids)
+    b = compat.kv_scales(vc("fp8", [(1.0, 1.0), (1.0, 0.5), (1.0, 1.0)]), ids)
+    swapped = compat.kv_scales(vc("fp8", [(1.0, 1.0), (0.5, 1.0), (1.0, 1.0)]), ids)
+    assert len({a, b, swapped}) == 3
+    fp = lambda s: Fingerprint("m", 3, 32, "fp8_e4m3", 4096, "N32,C64:k|v", "sha256:0@main", kv_scales=s)  # noqa: E731
+    fp(a).check(fp(a))
+    with pytest.raises(FingerprintMismatch, match=f"kv_scales: ours '{a}', peer '{b}'"):
+        fp(a).check(fp(b))
+    with pytest.raises(RuntimeError, match="no attention layer for the KV caches \\['model.layers.3.attn'\\]"):
+        compat.kv_scales(vc("fp8", ones), {**ids, "model.layers.3.attn": 3})

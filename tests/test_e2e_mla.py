@@ -27,8 +27,8 @@ from _pd_cluster import stalled
 from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
-from vllm_dcp2d.testing.harness import (free_port, kv_capacity, post_json, proxy_server, read_stats, vllm_server,
-                                        wait_all)
+from vllm_dcp2d.testing.harness import (free_port, kv_capacity, post_json, proxy_server, read_stats, running,
+                                        vllm_server)
 from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
@@ -90,15 +90,8 @@ def _start(work):
                           extra_config={**common, "transfer_timeout_s": 300.0})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy")
     proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1")
-    procs = [prefill, decode, decode1, proxy, proxy1]
-    try:
-        for p in procs:
-            p.start()
-        wait_all(procs, 900)
-        yield {"model": model, "stats": stats, **{p.name: p for p in procs}}
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    with running([prefill, decode, decode1, proxy, proxy1], 900) as procs:
+        yield {"model": model, "stats": stats, **procs}
 
 
 @pytest.mark.timeout(1200)

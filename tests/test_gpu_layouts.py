@@ -70,11 +70,13 @@ def stream(kv: dict[str, torch.Tensor], blocks: int) -> np.ndarray:
     return np.concatenate(words).copy()
 
 
-def fingerprint(kv: dict[str, torch.Tensor], blocks: int, content: str, block: int = 16) -> Fingerprint:
+def fingerprint(kv: dict[str, torch.Tensor], blocks: int, content: str, block: int = 16,
+                cache_dtype: str = "auto") -> Fingerprint:
     """The fields of the worker's fingerprint that depend on the KV memory."""
     t = next(iter(kv.values()))
     reg, _ = compat.kv_regions(kv, blocks)
-    return Fingerprint(model="m", num_layers=len(kv), page_size=block, kv_dtype=str(t.dtype),
+    return Fingerprint(model="m", num_layers=len(kv), page_size=block,
+                       kv_dtype=page_format.kv_dtype_name(cache_dtype, t.dtype),
                        page_bytes=int(reg.page_bytes.sum()), layout=f"{compat.page_layout(t, blocks)}:{content}",
                        model_config="c")
 
@@ -147,12 +149,8 @@ def _backend(name: str):
         return None
 
 
-@pytest.mark.parametrize("name", page_format.MHA_BACKENDS + page_format.MLA_BACKENDS)
-def test_every_backend_layout_pairs_with_itself_and_with_cpu(name):
-    """Each supported backend, in each layout it accepts, at a block size and head
-    size it accepts: prefill and decode on that layout move pages byte-exactly; the
-    CPU prefill (CPU_ATTN, CPU_MLA on LBHNC at their block sizes) agrees exactly where
-    the page format and content agree, and is refused with the layout named otherwise."""
+def _shape(name: str):
+    """(backend class or None, mla, layouts, block, heads, head) that ``name`` accepts."""
     cls = _backend(name)
     mla = name in page_format.MLA_BACKENDS
     layouts = (cls.supported_kv_cache_layouts() if cls else None) or LAYOUTS
@@ -160,7 +158,16 @@ def test_every_backend_layout_pairs_with_itself_and_with_cpu(name):
     if cls is not None:
         sizes = cls.get_supported_kernel_block_sizes()
         assert any(block == s if isinstance(s, int) else block % s.base == 0 for s in sizes), (name, sizes)
-    head, heads = (576, 1) if mla else (64, 2)
+    return (cls, mla, layouts, block) + ((1, 576) if mla else (2, 64))
+
+
+@pytest.mark.parametrize("name", page_format.MHA_BACKENDS + page_format.MLA_BACKENDS)
+def test_every_backend_layout_pairs_with_itself_and_with_cpu(name):
+    """Each supported backend, in each layout it accepts, at a block size and head
+    size it accepts: prefill and decode on that layout move pages byte-exactly; the
+    CPU prefill (CPU_ATTN, CPU_MLA on LBHNC at their block sizes) agrees exactly where
+    the page format and content agree, and is refused with the layout named otherwise."""
+    cls, mla, layouts, block, heads, head = _shape(name)
     rng = np.random.default_rng(0)
     cpu = allocate(KVCacheLayout.LBHNC, mla, 2, 4, 16 if mla else 32, heads, head, torch.bfloat16)
     cpu_content = "kv_c|k_pe" if mla else "CPU_ATTN:isa=x"
@@ -177,6 +184,42 @@ def test_every_backend_layout_pairs_with_itself_and_with_cpu(name):
         else:
             with pytest.raises(FingerprintMismatch):
                 host.check(gpu)
+
+
+@pytest.mark.parametrize("name", page_format.MHA_BACKENDS + page_format.MLA_BACKENDS)
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_pages_move_byte_for_byte_on_the_backends_that_write_them(name, cache_dtype):
+    """An fp8 cache (a uint8 tensor, one byte per element) in each layout the backend
+    accepts moves byte-exactly. Which backends take which encoding is vLLM's own list
+    (``supported_kv_cache_dtypes``); the others are refused naming the ones that do.
+    An fp8 instance and an unquantized one of the same layout fail the fingerprint,
+    naming both dtypes; so do e4m3 and e5m2 (the same bytes, other values)."""
+    cls, mla, layouts, block, heads, head = _shape(name)
+    encoding = page_format.kv_dtype_name(cache_dtype, torch.uint8)
+    moved = name in page_format.FP8_BACKENDS[encoding]
+    if cls is not None:
+        assert (cache_dtype in cls.supported_kv_cache_dtypes) == moved, (name, cls.supported_kv_cache_dtypes)
+    bf16 = allocate(layouts[0], mla, 2, 3, block, heads, head, torch.bfloat16)
+    plain = page_format.kv_content(name, next(iter(bf16.values())), "auto")
+    if not moved:
+        with pytest.raises(ConfigError, match=f"{name} is not one of them"):
+            page_format.kv_content(name, next(iter(bf16.values())), cache_dtype)
+        return
+    rng = np.random.default_rng(2)
+    for layout in layouts:
+        src = [allocate(layout, mla, 2, 5, block, heads, head, torch.uint8) for _ in range(2)]
+        dst = [allocate(layout, mla, 2, 3, block, heads, head, torch.uint8) for _ in range(2)]
+        transfer_exact(src, 5, dst, 3, 2, rng)
+        content = page_format.kv_content(name, next(iter(src[0].values())), cache_dtype)
+        assert content == plain
+        fp8 = fingerprint(dst[0], 3, content, block, cache_dtype)
+        fp8.check(fingerprint(src[0], 5, content, block, cache_dtype))
+        assert fp8.page_bytes * 2 == fingerprint(bf16, 3, plain, block).page_bytes
+    with pytest.raises(FingerprintMismatch, match=f"kv_dtype: ours '{encoding}', peer 'bfloat16'"):
+        fp8.check(fingerprint(bf16, 3, plain, block))
+    other = "fp8_e5m2" if encoding == "fp8_e4m3" else "fp8"
+    with pytest.raises(FingerprintMismatch, match=f"kv_dtype: ours '{encoding}', peer 'fp8_e"):
+        fp8.check(fingerprint(dst[0], 3, content, block, other))
 
 
 def test_mla_cpu_prefill_to_gpu_decode_is_exact():
@@ -208,8 +251,11 @@ def test_unsupported_backends_and_layouts_stop_start_up():
     for name in ("FLASHMLA_SPARSE", "TURBOQUANT", "ROCM_ATTN", "FLASH_ATTN_DIFFKV"):
         with pytest.raises(ConfigError, match=f"does not support the {name} attention backend"):
             page_format.kv_content(name, t, "auto")
-    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8'"):
-        page_format.kv_content("FLASH_ATTN", t, "fp8")
+    for dtype in ("fp8_ds_mla", "nvfp4", "fp8_per_token_head", "int8"):
+        with pytest.raises(ConfigError, match=f"auto, fp8, fp8_e4m3, fp8_e5m2\\); got kv_cache_dtype='{dtype}'"):
+            page_format.kv_content("FLASH_ATTN", t, dtype)
+    with pytest.raises(ConfigError, match="fp8_e5m2.*FLASH_ATTN is not one of them"):
+        page_format.kv_content("FLASH_ATTN", t, "fp8_e5m2")
     with pytest.raises(ValueError, match=r"layers.0.attn has shape \(2, 6, 16, 2, 8\)"):  # pre-0.32 [2, blocks, ...]
         compat.kv_regions({"model.layers.0.attn": torch.zeros(2, 6, 16, 2, 8)}, 6)
     with pytest.raises(ValueError, match="expected vLLM 0.32's \\[num_blocks=5"):

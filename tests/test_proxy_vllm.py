@@ -43,7 +43,7 @@ import pytest
 
 from vllm_dcp2d.proxy.metrics import METRICS, PREFIX
 from vllm_dcp2d.testing.harness import (Process, bin_path, free_port, kv_cache_usage, post_json, read_stats,
-                                        router_server, vllm_server, wait_all)
+                                        router_server, running, vllm_server, wait_all)
 from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
@@ -152,16 +152,9 @@ def _start(tmp_path):
     # the proxies and routers start beside the instances, as users start them: a proxy serves an
     # instance that came up after it (it polls a kind again when it finds none in rotation); the
     # router in Mooncake mode asks each prefill's /query until it answers
-    procs = [*prefill, *decode, px, px_nohealth, px_pipe, *routers.values()]
-    try:
-        for p in procs:
-            p.start()
-        wait_all(procs, 840)
+    with running([*prefill, *decode, px, px_nohealth, px_pipe, *routers.values()], 840):
         yield {"tmp": tmp_path, "model": model, "prefill": prefill, "decode": decode, "px": px,
                "px_nohealth": px_nohealth, "px_pipe": px_pipe, "routers": routers, "joins": joins}
-    finally:
-        for p in reversed(procs):
-            p.stop()
 
 
 def reference(c, prompt: list[int]) -> dict:

@@ -6,6 +6,7 @@ writes held open by a gate (``test_transfer_safety.Gate``) to force each race.
 """
 
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
@@ -31,11 +32,11 @@ def finished_within(sender, timeout_s: float = 10.0) -> dict:
     return out
 
 
-def receiver(stack, engine_id: str, dst: np.ndarray, **kw) -> Receiver:
+def receiver(stack, engine_id: str, dst: np.ndarray, fingerprint=FP, **kw) -> Receiver:
     t = MooncakeTransport()
     stack.callback(t.close)
     kw = {"timeout_s": 30.0, "cancel_grace_s": 0.5} | kw
-    r = Receiver(t, regions(dst), FP, engine_id=engine_id, buffers=[(dst.ctypes.data, dst.nbytes)], **kw)
+    r = Receiver(t, regions(dst), fingerprint, engine_id=engine_id, buffers=[(dst.ctypes.data, dst.nbytes)], **kw)
     stack.callback(r.close)
     return r
 
@@ -92,6 +93,25 @@ def test_release_of_one_engine_keeps_what_another_engine_fetches(stack):
     f = s.recv.wait("x", 20)
     assert f.ok and np.array_equal(s.dst, s.expected())
     assert finished_within(s.sender) == {"x": "done"}
+
+
+def test_a_decode_of_another_kv_format_still_releases_what_it_refused(stack):
+    """A decode whose fingerprint differs (another fp8 encoding, other scales) fails the
+    fetch naming both values, writing nothing; its release, which moves no KV, still
+    reaches the prefill's ranks through the refused rank table: the blocks are freed at
+    once, not at the prefill's claim_timeout_s (a misconfigured decode group would
+    otherwise hold the shared prefill's memory for every request it refuses)."""
+    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    dst = np.zeros_like(s.dst)
+    other = receiver(stack, "E", dst, fingerprint=dataclasses.replace(FP, kv_dtype="fp8_e5m2"))
+    s.sender.add_request("x", SRC_IDS, TOKENS)
+    other.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    f = other.wait("x", 20)
+    assert not f.ok and "kv_dtype: ours 'fp8_e5m2', peer 'uint8'" in str(f.error), f.error
+    t0 = time.monotonic()
+    other.release("x", s.boot.address, TOKENS)  # as the worker does for a failed fetch
+    assert finished_within(s.sender) == {"x": "released"}
+    assert time.monotonic() - t0 < 10.0 and not dst.any() and not s.gate.entered.is_set()
 
 
 def test_release_counts_per_consumer_rank(stack):

@@ -19,8 +19,12 @@ they pack into ``C``:
   (``vllm_compat.attention.cpu_kv_layout``), so it pairs with CPU_ATTN only.
 
 Two instances exchange pages byte for byte iff their :func:`page_format` strings
-are equal. Other backends (sparse MLA and its indexer, quantized or
-``DIFFKV`` caches, ROCm) are refused at start-up: nothing here checks them.
+are equal. An fp8 KV cache (``fp8``/``fp8_e4m3``, ``fp8_e5m2``) has the same
+format with one byte per element and one scale per layer and K/V held outside
+the page, so both sides must also agree on the fp8 encoding (:func:`kv_dtype_name`)
+and the scales (the fingerprint's ``kv_scales``). Other backends and caches (sparse
+MLA and its indexer, ``fp8_ds_mla``, per-token-head or NVFP4 scales, ``DIFFKV``,
+ROCm) are refused at start-up: nothing here checks them.
 """
 
 from __future__ import annotations
@@ -32,11 +36,19 @@ import torch
 
 from vllm_dcp2d.plan import KVRegions
 
-__all__ = ["kv_regions", "page_format", "kv_content", "order_digest", "MHA_BACKENDS", "MLA_BACKENDS"]
+__all__ = ["kv_regions", "page_format", "kv_content", "kv_dtype_name", "order_digest", "FP8_DTYPES", "FP8_BACKENDS",
+           "MHA_BACKENDS", "MLA_BACKENDS"]
 
 MHA_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
 MLA_BACKENDS = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA", "FLASHINFER_MLA")
 _OWN_FORMAT = ("CPU_ATTN", "AMX_MLA", "unknown")  # pages readable by the same backend only
+# vLLM's per-tensor-scaled fp8 caches: a uint8 tensor holding one of these encodings ("fp8" is
+# e4m3: vLLM's MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP). The page stores x / scale.
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FP8_ALIASES = {"fp8": "fp8_e4m3"}
+# Backends whose fp8 page is the unquantized format at one byte per element (vLLM 0.32's supported_kv_cache_dtypes).
+FP8_BACKENDS = {"fp8_e4m3": MHA_BACKENDS[:3] + ("CPU_ATTN", "TRITON_MLA", "FLASHMLA", "CUTLASS_MLA", "FLASHINFER_MLA"),
+                "fp8_e5m2": ("TRITON_ATTN", "FLASHINFER", "CPU_ATTN")}
 
 
 def _page_dims(t: torch.Tensor, num_blocks: int, name: str) -> tuple[int, list[tuple[str, int, int]]]:
@@ -139,9 +151,10 @@ def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) 
     """
     from vllm_dcp2d.config import ConfigError
 
-    if cache_dtype not in ("auto", str(t.dtype).removeprefix("torch.")):
-        raise ConfigError(f"DCP2DConnector moves unquantized KV only (a quantized page has scales outside it); "
-                          f"got kv_cache_dtype={cache_dtype!r}. Leave --kv-cache-dtype at auto.")
+    name = kv_dtype_name(cache_dtype, t.dtype)
+    if name in FP8_BACKENDS and backend not in FP8_BACKENDS[name] + ("unknown",):
+        raise ConfigError(f"DCP2DConnector moves an fp8 KV cache ({cache_dtype}) of the backends "
+                          f"{', '.join(FP8_BACKENDS[name])}; {backend} is not one of them")
     if backend in MHA_BACKENDS:
         return "k|v"
     if backend in MLA_BACKENDS:
@@ -153,6 +166,24 @@ def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) 
     raise ConfigError(f"DCP2DConnector does not support the {backend} attention backend: its KV page format is "
                       f"not verified (supported: {', '.join(MHA_BACKENDS + MLA_BACKENDS + _OWN_FORMAT[:2])}). "
                       f"Pick one with --attention-backend.")
+
+
+def kv_dtype_name(cache_dtype: str, dtype: torch.dtype) -> str:
+    """The KV cache element type two instances must share: the tensor's dtype for an
+    unquantized cache ("bfloat16"), the fp8 encoding for an fp8 one ("fp8_e4m3",
+    "fp8_e5m2"; vLLM's "fp8" is e4m3). Raises ``ConfigError`` for any other
+    ``--kv-cache-dtype`` (its scales or format live outside the page)."""
+    from vllm_dcp2d.config import ConfigError
+
+    plain = str(dtype).removeprefix("torch.")
+    if cache_dtype in ("auto", plain):
+        return plain
+    name = _FP8_ALIASES.get(cache_dtype, cache_dtype)
+    if name in FP8_DTYPES:
+        return name
+    raise ConfigError(f"DCP2DConnector moves unquantized KV or an fp8 KV cache with one scale per layer "
+                      f"(--kv-cache-dtype auto, fp8, {', '.join(FP8_DTYPES)}); got kv_cache_dtype={cache_dtype!r}, "
+                      f"whose scales or format live outside the page")
 
 
 def order_digest(k: torch.Tensor, v: torch.Tensor) -> str:

@@ -34,6 +34,7 @@ sum (``tests/test_attn_paged.py::test_peak_memory_is_bounded_by_one_chunk``).
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -193,17 +194,23 @@ def gather_pages(cache: torch.Tensor, layout: torch.Tensor, block_table: torch.T
     return g.transpose(2, 3).reshape(r, p * bs, hkv, d)[:, :length].clone()  # [R, P, bs, Hkv, D]
 
 
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_WORKSPACE = threading.local()  # one set of buffers per thread: ranks may share a process (tests)
+
+
+def _buffers() -> dict[tuple, torch.Tensor]:
+    """This thread's scratch buffers by (key, dtype, device)."""
+    return _WORKSPACE.__dict__.setdefault("bufs", {})
 
 
 def _scratch(key: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A buffer of ``shape`` reused across chunks, steps and layers (per process and
+    """A buffer of ``shape`` reused across chunks, steps and layers (per thread and
     ``key``): a fresh multi-MB tensor per chunk costs more in page faults than the
     attention itself. Grows to the largest chunk seen; callers must not return it."""
     n = math.prod(shape)
-    buf = _WORKSPACE.get((key, dtype, str(device)))
+    bufs = _buffers()
+    buf = bufs.get((key, dtype, str(device)))
     if buf is None or buf.numel() < n:
-        buf = _WORKSPACE[(key, dtype, str(device))] = torch.empty(n, dtype=dtype, device=device)
+        buf = bufs[(key, dtype, str(device))] = torch.empty(n, dtype=dtype, device=device)
     return buf[:n].view(shape)
 
 

@@ -321,8 +321,9 @@ class TableQuery:
     ``Backoff`` waits without an answer (on the same socket: ZMQ reconnects to a
     restarted server by itself), and ``QUERY_RETRY_S`` after a "not every rank
     registered" reply. ``read()`` takes one reply: the ``RankTable`` (also kept
-    in ``.table``), or None; raises ``MessageError`` for a malformed reply or a
-    table of another KV format. ``forget()`` drops the table (ask again).
+    in ``.table``), or None; raises ``MessageError`` for a malformed reply or
+    ``FingerprintMismatch`` for a table of another KV format (kept in ``.refused``).
+    ``forget()`` drops the table (ask again).
     """
 
     QUERY_RETRY_S = 0.05
@@ -333,6 +334,7 @@ class TableQuery:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         connect(self.sock, self.monitor, address)
         self.table: RankTable | None = None
+        self.refused: RankTable | None = None  # the last table read, if its fingerprint differs
         self.last_reason = "no answer"
         self._asked = 0.0      # when the unanswered query went out (0: none out)
         self._retry_at = 0.0
@@ -358,7 +360,9 @@ class TableQuery:
             self._retry_at = time.monotonic() + self.QUERY_RETRY_S
             self.last_reason = msg.reason
             return None
+        self.refused = msg  # a table of another KV format: its ranks can still be told to free a request
         self.fingerprint.check(msg.fingerprint)
+        self.refused = None
         self.table = msg
         return msg
 

@@ -162,6 +162,7 @@ class HttpTableQuery:
         self.monitor = bs.context().socket(zmq.PAIR)  # polled like TableQuery's monitor; nothing writes it
         self.monitor.setsockopt(zmq.LINGER, 0)
         self.table: RankTable | None = None
+        self.refused: RankTable | None = None  # the last table read, if its fingerprint differs
         self.last_reason = "no answer"
         self._asked = 0.0
         self._retry_at = 0.0
@@ -208,7 +209,9 @@ class HttpTableQuery:
                 self._retry_at = time.monotonic() + self.QUERY_RETRY_S
             return None
         self._backoff.reset()
+        self.refused = msg  # a table of another KV format: its ranks can still be told to free a request
         self.fingerprint.check(msg.fingerprint)
+        self.refused = None
         self.table = msg
         return msg
 

@@ -16,7 +16,7 @@ Public API
 ``PROTOCOL_VERSION: int``, ``MAX_MESSAGE_BYTES: int``
 ``class MessageError(ValueError)``: malformed input or unsupported version.
 ``class FingerprintMismatch(MessageError)``: both sides' values named.
-``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout, model_config, draft_layers=0)``
+``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout, model_config, draft_layers=0, kv_scales="none")``
     ``.check(other: Fingerprint) -> None``: raises ``FingerprintMismatch``.
 ``TransferRequest(...)``: decode rank -> prefill rank, one per request and rank;
     ``.regions() -> plan.KVRegions`` (the consumer's KV).
@@ -57,7 +57,7 @@ __all__ = [
 # registered memory: a request that would write outside it is refused); a
 # rejected message is answered with a TransferOutcome for its attempt when the
 # attempt id can be read.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_COUNT = 1 << 48        # pages, bytes, descriptors
@@ -85,7 +85,7 @@ class Fingerprint(_Message):
     model:        model name or path.
     num_layers:   KV layers of the model.
     page_size:    tokens per transfer page (vLLM block_size).
-    kv_dtype:     KV cache dtype name, e.g. "bfloat16".
+    kv_dtype:     KV cache element type, e.g. "bfloat16", "fp8_e4m3" (``page_format.kv_dtype_name``).
     page_bytes:   bytes of one page of one layer (all regions together).
     layout:       page format (``vllm_dcp2d.page_format``): the page's axes in memory
                   order without the block count or device, then what the backend
@@ -93,6 +93,9 @@ class Fingerprint(_Message):
     model_config: hash of the model's config plus its revision, e.g. "sha256:1f2e...@main".
     draft_layers: KV layers of a speculative draft (EAGLE, MTP, draft model), numbered
                   after the target's; ``num_layers`` counts them too.
+    kv_scales:    "none", or for an fp8 cache a digest of every layer's K and V scales
+                  (``vllm_compat.connector_api.kv_scales``): the same bytes mean the same
+                  values only under the same scales.
     """
 
     model: str
@@ -103,10 +106,11 @@ class Fingerprint(_Message):
     layout: str
     model_config: str
     draft_layers: int = 0
+    kv_scales: str = "none"
 
     SCHEMA = {"model": _NAME, "num_layers": Int(1, 1 << 16), "page_size": Int(1, 1 << 24),
               "kv_dtype": Str(64), "page_bytes": Int(1, 1 << 40), "layout": Str(256),
-              "model_config": Str(256), "draft_layers": Int(0, 1 << 16)}
+              "model_config": Str(256), "draft_layers": Int(0, 1 << 16), "kv_scales": Str(64)}
 
     def check(self, other: Fingerprint) -> None:
         """Raise ``FingerprintMismatch`` naming every differing field with both values."""

@@ -58,8 +58,8 @@ from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.http_bootstrap import HttpTableQuery
 from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.connector.fetch_ledger import FetchLedger
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RankTable, ReleaseTransfer,
-                                           Reply, TransferOutcome, TransferRequest, decode)
+from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
+                                           ReleaseTransfer, Reply, TransferOutcome, TransferRequest, decode)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, blocks_within
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
@@ -283,10 +283,7 @@ class Receiver:
             keep = []
             for key, _, num_tokens, deadline in items:
                 if table is not None:
-                    msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self.consumer_size, num_tokens)
-                    for addr in table.addresses:
-                        if not self._rank(addr).send(msg):
-                            log.info("release of %r not sent to %s: its queue is full", key, addr)
+                    self._release(table, key, num_tokens)
                 elif deadline <= now:
                     log.info("release of %r not sent: no rank table from %s (%s)", key, bootstrap,
                              self._queries[bootstrap].last_reason)
@@ -296,6 +293,12 @@ class Receiver:
                 self._unsent[bootstrap] = keep
             else:
                 del self._unsent[bootstrap]
+
+    def _release(self, table: RankTable, key: str, num_tokens: int) -> None:
+        msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self.consumer_size, num_tokens)
+        for addr in table.addresses:
+            if not self._rank(addr).send(msg):
+                log.info("release of %r not sent to %s: its queue is full", key, addr)
 
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
@@ -327,6 +330,11 @@ class Receiver:
         try:
             table = q.read()
         except MessageError as e:
+            if isinstance(e, FingerprintMismatch) and q.refused is not None:
+                # This side will never fetch from an instance of another KV format, and a
+                # release moves no KV: free its blocks now, not at its claim_timeout_s.
+                for key, _, num_tokens, _ in self._unsent.pop(q.address, []):
+                    self._release(q.refused, key, num_tokens)
             return self._no_table(q, str(e))
         if table is None:
             return

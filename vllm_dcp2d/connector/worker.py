@@ -52,6 +52,7 @@ from vllm_dcp2d.connector.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
 from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d import page_format
 from vllm_dcp2d.layout import cp_layer_range
 from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat import connector_api as compat
@@ -125,7 +126,9 @@ class WorkerSide:
         fingerprint = Fingerprint(
             draft_layers=sum(compat.is_draft_layer(self.vllm_config, n) for n in kv_caches),
             model=str(self.vllm_config.model_config.model), num_layers=int(layers.size),
-            page_size=self.page_size, kv_dtype=str(first.dtype).removeprefix("torch."),
+            page_size=self.page_size,
+            kv_dtype=page_format.kv_dtype_name(self.vllm_config.cache_config.cache_dtype, first.dtype),
+            kv_scales=compat.kv_scales(self.vllm_config, self.layer_ids),
             page_bytes=int(regions.page_bytes.sum()),
             layout=(f"{compat.page_layout(first, self.num_blocks)}:"
                     f"{compat.kv_element_order(self.vllm_config, name, first)}"),

@@ -10,6 +10,7 @@ nothing else. Servers are started with the command users type
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -189,6 +190,20 @@ def wait_all(procs: list[Process], timeout_s: float) -> None:
             names = ", ".join(f"{p.name} (log {p.log_path}):\n{p.log_tail(15)}" for p in pending)
             raise TimeoutError(f"not ready after {timeout_s:.0f} s: {names}")
         time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def running(procs: list[Process], timeout_s: float):
+    """Start ``procs``, wait until each answers (``wait_all``) and yield ``{name: process}``;
+    always stop them, the last started first."""
+    try:
+        for p in procs:
+            p.start()
+        wait_all(procs, timeout_s)
+        yield {p.name: p for p in procs}
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, extra_config: dict,

@@ -170,22 +170,28 @@ def local_context_lens(context_lens: torch.Tensor, dcp_size: int, dcp_rank: int,
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int,
+                  cache_dtype: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Where vLLM's CPU KV writer puts each element of a page, for ``isa``.
 
     The CPU cache ``[num_blocks, Hkv, block_size, 2 * head_size]`` holds, per
     (page, head), ``block_size * head_size`` K elements then as many V elements.
+    dtype: the model's (the writer's input); cache_dtype: ``--kv-cache-dtype``
+    ("auto": pages of ``dtype``; "fp8", "fp8_e4m3", "fp8_e5m2": one byte each).
     Returns ``(k_layout, v_layout)``, each ``[block_size, head_size]`` int64: the
     flat position, inside the K (resp. V) half, of token ``t``'s element ``d``.
     Found by writing index bits through ``cpu_attn_reshape_and_cache`` itself
-    (values 1 and 2 are exact in every float dtype), so it follows the kernel.
+    (values 1 and 2 are exact in every float and fp8 dtype), so it follows the kernel.
     """
     from vllm import _custom_ops as ops
 
+    from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
+
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise NotImplementedError(f"DCP on CPU reads float KV caches only, got {dtype}")
+    fp8 = FP8_DTYPES.get(kv_dtype_name(cache_dtype, dtype))
     n = block_size * head_size
-    kv = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+    kv = torch.zeros(1, 1, block_size, 2 * head_size, dtype=torch.uint8 if fp8 else dtype)
     key_cache, value_cache = kv.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
     idx = torch.arange(n).view(block_size, 1, head_size)
     slots = torch.arange(block_size, dtype=torch.long)
@@ -194,10 +200,11 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int)
     for b in range(max(1, math.ceil(math.log2(n)))):
         bit = (1 + ((idx >> b) & 1)).to(dtype)
         kv.zero_()
-        ops.cpu_attn_reshape_and_cache(bit, bit, key_cache, value_cache, slots, isa)
-        flat = kv.view(2 * n).float()
+        ops.cpu_attn_reshape_and_cache(bit, bit, key_cache, value_cache, slots, isa, kv_cache_dtype=cache_dtype)
+        flat = (kv.view(fp8) if fp8 else kv).view(2 * n).float()
         if not bool(((flat == 1) | (flat == 2)).all()):
-            raise RuntimeError(f"cpu_attn_reshape_and_cache (isa={isa}) does not fill a page one-to-one")
+            raise RuntimeError(f"cpu_attn_reshape_and_cache (isa={isa}, kv_cache_dtype={cache_dtype}) does not "
+                               f"fill a page one-to-one")
         k_where |= (flat[:n] == 2).long() << b
         v_where |= (flat[n:] == 2).long() << b
     k_layout = torch.empty(n, dtype=torch.long)

@@ -29,6 +29,7 @@ import inspect
 import json
 import time
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorTransferResults,
@@ -44,7 +45,7 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "KVConnectorStats", "KVConnectorPromMetrics",
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
-           "layer_index", "kv_regions", "page_layout", "kv_element_order", "model_config_id",
+           "layer_index", "kv_regions", "page_layout", "kv_element_order", "kv_scales", "model_config_id",
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
@@ -263,12 +264,35 @@ def kv_element_order(vllm_config, layer_name: str, t: torch.Tensor) -> str:
         from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout
 
         block_size, head_size = int(t.shape[2]), int(t.shape[3]) // 2
-        isa = _get_attn_isa(t.dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
-        return f"{backend}:isa={isa}:order={page_format.order_digest(*cpu_kv_layout(isa, t.dtype, block_size, head_size))}"
+        # The ISA and the element order follow the model's dtype (the writer's input), not the
+        # cache's: an fp8 page is uint8.
+        dtype, cache_dtype = vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype
+        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+        order = page_format.order_digest(*cpu_kv_layout(isa, dtype, block_size, head_size, cache_dtype))
+        return f"{backend}:isa={isa}:order={order}"
 
     cpu_attn = t.device.type == "cpu" and backend in ("CPU_ATTN", "unknown")
     return page_format.kv_content("CPU_ATTN" if cpu_attn else backend, t, vllm_config.cache_config.cache_dtype,
                                 cpu_order if cpu_attn else None)
+
+
+def kv_scales(vllm_config, layer_ids: dict[str, int]) -> str:
+    """What a quantized page's values are multiplied by: "none" for an unquantized
+    cache, else "sha256:<16 hex>" of every KV layer's ``(k_scale, v_scale)`` (float32,
+    in KV layer order). Read from vLLM 0.32's attention layers (``_k_scale_float``,
+    ``_v_scale_float``, set from the checkpoint at load, 1.0 without one), so it must
+    be called after the weights are loaded."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if not cache_dtype.startswith("fp8"):  # vLLM's own test (is_quantized_kv_cache)
+        return "none"
+    ctx = vllm_config.compilation_config.static_forward_context
+    missing = [n for n in layer_ids if n not in ctx]
+    if missing:
+        raise RuntimeError(f"no attention layer for the KV caches {missing[:4]} (an fp8 KV cache needs each "
+                           f"layer's scales)")
+    names = sorted(layer_ids, key=layer_ids.__getitem__)
+    scales = [(float(ctx[n]._k_scale_float), float(getattr(ctx[n], "_v_scale_float", 1.0))) for n in names]
+    return "sha256:" + hashlib.sha256(np.array(scales, dtype=np.float32).tobytes()).hexdigest()[:16]
 
 
 def model_config_id(vllm_config) -> str:
