@@ -32,6 +32,19 @@ def test_plan_json_matches_seed_numbers():
     assert m["paths"][-1]["layers"] == [69, 78]
 
 
+def test_plan_with_the_mtp_layer():
+    """GLM-5.2 with its MTP layer (KV layer 78): the target's KV crosses the wire once, the
+    MTP layer's once per DCP rank (its group is not sharded on decode)."""
+    p = run("plan", "--num-layers", "79", "--draft-layers", "1", "--cp", "8", "--dcp", "4", "--tokens", "32768",
+            "--page-size", "64", "--bytes-per-token-layer", "576", "--json")
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout)
+    layer = 576 * 32768
+    assert (m["kv_bytes"], m["draft_kv_bytes"], m["draft_layers"]) == (79 * layer, layer, 1)
+    assert m["total_bytes"] == 78 * layer + 4 * layer
+    assert [p["bytes"] for p in m["paths"] if p["layers"][1] == 79] == [8 * 128 * 64 * 576 + layer] * 4  # layers [70, 79)
+
+
 def test_plan_table_is_readable():
     p = run("plan", "--num-layers", "4", "--cp", "2", "--dcp", "2", "--tokens", "100", "--page-size", "16",
             "--bytes-per-token-layer", "64")
@@ -43,6 +56,7 @@ def test_plan_table_is_readable():
 @pytest.mark.parametrize("args, msg", [
     (["--dcp", "0"], "dcp_size must be >= 1, got 0"),
     (["--tokens", "-5"], "need tokens >= 0"),
+    (["--num-layers", "4", "--draft-layers", "5"], "0 <= draft_layers <= num_layers; got 32768, 64, 36864, 5 of 4"),
 ])
 def test_plan_bad_input_names_the_value(args, msg):
     p = run("plan", *args)

@@ -13,29 +13,52 @@ from vllm_dcp2d.layout import cdiv, cp_layer_range
 from vllm_dcp2d.report import format_matrix, matrix_from_records, reshard_matrix, synthetic_request
 
 
-def records(layers: int, cp: int, dcp: int, tokens: int, page: int, per_token_layer: int) -> list[dict]:
-    src, src_ids, dst, dst_ids = synthetic_request(layers, cp, dcp, tokens, page, page * per_token_layer)
+def records(layers: int, cp: int, dcp: int, tokens: int, page: int, per_token_layer: int,
+            draft: int = 0) -> list[dict]:
+    """As the connector writes them: the last ``draft`` layers are a draft's, whose pages
+    all go to every DCP rank (``replicated_bytes``)."""
+    src, src_ids, dst, dst_ids = synthetic_request(layers, cp, dcp, tokens, page, page * per_token_layer,
+                                                   draft_layers=draft)
     plans = plan_request(layers, cp, src, src_ids, dst, dst_ids)
+    pages = cdiv(tokens, page)
     out = []
     for (r, d), desc in plans.items():
         lr = cp_layer_range(layers, cp, r)
+        replicated = len([x for x in lr if x >= layers - draft]) * pages * page * per_token_layer
         out.append({"side": "consumer", "ok": True, "cp_rank": r, "cp_size": cp, "dcp_rank": d, "dcp_size": dcp,
-                    "tp_rank": d, "layers": [lr.start, lr.stop], "pages": cdiv(tokens, page), "page_size": page,
-                    "bytes": desc.nbytes, "replicated_bytes": 0, "naive_bytes": desc.nbytes * dcp,
-                    "descriptors": len(desc), "seconds": 0.001, "fetch_seconds": 0.002, "early_layers": 0})
+                    "tp_rank": d, "layers": [lr.start, lr.stop], "pages": pages, "page_size": page,
+                    "bytes": desc.nbytes, "replicated_bytes": replicated, "draft_layers": draft,
+                    "naive_bytes": desc.nbytes * dcp, "descriptors": len(desc), "seconds": 0.001,
+                    "fetch_seconds": 0.002, "early_layers": 0})
     return out
 
 
 @given(layers=st.integers(1, 8), cp=st.integers(1, 3), dcp=st.integers(1, 4), page=st.sampled_from([16, 32]),
-       per=st.integers(1, 600), pages=st.integers(0, 9), extra=st.integers(-1, 1))
-def test_any_prompt_gets_the_matrix_of_what_moved(layers, cp, dcp, page, per, pages, extra):
-    cp = min(cp, layers)
+       per=st.integers(1, 600), pages=st.integers(0, 9), extra=st.integers(-1, 1), draft=st.integers(0, 3))
+def test_any_prompt_gets_the_matrix_of_what_moved(layers, cp, dcp, page, per, pages, extra, draft):
+    """Also with a draft (an MTP layer, an EAGLE head: the last ``draft`` layers, sent
+    whole to every DCP rank): the matrix is what the records say moved, byte for byte."""
+    cp, draft = min(cp, layers), min(draft, layers)
     tokens = max(1, pages * page + extra)  # exactly on a boundary, or one token either side
-    recs = records(layers, cp, dcp, tokens, page, per)
+    recs = records(layers, cp, dcp, tokens, page, per, draft)
     m = matrix_from_records(recs, tokens)
-    assert m == reshard_matrix(layers, cp, dcp, tokens, page, per)
+    assert m == reshard_matrix(layers, cp, dcp, tokens, page, per, draft_layers=draft)
     assert sum(p["bytes"] for p in m["paths"]) == sum(r["bytes"] for r in recs)
-    assert format_matrix(m)
+    # the target's pages once over all DCP ranks, the draft's once per DCP rank
+    assert m["total_bytes"] == m["kv_bytes"] + (dcp - 1) * m["draft_kv_bytes"]
+    assert ("not sharded on decode" in format_matrix(m)) == (draft > 0)
+
+
+def test_the_mtp_demo_request(capsys):
+    """The demo's first request on the tiny MLA model with its MTP draft (5 tokens, one
+    16-token page; DCP rank 1 gets no target page but the MTP layer's page): what
+    ``vllm-dcp2d demo --speculative-config '{"method": "mtp", ...}'`` printed."""
+    recs = records(3, 2, 2, 5, 16, 576 * 2, draft=1)
+    assert [r["bytes"] for r in sorted(recs, key=lambda r: (r["cp_rank"], r["dcp_rank"]))] == [
+        36864, 0, 18432, 18432]
+    m = matrix_from_records(recs, 5)
+    assert (m["total_bytes"], m["kv_bytes"], m["draft_kv_bytes"]) == (73728, 55296, 18432)
+    assert "the draft's 1 (not sharded on decode): 36.86 KB = 2.00x their KV" in format_matrix(m)
 
 
 def test_short_prompts_named_in_the_issue(capsys):
@@ -53,7 +76,7 @@ def test_short_prompts_named_in_the_issue(capsys):
 def test_no_figure_without_a_record_that_moved_pages():
     assert matrix_from_records([], 5) is None
     assert matrix_from_records([{"ok": False, "bytes": 0}], 5) is None
-    draft = records(4, 2, 1, 40, 32, 8)
-    for r in draft:
-        r["replicated_bytes"] = 1
-    assert matrix_from_records(draft, 40) is None
+    cached = records(4, 2, 2, 40, 32, 8)
+    for r in cached:  # not whole pages of one size: no figure rather than a wrong one
+        r["bytes"] -= 1
+    assert matrix_from_records(cached, 40) is None

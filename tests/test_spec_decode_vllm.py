@@ -95,7 +95,7 @@ def models(tmp_path_factory):
     (ref,), (draft, diverged), (eagle_run,) = _results(
         _engine(target, 1, "none", root), _engine(target, 2, "draft_model", root, diverge="-1,1"),
         _engine(target, 2, f"eagle:{eagle}", root))
-    return {"target": target, "eagle": eagle, "mla": build_tiny_model("deepseek-v2-mla", root / "mla"),
+    return {"target": target, "eagle": eagle, "mla": build_tiny_model("deepseek-v3-mtp", root / "mla-mtp"),
             "ref": ref, "draft_model": draft, "diverged": diverged, "eagle_run": eagle_run, "tmp": root}
 
 
@@ -157,19 +157,27 @@ def test_divergent_draft_on_one_rank_commits_the_same_tokens(models):
 @pytest.mark.vllm
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-def test_mla_verification_under_dcp2_matches_dcp1(models):
-    """MLA: the k + 1 verify tokens are a decode (DCPCPUMLAMetadataBuilder), attended
-    token by token over the sharded latent cache. vLLM 0.32's CPU MLA gives other
-    tokens with speculation than without, even at DCP=1 (its single-token decode and
-    its multi-token paths disagree; docs/connector.md, "Speculative decoding"), so the
-    reference is DCP=1 with the same draft: the same tokens and the same acceptance."""
-    (ref,), (got,) = _results(_engine(models["mla"], 1, "draft_model", models["tmp"]),
-                              _engine(models["mla"], 2, "draft_model", models["tmp"]))
+def test_mtp_draft_on_mla_under_dcp2_matches_dcp1(models):
+    """The seed's production shape: an MLA model with its own MTP layer as the draft
+    (``method="mtp"``). The MTP layer runs with DCP disabled over its own KV cache
+    group, not sharded; the k + 1 verify tokens are a decode (DCPCPUMLAMetadataBuilder),
+    attended token by token over the sharded latent cache. vLLM 0.32's CPU MLA gives
+    other tokens with speculation than without, even at DCP=1 (its single-token decode
+    and its multi-token paths disagree; docs/connector.md, "Speculative decoding"), so
+    the reference is DCP=1 with the same draft: the same tokens and the same acceptance
+    (the tiny MTP layer mostly drafts a repeat of the last token: some accepted, some not)."""
+    (ref,), (got,) = _results(_engine(models["mla"], 1, "mtp", models["tmp"]),
+                              _engine(models["mla"], 2, "mtp", models["tmp"]))
     for i, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])):
         assert a == b, f"MLA prompt {i}: DCP=2 {a} != DCP=1 {b}"
-    assert (got["accepted"], got["drafts"]) == (ref["accepted"], ref["drafts"]) and got["drafts"] > 0
+    assert (got["accepted"], got["drafts"]) == (ref["accepted"], ref["drafts"])
+    assert 0 < got["accepted"] < got["drafts"], (got["accepted"], got["drafts"])
     for groups in got["groups"]:
-        assert [(g["dcp_sharded"], g["table_dcp"]) for g in groups] == [(False, 1), (True, 2)], groups
+        # the MTP layer (KV layer 2) alone in an unsharded group; each target layer sharded
+        assert [(g["layers"], g["draft_layers"], g["dcp_sharded"], g["table_dcp"]) for g in groups] == [
+            (["model.layers.2.self_attn.attn"], 1, False, 1),
+            (["model.layers.0.self_attn.attn"], 0, True, 2), (["model.layers.1.self_attn.attn"], 0, True, 2)], groups
+        assert groups[0]["table_width"] == 2 * groups[1]["table_width"], groups  # dcp_size x the target's rows
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--run"]:

@@ -32,16 +32,19 @@ def _plan(argv: list[str]) -> int:
                     help="KV bytes per token per layer (GLM-5.2 FP8 MLA latent: 512 + 64)")
     ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                     help="use shuffled block ids drawn with this seed")
+    ap.add_argument("--draft-layers", type=int, default=0,
+                    help="of --num-layers, the last ones a speculative draft's (MTP, EAGLE): every DCP rank gets "
+                         "all their pages")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
         m = reshard_matrix(args.num_layers, args.cp, args.dcp, args.tokens, args.page_size,
-                           args.bytes_per_token_layer, args.shuffle)
+                           args.bytes_per_token_layer, args.shuffle, args.draft_layers)
     except ValueError as e:
         ap.error(str(e))
     if args.json:
         keys = ("paths", "total_bytes", "naive_bytes", "kv_bytes", "num_layers", "cp_size", "dcp_size",
-                "tokens", "page_size", "pages", "page_bytes")
+                "tokens", "page_size", "pages", "page_bytes", "draft_layers", "draft_kv_bytes")
         print(json.dumps({k: m[k] for k in keys}))
     else:
         print(format_matrix(m))

@@ -102,7 +102,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "local_hostname": ("both", "Host name or IP this instance's Mooncake engine listens on and "
                        "advertises to its peers."),
     "stats_file": ("both", "If set, every worker appends one JSON line per transfer path and request "
-                   "(`cp_rank`, `dcp_rank`, `bytes` and of them `replicated_bytes`, a draft's, `descriptors`, "
+                   "(`cp_rank`, `dcp_rank`, `bytes` and of them `replicated_bytes`, a draft's, the instance's "
+                   "`draft_layers`, `descriptors`, "
                    "`seconds`, `ok`; a decode's also `fetch_seconds` and `reported_after_seconds`, the wait from the "
                    "fetch's end to the engine step that reported it) to this file; the "
                    "same figures also go to vLLM's periodic `KV Transfer metrics` log."),

@@ -47,6 +47,10 @@ def parse(argv: list[str]):
     p.add_argument("--pipelined", action="store_true",
                    help="proxy sends prefill and decode at once (layer-pipelined transfer) after the first request")
     p.add_argument("--dtype", default=None, help="model dtype (default: float32 for the tiny model, else the model's)")
+    p.add_argument("--kv-cache-dtype", default=None, help="vLLM's --kv-cache-dtype for both instances (e.g. fp8)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's --speculative-config for both instances (the prefill computes the draft's KV "
+                        "of the prompt too), e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: three built-in)")
     p.add_argument("--workdir", default=None, help="logs, stats and the tiny model (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the servers")
@@ -138,11 +142,13 @@ def servers(args, model: str, work: Path, stats: Path, cpu: bool):
     for parsed ``args``, with :func:`serving_defaults` where the user left them."""
     block, dtype = serving_defaults(tiny=args.model is None, mla=_is_mla(model), gpu=not cpu)
     block, dtype = args.block_size or block, args.dtype or dtype
+    flags = ((("--kv-cache-dtype", args.kv_cache_dtype) if args.kv_cache_dtype else ())
+             + (("--speculative-config", args.speculative_config) if args.speculative_config else ()))
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=args.prefill_tp,
-                          block_size=block, cpu=cpu, dtype=dtype,
+                          block_size=block, cpu=cpu, dtype=dtype, args=flags,
                           extra_config={"bootstrap_port": free_port(), "stats_file": str(stats)})
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=args.decode_tp,
-                         dcp=args.decode_dcp, block_size=block, cpu=cpu, dtype=dtype,
+                         dcp=args.decode_dcp, block_size=block, cpu=cpu, dtype=dtype, args=flags,
                          extra_config={"stats_file": str(stats)})
     return prefill, decode
 

@@ -18,47 +18,57 @@ _SPACE = 1 << 40  # each synthetic rank gets its own 1 TiB of address space
 
 
 def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int, page_size: int,
-                      page_bytes: int, shuffle_seed: int | None = None):
+                      page_bytes: int, shuffle_seed: int | None = None, draft_layers: int = 0):
     """Regions and block tables of one request on synthetic addresses.
 
-    Returns ``(src_regions[cp_size], src_block_ids[P], dst_regions[dcp_size], dst_block_ids[M])``
-    with ``P = cdiv(tokens, page_size)`` and ``M = cdiv(P, dcp_size)``. Block ids
-    are ``arange`` or, with ``shuffle_seed``, a random permutation of a 2x larger pool.
+    Returns ``(src_regions[cp_size], src_block_ids[P], dst_regions[dcp_size], dst_block_ids)``
+    with ``P = cdiv(tokens, page_size)``. ``dst_block_ids`` is ``[M]``, ``M = cdiv(P, dcp_size)``,
+    or with ``draft_layers`` (the last layers: a speculative draft's, a replicated group on
+    decode, every page on every DCP rank) the pair ``([M], [P])``. Block ids are ``arange``
+    or, with ``shuffle_seed``, a random permutation of a 2x larger pool.
     """
-    if tokens < 0 or page_size < 1 or page_bytes < 1:
-        raise ValueError(f"need tokens >= 0, page_size >= 1, page_bytes >= 1; got {tokens}, "
-                         f"{page_size}, {page_bytes}")
+    if tokens < 0 or page_size < 1 or page_bytes < 1 or not 0 <= draft_layers <= num_layers:
+        raise ValueError(f"need tokens >= 0, page_size >= 1, page_bytes >= 1, 0 <= draft_layers <= num_layers; "
+                         f"got {tokens}, {page_size}, {page_bytes}, {draft_layers} of {num_layers}")
     cp_size, dcp_size = _check_size("cp_size", cp_size), _check_size("dcp_size", dcp_size)
     pages = cdiv(tokens, page_size)
     local = cdiv(pages, dcp_size)
     rng = np.random.default_rng(shuffle_seed)
     if shuffle_seed is None:
-        src_ids, dst_ids, src_pool, dst_pool = np.arange(pages), np.arange(local), pages, local
+        src_ids, dst_ids, draft_ids = np.arange(pages), np.arange(local), np.arange(pages)
+        src_pool, dst_pool, draft_pool = pages, local, pages
     else:
-        src_pool, dst_pool = 2 * pages, 2 * local
+        src_pool, dst_pool, draft_pool = 2 * pages, 2 * local, 2 * pages
         src_ids, dst_ids = rng.permutation(src_pool)[:pages], rng.permutation(dst_pool)[:local]
+        draft_ids = rng.permutation(draft_pool)[:pages]
     src = []
     for r in range(cp_size):
         layers = np.array(cp_layer_range(num_layers, cp_size, r), dtype=np.int64)
         base = (r + 1) * _SPACE + np.arange(layers.size) * src_pool * page_bytes
         src.append(KVRegions.uniform(layers, base, page_bytes))
+    # Decode: the target's layers, then the draft's, each layer a pool of its group's size.
+    group = (np.arange(num_layers) >= num_layers - draft_layers).astype(np.int64)
+    pool = np.where(group == 1, draft_pool, dst_pool)
+    offsets = np.concatenate([[0], np.cumsum(pool[:-1])]) * page_bytes
     dst = []
     for d in range(dcp_size):
-        base = (cp_size + d + 1) * _SPACE + np.arange(num_layers) * dst_pool * page_bytes
-        dst.append(KVRegions.uniform(np.arange(num_layers), base, page_bytes))
-    return src, src_ids, dst, dst_ids
+        base = (cp_size + d + 1) * _SPACE + offsets
+        dst.append(KVRegions(np.arange(num_layers), base.reshape(-1, 1), np.array([page_bytes]),
+                             np.array([page_bytes]), group, np.array([True, False][: 2 if draft_layers else 1])))
+    return src, src_ids, dst, ((dst_ids, draft_ids) if draft_layers else dst_ids)
 
 
 def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, page_size: int,
-                   bytes_per_token_layer: int, shuffle_seed: int | None = None) -> dict:
+                   bytes_per_token_layer: int, shuffle_seed: int | None = None, draft_layers: int = 0) -> dict:
     """Plan every path of one request and summarize it as a JSON-ready dict.
 
     ``{"paths": [{"cp_rank", "dcp_rank", "layers": [start, end], "pages", "bytes",
-    "descriptors"}, ...], "total_bytes", "naive_bytes", "kv_bytes", ...}``
+    "descriptors"}, ...], "total_bytes", "naive_bytes", "kv_bytes", "draft_kv_bytes", ...}``;
+    ``draft_layers``: the last layers, a draft's, sent whole to every DCP rank.
     """
     page_bytes = page_size * bytes_per_token_layer
     src, src_ids, dst, dst_ids = synthetic_request(num_layers, cp_size, dcp_size, tokens, page_size,
-                                                   page_bytes, shuffle_seed)
+                                                   page_bytes, shuffle_seed, draft_layers)
     plans: dict[tuple[int, int], Descriptors] = plan_request(num_layers, cp_size, src, src_ids, dst, dst_ids)
     pages = len(src_ids)
     paths = []
@@ -71,7 +81,8 @@ def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, pa
     return {"num_layers": num_layers, "cp_size": cp_size, "dcp_size": dcp_size, "tokens": tokens,
             "page_size": page_size, "pages": pages, "page_bytes": page_bytes, "paths": paths,
             "kv_bytes": kv_bytes, "total_bytes": sum(p["bytes"] for p in paths),
-            "naive_bytes": kv_bytes * dcp_size}
+            "naive_bytes": kv_bytes * dcp_size, "draft_layers": draft_layers,
+            "draft_kv_bytes": draft_layers * pages * page_bytes}
 
 
 def matrix_from_records(records: list[dict], tokens: int) -> dict | None:
@@ -79,20 +90,32 @@ def matrix_from_records(records: list[dict], tokens: int) -> dict | None:
     ``stats_file`` records (one per (cp rank, decode TP rank) path that moved it); None
     when no record tells the bytes per token and layer.
 
-    The bytes per token and layer come from a record that moved pages: a DCP rank may
-    have none (a prompt shorter than ``dcp_size`` pages), and a draft's replicated bytes
-    are left out (records with any are skipped)."""
-    ok = [r for r in records if r.get("ok") and r.get("bytes", 0) > 0 and not r.get("replicated_bytes", 0)]
+    The bytes per token and layer come from a record that moved pages (a DCP rank may
+    have none: a prompt shorter than ``dcp_size`` pages): the target's part of its bytes
+    over its target layers and pages, or its draft's (``replicated_bytes``, every page)
+    over its draft layers."""
+    ok = [r for r in records if r.get("ok") and r.get("bytes", 0) > 0]
     if not ok:
         return None
-    r = max(ok, key=lambda r: r["bytes"])
-    rank_pages = len(range(r["dcp_rank"], r["pages"], r["dcp_size"]))
-    layers = r["layers"][1] - r["layers"][0]
-    per_token_layer, rest = divmod(r["bytes"], layers * rank_pages * r["page_size"])
-    if rest:  # not whole pages of one size (a cached prefix): no honest figure
-        return None
     num_layers = max(x["layers"][1] for x in records if x.get("ok"))
-    return reshard_matrix(num_layers, r["cp_size"], r["dcp_size"], tokens, r["page_size"], per_token_layer)
+    draft = ok[0].get("draft_layers", 0)
+    first_draft = num_layers - draft
+    for r in sorted(ok, key=lambda r: -r["bytes"]):
+        a, b = r["layers"]
+        target = max(0, min(b, first_draft) - a)
+        rank_pages = len(range(r["dcp_rank"], r["pages"], r["dcp_size"]))
+        rep = r.get("replicated_bytes", 0)
+        if target and rank_pages:
+            per_token_layer, rest = divmod(r["bytes"] - rep, target * rank_pages * r["page_size"])
+        elif rep:
+            per_token_layer, rest = divmod(rep, (b - a - target) * r["pages"] * r["page_size"])
+        else:
+            continue
+        if rest:  # not whole pages of one size (a cached prefix): no honest figure
+            return None
+        return reshard_matrix(num_layers, r["cp_size"], r["dcp_size"], tokens, r["page_size"], per_token_layer,
+                              draft_layers=draft)
+    return None
 
 
 def _human(n: float) -> str:
@@ -125,5 +148,15 @@ def format_matrix(m: dict) -> str:
     total, naive = m["total_bytes"], m["naive_bytes"]
     ratio = total / m["kv_bytes"] if m["kv_bytes"] else 0.0
     lines.append(f"total on the wire (2D reshard): {_human(total)} = {ratio:.2f}x the KV")
+    draft = m.get("draft_kv_bytes", 0)
+    if draft:
+        lines.insert(1, f"(pages: the target's on that DCP rank; the draft's last {m['draft_layers']} layer(s) "
+                        f"send all {m['pages']} to each)")
+        target = m["kv_bytes"] - draft
+        lines.append(f"  the target's {m['num_layers'] - m['draft_layers']} layers: "
+                     f"{_human(total - draft * m['dcp_size'])} = "
+                     f"{(total - draft * m['dcp_size']) / target if target else 0.0:.2f}x their KV; the draft's "
+                     f"{m['draft_layers']} (not sharded on decode): {_human(draft * m['dcp_size'])} = "
+                     f"{m['dcp_size']:.2f}x their KV")
     lines.append(f"naive (full KV to every DCP rank): {_human(naive)} = {m['dcp_size']:.2f}x the KV")
     return "\n".join(lines)

@@ -350,6 +350,7 @@ class WorkerSide:
             self.stats.record_path(cp_rank, self.dcp_rank, o.nbytes, o.descriptors, o.write_s, o.replicated_bytes)
             self.stats_file.write(transfer_key=f.transfer_key, cp_rank=cp_rank, cp_size=o.cp_size,
                                   replicated_bytes=o.replicated_bytes,
+                                  draft_layers=self.receiver.fingerprint.draft_layers,
                                   tp_rank=self.tp_rank, dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, layers=[o.layer_start, o.layer_end],
                                   pages=o.num_pages, page_size=self.page_size, bytes=o.nbytes, naive_bytes=o.naive_bytes, early_layers=o.early_layers,
                                   descriptors=o.descriptors, seconds=o.write_s, fetch_seconds=f.seconds,

@@ -14,6 +14,11 @@ Kinds (all: vocab 512, hidden 128, 4 attention heads, head_dim 32 or MLA 576):
   llama-mqa-8      llama-mqa with 8 layers (layer-split storage at CP=2: 8 / 5 = 1.6x).
   deepseek-v2-mla  DeepseekV2ForCausalLM, 2 layers, MLA with kv_lora_rank 512 and
                    qk_rope_head_dim 64 (the only MLA shape vLLM's CPU backend runs).
+  deepseek-v3-mtp  DeepseekV3ForCausalLM, 2 dense MLA layers (the shape above) and one
+                   MTP layer (``num_nextn_predict_layers: 1``) stored as layer 2, as
+                   DeepSeek-V3 checkpoints hold it: its decoder block plus ``enorm``,
+                   ``hnorm``, ``eh_proj`` and ``shared_head``. Serve its draft with
+                   ``speculative_config={"method": "mtp", "num_speculative_tokens": k}``.
   llama-mqa-eagle  an EAGLE draft head for llama-mqa (vLLM's EagleLlamaForCausalLM):
                    one decoder layer without its input norm, and ``fc`` [128, 256]
                    over [embedding | target hidden state]; it shares the target's
@@ -27,7 +32,7 @@ import json
 import os
 from pathlib import Path
 
-KINDS = ("llama", "llama-mqa", "llama-mqa-8", "deepseek-v2-mla", "llama-mqa-eagle")
+KINDS = ("llama", "llama-mqa", "llama-mqa-8", "deepseek-v2-mla", "deepseek-v3-mtp", "llama-mqa-eagle")
 _VERSION = 1  # bump when the recipe changes, so cached builds are rebuilt
 _VOCAB = 512
 _CHAT_TEMPLATE = (
@@ -61,6 +66,13 @@ def _config(kind: str, dtype: str) -> dict:
                     num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, n_group=1,
                     topk_group=1, routed_scaling_factor=1.0, topk_method="greedy", norm_topk_prob=False,
                     scoring_func="softmax", rope_theta=10000.0, rope_scaling=None, aux_loss_alpha=0.0)
+    if kind == "deepseek-v3-mtp":
+        # Every layer dense (first_k_dense_replace past the MTP layer): MoE adds nothing here.
+        # Built with 3 layers, the last saved as the MTP layer (_save_mtp_model).
+        v2 = _config("deepseek-v2-mla", dtype)
+        return dict(v2, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=3,
+                    first_k_dense_replace=3, topk_method="noaux_tc", scoring_func="sigmoid",
+                    norm_topk_prob=True, rope_interleave=True)
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -108,6 +120,8 @@ def build_tiny_model(kind: str, path: str | os.PathLike, dtype: str = "bfloat16"
                 p.normal_(0.0, 0.08)
     if kind == "llama-mqa-eagle":
         _save_eagle_head(model, path)
+    elif kind == "deepseek-v3-mtp":
+        _save_mtp_model(model, path)
     else:
         model.save_pretrained(path, safe_serialization=True)
     _build_tokenizer(path)
@@ -130,6 +144,35 @@ def _save_eagle_head(model, path: Path) -> None:
     weights["fc.weight"] = fc
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(path)
+
+
+def _save_mtp_model(model, path: Path) -> None:
+    """Save a 3-layer DeepSeek-V3 as 2 layers plus an MTP layer 2, in the checkpoint names
+    vLLM's ``DeepSeekMTP.load_weights`` reads; the target's loader skips layer 2."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    hidden, mtp = cfg.hidden_size, cfg.num_hidden_layers - 1
+    weights = {name: w.contiguous() for name, w in model.state_dict().items()}
+    # A random MTP layer would almost never be accepted, leaving verification's accept paths
+    # untested. This one mostly predicts "the next token repeats the last one", which the
+    # target then often does: eh_proj passes the token's embedding (not the hidden state),
+    # the block adds a damped attention and MLP (its KV is still written and read), and the
+    # head (vLLM gives the MTP layer the target's) is the embedding matrix, whose rows score
+    # highest against themselves.
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    eh_proj = torch.zeros(hidden, 2 * hidden)
+    eh_proj[:, :hidden] = torch.eye(hidden)
+    for name in (f"model.layers.{mtp}.self_attn.o_proj.weight", f"model.layers.{mtp}.mlp.down_proj.weight"):
+        weights[name] = weights[name] * 0.25
+    extra = {"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
+             "shared_head.norm.weight": torch.ones(hidden), "eh_proj.weight": eh_proj,
+             "shared_head.head.weight": weights["lm_head.weight"].clone()}
+    weights.update({f"model.layers.{mtp}.{k}": v.to(model.dtype) for k, v in extra.items()})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg.num_hidden_layers, cfg.num_nextn_predict_layers = mtp, 1
+    cfg.save_pretrained(path)
 
 
 def main(argv: list[str] | None = None) -> int:
