@@ -110,11 +110,11 @@ def tokens(out: dict) -> list[int]:
     return out["choices"][0]["token_ids"]
 
 
-def run(work: Path, lengths: list[int], n: int) -> None:
+def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") -> None:
     model = long_model(work / "model", max(16384, MAX_LEN))
     stats = work / "decode-stats.jsonl"
     common = dict(block_size=PAGE, dtype="float32", kv_cache_bytes=256 << 20, max_model_len=MAX_LEN,
-                  args=("--no-enable-prefix-caching",))
+                  args=("--no-enable-prefix-caching", "--kv-cache-dtype", kv_cache_dtype))
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2,
                           extra_config={"bootstrap_port": free_port()}, **common)
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=2,
@@ -217,6 +217,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
     ap.add_argument("--work", default="", help="directory for the model and logs (default: a temporary one)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="both instances' --kv-cache-dtype (e.g. fp8)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     if a.out_tokens < 1 or min(lengths) < 1:
@@ -224,10 +225,10 @@ def main() -> None:
     OUT_TOKENS = a.out_tokens
     MAX_LEN = max(MAX_LEN, -(-(max(lengths) + OUT_TOKENS) // PAGE) * PAGE + PAGE)
     if a.work:
-        run(Path(a.work), lengths, a.requests)
+        run(Path(a.work), lengths, a.requests, a.kv_cache_dtype)
     else:
         with tempfile.TemporaryDirectory() as d:
-            run(Path(d), lengths, a.requests)
+            run(Path(d), lengths, a.requests, a.kv_cache_dtype)
 
 
 if __name__ == "__main__":
