@@ -251,6 +251,7 @@ def test_kv_scales_name_every_layers_scales_for_an_fp8_cache():
     """The fingerprint's ``kv_scales``: "none" unquantized; for fp8 a digest over every
     layer's K and V scales in KV layer order, so two instances whose checkpoints (or
     defaults) scale any layer differently are refused, naming both digests."""
+    from vllm_dcp2d.config import ConfigError
     from vllm_dcp2d.connector.messages import Fingerprint, FingerprintMismatch
 
     def vc(cache_dtype, scales):
@@ -271,3 +272,7 @@ def test_kv_scales_name_every_layers_scales_for_an_fp8_cache():
         fp(a).check(fp(b))
     with pytest.raises(RuntimeError, match="no attention layer for the KV caches \\['model.layers.3.attn'\\]"):
         compat.kv_scales(vc("fp8", ones), {**ids, "model.layers.3.attn": 3})
+    per_head = vc("fp8", ones)
+    per_head.compilation_config.static_forward_context["model.layers.1.attn"]._v_scale = torch.ones(4)
+    with pytest.raises(ConfigError, match="model.layers.1.attn._v_scale has 4 \\(per-head scales\\)"):
+        compat.kv_scales(per_head, ids)

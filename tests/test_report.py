@@ -76,7 +76,12 @@ def test_short_prompts_named_in_the_issue(capsys):
 def test_no_figure_without_a_record_that_moved_pages():
     assert matrix_from_records([], 5) is None
     assert matrix_from_records([{"ok": False, "bytes": 0}], 5) is None
-    cached = records(4, 2, 2, 40, 32, 8)
-    for r in cached:  # not whole pages of one size: no figure rather than a wrong one
+    odd = records(4, 2, 2, 40, 32, 8)
+    for r in odd:  # not whole pages of one size: no figure rather than a wrong one
         r["bytes"] -= 1
-    assert matrix_from_records(cached, 40) is None
+    assert matrix_from_records(odd, 40) is None
+    # a record written before draft_layers was: its replicated bytes cannot be placed
+    old = records(4, 2, 2, 100, 32, 8, draft=1)
+    for r in old:
+        del r["draft_layers"]
+    assert matrix_from_records(old, 100) is None

@@ -93,12 +93,25 @@ def matrix_from_records(records: list[dict], tokens: int) -> dict | None:
     The bytes per token and layer come from a record that moved pages (a DCP rank may
     have none: a prompt shorter than ``dcp_size`` pages): the target's part of its bytes
     over its target layers and pages, or its draft's (``replicated_bytes``, every page)
-    over its draft layers."""
+    over its draft layers. The matrix is returned only if it gives every record's path
+    exactly the bytes the record moved (not so for records written before
+    ``draft_layers`` was). A request whose first pages were cached on decode moved fewer
+    pages than ``pages`` says, which the records cannot tell from smaller pages: the
+    demo asks for its first request's matrix only, on instances it just started."""
     ok = [r for r in records if r.get("ok") and r.get("bytes", 0) > 0]
     if not ok:
         return None
     num_layers = max(x["layers"][1] for x in records if x.get("ok"))
     draft = ok[0].get("draft_layers", 0)
+    m = _matrix_from(ok, num_layers, draft, tokens)
+    if m is None:
+        return None
+    planned = {(p["cp_rank"], p["dcp_rank"]): p["bytes"] for p in m["paths"]}
+    moved = all(planned.get((r["cp_rank"], r["dcp_rank"])) == r["bytes"] for r in records if r.get("ok"))
+    return m if moved else None
+
+
+def _matrix_from(ok: list[dict], num_layers: int, draft: int, tokens: int) -> dict | None:
     first_draft = num_layers - draft
     for r in sorted(ok, key=lambda r: -r["bytes"]):
         a, b = r["layers"]
@@ -111,7 +124,7 @@ def matrix_from_records(records: list[dict], tokens: int) -> dict | None:
             per_token_layer, rest = divmod(rep, (b - a - target) * r["pages"] * r["page_size"])
         else:
             continue
-        if rest:  # not whole pages of one size (a cached prefix): no honest figure
+        if rest or per_token_layer < 1:  # not whole pages of one size: no honest figure
             return None
         return reshard_matrix(num_layers, r["cp_size"], r["dcp_size"], tokens, r["page_size"], per_token_layer,
                               draft_layers=draft)

@@ -56,7 +56,8 @@ __all__ = [
 # 5 = TransferRequest.num_blocks and memory_addr/memory_bytes (the consumer's
 # registered memory: a request that would write outside it is refused); a
 # rejected message is answered with a TransferOutcome for its attempt when the
-# attempt id can be read.
+# attempt id can be read. 6 = Fingerprint.kv_scales (an fp8 cache's per-layer scales) and
+# kv_dtype naming the fp8 encoding.
 PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)

@@ -281,7 +281,9 @@ def kv_scales(vllm_config, layer_ids: dict[str, int]) -> str:
     cache, else "sha256:<16 hex>" of every KV layer's ``(k_scale, v_scale)`` (float32,
     in KV layer order). Read from vLLM 0.32's attention layers (``_k_scale_float``,
     ``_v_scale_float``, set from the checkpoint at load, 1.0 without one), so it must
-    be called after the weights are loaded."""
+    be called after the weights are loaded. Raises ``ConfigError`` for per-head scales
+    (compressed-tensors ``strategy: attn_head``): the float is only their max, and each
+    TP rank holds its heads' share, so no one digest would name them."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     if not cache_dtype.startswith("fp8"):  # vLLM's own test (is_quantized_kv_cache)
         return "none"
@@ -291,6 +293,14 @@ def kv_scales(vllm_config, layer_ids: dict[str, int]) -> str:
         raise RuntimeError(f"no attention layer for the KV caches {missing[:4]} (an fp8 KV cache needs each "
                            f"layer's scales)")
     names = sorted(layer_ids, key=layer_ids.__getitem__)
+    for n in names:
+        for attr in ("_k_scale", "_v_scale"):
+            t = getattr(ctx[n], attr, None)
+            if t is not None and t.numel() > 1:
+                from vllm_dcp2d.config import ConfigError
+
+                raise ConfigError(f"DCP2DConnector moves an fp8 KV cache with one K and one V scale per layer; "
+                                  f"{n}.{attr} has {t.numel()} (per-head scales), which it does not check")
     scales = [(float(ctx[n]._k_scale_float), float(getattr(ctx[n], "_v_scale_float", 1.0))) for n in names]
     return "sha256:" + hashlib.sha256(np.array(scales, dtype=np.float32).tobytes()).hexdigest()[:16]
 
