@@ -301,7 +301,8 @@ def test_consumer_releases_a_fully_cached_request():
     meta = s.build_connector_meta(sched_out())
     assert meta.loads == {}
     spec = meta.releases["r"]
-    assert (spec.transfer_key, spec.bootstrap_addr, spec.num_tokens) == ("p-1", "tcp://h:1", 100)
+    assert (spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id) == (
+        "p-1", "tcp://h:1", 100, "pe")  # the engine: released only to that instance
     assert s.build_connector_meta(sched_out()).releases == {}  # handed over once
     assert s.request_finished(request(params=params, status=RequestStatus.FINISHED_STOPPED), ([1],)) == (False, None)
     assert s.build_connector_meta(sched_out()).releases == {}  # admitted: not released again

@@ -114,6 +114,21 @@ def test_a_decode_of_another_kv_format_still_releases_what_it_refused(stack):
     assert time.monotonic() - t0 < 10.0 and not dst.any() and not s.gate.entered.is_set()
 
 
+def test_a_release_for_another_prefill_engine_is_not_sent(stack):
+    """The request named prefill engine "P-old", but its bootstrap address now serves
+    "P" (restarted, or another instance on that address): the release is not sent there,
+    where it could free a request of "P" that reuses the key before its own decode
+    fetches it. The same release naming "P" frees it at once."""
+    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    s.sender.add_request("x", SRC_IDS, TOKENS)
+    s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P-old")
+    wait_until(lambda: "x" not in str(s.recv._unsent))  # the table came and the release was dropped
+    time.sleep(0.5)
+    assert s.sender.pop_finished() == {} and not s.sender.ledger._early
+    s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P")
+    assert finished_within(s.sender) == {"x": "released"}
+
+
 def test_release_counts_per_consumer_rank(stack):
     """A decode engine of 2 ranks: rank 1 releases, rank 0 still fetches: the
     request is freed once rank 0 got its pages, not before."""

@@ -76,11 +76,14 @@ class LoadSpec:
 @dataclass
 class ReleaseSpec:
     """A producer request this consumer will never fetch: ``transfer_key``
-    (``remote_request_id``) of ``num_tokens`` prompt tokens at ``bootstrap_addr``."""
+    (``remote_request_id``) of ``num_tokens`` prompt tokens at ``bootstrap_addr``, of
+    the producer ``remote_engine_id`` (None: the params named none; the release then
+    goes to whichever instance serves that address)."""
 
     transfer_key: str
     bootstrap_addr: str
     num_tokens: int
+    remote_engine_id: str | None = None
 
 
 @dataclass

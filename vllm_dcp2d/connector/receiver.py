@@ -35,7 +35,8 @@ Public API
            dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0, on_output=None)``
     ``.start(transfer_key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens,
              remote_engine_id=None)``
-    ``.release(transfer_key, bootstrap, num_tokens)``  this rank will never fetch it: tell every CP rank.
+    ``.release(transfer_key, bootstrap, num_tokens, remote_engine_id=None)``  this rank will never fetch
+                                 it: tell every CP rank (if the instance there is that engine).
     ``.poll() -> list[Fetch]``           finished fetches since the last call (any thread).
     ``.poll_lifted() -> list[Fetch]``    quarantined fetches whose attempts all settled since.
     ``.wait(transfer_key, timeout_s) -> Fetch``  blocking helper (tests, benches).
@@ -146,16 +147,19 @@ class Receiver:
                             time.monotonic() + t, w))
         self._waker.wake()
 
-    def release(self, transfer_key: str, bootstrap: str, num_tokens: int) -> None:
+    def release(self, transfer_key: str, bootstrap: str, num_tokens: int,
+                remote_engine_id: str | None = None) -> None:
         """This rank will never fetch ``transfer_key`` (``num_tokens`` prompt tokens)
         from the prefill instance at ``bootstrap``: send every CP rank a
         ``ReleaseTransfer`` so it frees the request now instead of at its
         ``send_timeout_s``. Fire and forget: if the rank table cannot be had within
-        ``timeout_s``, the prefill's timeout frees it. The caller must not release
-        a key it is still fetching."""
+        ``timeout_s``, the prefill's timeout frees it; if the instance at ``bootstrap``
+        is not ``remote_engine_id`` (restarted, or another one on that address), it is
+        not told (None: any). The caller must not release a key it is still fetching."""
         if self._stop.is_set() or self.failed:
             return
-        self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.timeout_s))
+        self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.timeout_s,
+                            remote_engine_id))
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
@@ -281,20 +285,24 @@ class Receiver:
         for bootstrap, items in list(self._unsent.items()):
             table = self._queries[bootstrap].table
             keep = []
-            for key, _, num_tokens, deadline in items:
+            for key, _, num_tokens, deadline, engine in items:
                 if table is not None:
-                    self._release(table, key, num_tokens)
+                    self._release(table, key, num_tokens, engine)
                 elif deadline <= now:
                     log.info("release of %r not sent: no rank table from %s (%s)", key, bootstrap,
                              self._queries[bootstrap].last_reason)
                 else:
-                    keep.append((key, bootstrap, num_tokens, deadline))
+                    keep.append((key, bootstrap, num_tokens, deadline, engine))
             if keep:
                 self._unsent[bootstrap] = keep
             else:
                 del self._unsent[bootstrap]
 
-    def _release(self, table: RankTable, key: str, num_tokens: int) -> None:
+    def _release(self, table: RankTable, key: str, num_tokens: int, engine: str | None) -> None:
+        if engine is not None and engine != table.engine_id:
+            log.info("release of %r not sent: %s serves engine %r, the request named %r", key,
+                     ",".join(table.addresses), table.engine_id, engine)
+            return
         msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self.consumer_size, num_tokens)
         for addr in table.addresses:
             if not self._rank(addr).send(msg):
@@ -333,8 +341,8 @@ class Receiver:
             if isinstance(e, FingerprintMismatch) and q.refused is not None:
                 # This side will never fetch from an instance of another KV format, and a
                 # release moves no KV: free its blocks now, not at its claim_timeout_s.
-                for key, _, num_tokens, _ in self._unsent.pop(q.address, []):
-                    self._release(q.refused, key, num_tokens)
+                for key, _, num_tokens, _, engine in self._unsent.pop(q.address, []):
+                    self._release(q.refused, key, num_tokens, engine)
             return self._no_table(q, str(e))
         if table is None:
             return

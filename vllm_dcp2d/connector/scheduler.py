@@ -156,8 +156,10 @@ class SchedulerSide:
         # naming another count than the producer's is ignored as a reused key.
         remote = params.get("remote_num_tokens")
         num_tokens = remote if type(remote) is int and remote >= 0 else request.num_prompt_tokens
+        engine = params.get("remote_engine_id")
+        engine = engine if isinstance(engine, str) and 0 < len(engine) <= 512 else None
         if isinstance(key, str) and 0 < len(key) <= 512:
-            self._releases[request.request_id] = ReleaseSpec(key, addr, num_tokens)
+            self._releases[request.request_id] = ReleaseSpec(key, addr, num_tokens, engine)
 
     # -- producer ----------------------------------------------------------------------------
 

@@ -255,7 +255,7 @@ class WorkerSide:
                 self._sending[spec.transfer_key] = req_id
                 self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
         for spec in meta.releases.values():
-            self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens)
+            self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
         for req_id, spec in meta.loads.items():
             if self.receiver is None:
                 raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
@@ -273,14 +273,15 @@ class WorkerSide:
                                     remote_engine_id=spec.remote_engine_id)
                 continue
             self._refused.append((req_id, spec, why))
-            self._release(key, spec.bootstrap_addr, spec.num_tokens)  # no-op for the duplicate key
+            # no-op for the duplicate key
+            self._release(key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
 
-    def _release(self, key: str, bootstrap: str, num_tokens: int) -> None:
+    def _release(self, key: str, bootstrap: str, num_tokens: int, remote_engine_id: str | None) -> None:
         """Consumer: this rank will never fetch ``key``; the producer may free it
         (``Receiver.release``). Not while this instance fetches the same key for
         another request: that fetch still needs it."""
         if self.cfg.release_unfetched and self.receiver is not None and key not in self._loading:
-            self.receiver.release(key, bootstrap, num_tokens)
+            self.receiver.release(key, bootstrap, num_tokens, remote_engine_id)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Called by the model runner after every step (``get_transfer_results``).
@@ -322,7 +323,7 @@ class WorkerSide:
                     self._record(f)
                 else:
                     self._fail(req_id, f.transfer_key, f, block_ids, first_page)
-                    self._release(f.transfer_key, f.bootstrap, f.num_tokens)
+                    self._release(f.transfer_key, f.bootstrap, f.num_tokens, f.remote_engine_id)
             for f in lifted:
                 _, req_id, n = self._quarantines.pop(id(f))
                 self._meta.lifted.add((req_id, self.tp_rank))
