@@ -230,6 +230,7 @@ def test_metrics(cluster):
     for salt in (70, 71):  # a second prompt if the first hit the known Mooncake stall (issue 14)
         prompt = ids(3 * PAGE + 5, salt)  # not cached by the decode: every page is fetched
         before, n_recs = scrape(c["decode"].url), len(read_stats(c["stats"]))
+        p_before, t_sent = scrape(c["prefill"].url), time.monotonic()
         body = {"model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                 "ignore_eos": True}
         status, out = post_json(c["proxy"].url + "/v1/completions", body, timeout_s=300)
@@ -259,6 +260,16 @@ def test_metrics(cluster):
         assert after[(name + "_count", inst)] - before[(name + "_count", inst)] == DCP, name
         assert after[(name + "_sum", inst)] - before[(name + "_sum", inst)] == \
             pytest.approx(sum(v[i] for v in per_rank.values()), abs=1e-9), name
+    # the prefill's hold (issue 29): each of its 2 CP ranks observes the request once the decode
+    # was served, for at most the time since it was sent
+    held = ("vllm:dcp2d_send_held_seconds_count", inst)
+    while (p_after := scrape(c["prefill"].url))[held] - p_before[held] < 2:
+        assert time.monotonic() < deadline + 30, "the prefill never observed how long it held the request"
+        time.sleep(0.5)
+    held_s = p_after[("vllm:dcp2d_send_held_seconds_sum", inst)] - p_before[("vllm:dcp2d_send_held_seconds_sum", inst)]
+    # (more than 2 only if a first prompt stalled: its hold may end after this prompt's start)
+    assert p_after[held] - p_before[held] >= 2 and held_s > 0, held_s
+    assert p_after[held] - p_before[held] > 2 or held_s <= 2 * (time.monotonic() - t_sent), held_s
     for name in ("failed_fetches", "expired_requests", "quarantined_blocks"):  # a clean fetch failed nothing
         key = (f"vllm:dcp2d_{name}_total", tuple(sorted({"engine": "0", "model_name": c["model"]}.items())))
         assert after[key] == before[key], name

@@ -33,8 +33,9 @@ _path_event = st.tuples(st.just("path"), st.integers(0, 3), st.integers(0, 3), s
 _count_event = st.tuples(st.just("count"), st.sampled_from(_COUNTERS), st.integers(0, 1000))
 _seconds = st.sampled_from([0.0, 0.0004, 0.001, 0.003, 0.02, 0.07, 1.0, 25.0, 75.0])
 _fetch_event = st.tuples(st.just("fetch"), _seconds, _seconds)
+_held_event = st.tuples(st.just("held"), _seconds)
 # steps of (TP rank -> events): what each worker records between two snapshots
-_steps = st.lists(st.lists(st.lists(st.one_of(_path_event, _count_event, _fetch_event), max_size=6), min_size=1, max_size=3),
+_steps = st.lists(st.lists(st.lists(st.one_of(_path_event, _count_event, _fetch_event, _held_event), max_size=6), min_size=1, max_size=3),
                   min_size=1, max_size=5)
 
 
@@ -45,6 +46,8 @@ def _apply(stats: DCP2DStats, events) -> None:
             stats.record_path(r, d, nbytes + repl, desc, s, replicated_bytes=repl)
         elif e[0] == "fetch":
             stats.record_fetch(e[1], e[2])
+        elif e[0] == "held":
+            stats.record_held(e[1])
         else:
             stats.count(e[1], e[2])
 
@@ -85,6 +88,8 @@ def _expected(steps):
                 elif e[0] == "fetch":
                     counters["fetch_seconds"].append(e[1])
                     counters["reported_after_seconds"].append(e[2])
+                elif e[0] == "held":
+                    counters["held_seconds"].append(e[1])
                 else:
                     counters[e[1]] += e[2]
     return paths, counters

@@ -68,6 +68,10 @@ METRICS: tuple[Metric, ...] = (
            "Seconds an ended fetch waited for the engine step that reported it to vLLM's scheduler, per decode "
            "TP rank (a request waits for its slowest rank): PD latency that is neither compute nor transfer "
            "(an idle step's sleep, ended early by the step bell)."),
+    Metric("vllm:dcp2d_send_held_seconds", "histogram", False, "prefill", "held_seconds",
+           "Seconds a prefill TP rank held a finished request's KV blocks for the decode: from `request_finished` "
+           "handing them to its senders until every decode rank was served, released them, or they expired "
+           "(one observation per request and prefill TP rank; a long tail is decodes that ask late or never)."),
     Metric("vllm:dcp2d_failed_fetches", "counter", False, "decode", "failed",
            "Fetches that ended with an error (length mismatches included); expiries are counted apart."),
     Metric("vllm:dcp2d_expired_requests", "counter", False, "both", "expired",

@@ -30,8 +30,9 @@ __all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVA
 
 _COUNTERS = ("failed", "expired", "quarantined", "lifted", "prefix_broadcast_bytes", "stalls", "retries")
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
-# Per-request stage durations of a decode rank (issue 29), one observation per fetch.
-_TIMERS = ("fetch_seconds", "reported_after_seconds")
+# Per-request stage durations (issue 29): a decode rank's, one observation per fetch; a prefill
+# rank's, one per request it held blocks for.
+_TIMERS = ("fetch_seconds", "reported_after_seconds", "held_seconds")
 # Write durations kept per path between two snapshots, for the histogram. A
 # snapshot covers one engine step, so a path sees at most one write per request
 # per TP rank in it; past this bound the oldest are dropped (the log line's
@@ -60,7 +61,7 @@ class DCP2DStats(KVConnectorStats):
     """``data = {"paths": {"r,d": {"transfers", "bytes", "replicated_bytes", "descriptors", "seconds",
     "write_seconds": [float]}}, "failed": int, "expired": int, "quarantined": int, "lifted": int,
     "prefix_broadcast_bytes": int, "stalls": int, "retries": int, "fetch_seconds": [float],
-    "reported_after_seconds": [float]}``.
+    "reported_after_seconds": [float], "held_seconds": [float]}``.
 
     bytes:       everything the path moved; replicated_bytes: the part that went to
                  replicated KV cache groups (a speculative draft's KV, every page to
@@ -81,8 +82,10 @@ class DCP2DStats(KVConnectorStats):
     retries:     batches re-sent on a fresh Mooncake engine after a stall.
     fetch_seconds: decode, per ended fetch that succeeded: from asking the prefill
                  ranks to the last answer. reported_after_seconds: from then to the
-                 engine step that reported it (``step_bell``). Each at most
-                 ``MAX_OBSERVATIONS`` per snapshot, like ``write_seconds``.
+                 engine step that reported it (``step_bell``). held_seconds: prefill, per
+                 request handed to the senders: until every decode rank was served,
+                 released it, or it expired. Each at most ``MAX_OBSERVATIONS`` per
+                 snapshot, like ``write_seconds``.
     """
 
     def __post_init__(self):
@@ -118,11 +121,18 @@ class DCP2DStats(KVConnectorStats):
 
     def record_fetch(self, seconds: float, reported_after_s: float) -> None:
         """Called by a decode worker when it reports a fetch that succeeded."""
+        for k, v in zip(_TIMERS, (seconds, reported_after_s)):
+            self._observe(k, v)
+
+    def record_held(self, seconds: float) -> None:
+        """Called by a prefill worker when the senders let go of a request's blocks."""
+        self._observe("held_seconds", seconds)
+
+    def _observe(self, timer: str, value: float) -> None:
         with self._lock:
-            for k, v in zip(_TIMERS, (seconds, reported_after_s)):
-                obs = self.data[k]
-                obs.append(float(v))
-                del obs[:-MAX_OBSERVATIONS]
+            obs = self.data[timer]
+            obs.append(float(value))
+            del obs[:-MAX_OBSERVATIONS]
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to counter ``name`` (one of ``_COUNTERS``)."""

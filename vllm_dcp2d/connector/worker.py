@@ -103,6 +103,7 @@ class WorkerSide:
         self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
         self._meta = DCP2DWorkerMeta()
         self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
+        self._handed: dict[str, float] = {}  # producer: transfer key -> when its blocks went to the senders
         self._finished_sending: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -253,6 +254,7 @@ class WorkerSide:
                 self._finished_sending.add(req_id)
             else:
                 self._sending[spec.transfer_key] = req_id
+                self._handed[spec.transfer_key] = time.monotonic()
                 self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
         for spec in meta.releases.values():
             self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
@@ -300,6 +302,9 @@ class WorkerSide:
             for key, why in self.sender.pop_finished().items():
                 req_id = self._sending.pop(key, key)
                 sending.add(req_id)
+                handed = self._handed.pop(key, None)
+                if handed is not None:
+                    self.stats.record_held(time.monotonic() - handed)
                 if why == "released":
                     log.debug("DCP2D: request %s released by its decode ranks on CP rank %d", req_id, self.tp_rank)
                 if why in ("expired", "unclaimed"):
