@@ -199,7 +199,8 @@ def test_remote_token_count_mismatch_recomputes(llm):
     assert pre.kv_transfer_params["remote_num_tokens"] == len(ids)
     (dec,) = engine.generate({"prompt_token_ids": longer}, greedy(4, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids
-    fails = [r for r in records(stats) if r.get("transfer_key") == pre.kv_transfer_params["remote_request_id"]]
+    fails = [r for r in records(stats)
+             if r.get("transfer_key") == pre.kv_transfer_params["remote_request_id"] and r["side"] == "consumer"]
     assert (f"remote_num_tokens={len(ids)} prompt tokens, this decode has {len(longer)}"
             in fails[-1]["reason"]), fails
 

@@ -270,6 +270,11 @@ def test_metrics(cluster):
     # (more than 2 only if a first prompt stalled: its hold may end after this prompt's start)
     assert p_after[held] - p_before[held] >= 2 and held_s > 0, held_s
     assert p_after[held] - p_before[held] > 2 or held_s <= 2 * (time.monotonic() - t_sent), held_s
+    # and the prefill's per-request line in the stats file: one per CP rank, served ("done")
+    key = recs[0]["transfer_key"]
+    mine = [r for r in read_stats(c["stats"]) if r["side"] == "producer" and r.get("transfer_key") == key]
+    assert sorted((r["cp_rank"], r["event"]) for r in mine) == [(0, "done"), (1, "done")], mine
+    assert all(0 < r["held_seconds"] <= time.monotonic() - t_sent for r in mine), mine
     for name in ("failed_fetches", "expired_requests", "quarantined_blocks"):  # a clean fetch failed nothing
         key = (f"vllm:dcp2d_{name}_total", tuple(sorted({"engine": "0", "model_name": c["model"]}.items())))
         assert after[key] == before[key], name

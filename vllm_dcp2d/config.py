@@ -105,7 +105,9 @@ KEYS: dict[str, tuple[str, str]] = {
                    "(`cp_rank`, `dcp_rank`, `bytes` and of them `replicated_bytes`, a draft's, the instance's "
                    "`draft_layers`, `descriptors`, "
                    "`seconds`, `ok`; a decode's also `fetch_seconds` and `reported_after_seconds`, the wait from the "
-                   "fetch's end to the engine step that reported it) to this file; the "
+                   "fetch's end to the engine step that reported it), and a prefill worker one line per request its "
+                   "senders let go of (`event`: done, released, expired, unclaimed, aborted; `held_seconds` since "
+                   "`request_finished` handed it over) to this file; the "
                    "same figures also go to vLLM's periodic `KV Transfer metrics` log."),
     "cpu_poll_sleep_us": ("both", "CPU hosts only: microseconds vLLM's shared-memory queues sleep between "
                           "polls instead of spinning (their latency grows by at most this). Without it, "

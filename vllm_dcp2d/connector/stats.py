@@ -3,8 +3,9 @@
 A path is ``(cp_rank, dcp_rank)``: prefill layer-split rank ``cp_rank``
 writing its layers of the pages of decode DCP rank ``dcp_rank``. The consumer
 records paths, from each producer rank's ``TransferOutcome`` (bytes,
-descriptors, and the producer's write seconds); the producer records expiries
-and, with layer-split storage, prefix-broadcast bytes.
+descriptors, and the producer's write seconds); the producer records expiries,
+how long it held each request's blocks and, with layer-split storage,
+prefix-broadcast bytes.
 
 vLLM moves ``KVConnectorStats`` from workers to the engine's front-end after
 every step (``aggregate`` over TP ranks). There ``connector/prom.py`` turns

@@ -303,13 +303,16 @@ class WorkerSide:
                 req_id = self._sending.pop(key, key)
                 sending.add(req_id)
                 handed = self._handed.pop(key, None)
-                if handed is not None:
-                    self.stats.record_held(time.monotonic() - handed)
+                held = None if handed is None else time.monotonic() - handed
+                if held is not None:
+                    self.stats.record_held(held)
+                # side "producer" on a kv_both instance too
+                self.stats_file.write(side="producer", request_id=req_id, transfer_key=key, cp_rank=self.tp_rank,
+                                      event=why, held_seconds=held)
                 if why == "released":
                     log.debug("DCP2D: request %s released by its decode ranks on CP rank %d", req_id, self.tp_rank)
                 if why in ("expired", "unclaimed"):
                     self.stats.count("expired")
-                    self.stats_file.write(request_id=req_id, event=why)
                     after = (f"claim_timeout_s={self.cfg.claim_timeout_s:.0f} s without a decode rank asking for it"
                              if why == "unclaimed" else f"send_timeout_s={self.cfg.send_timeout_s:.0f} s")
                     log.warning("DCP2D: request %s %s on CP rank %d after %s; blocks freed", req_id, why,
