@@ -284,6 +284,8 @@ def kv_scales(vllm_config, layer_ids: dict[str, int]) -> str:
     be called after the weights are loaded. Raises ``ConfigError`` for per-head scales
     (compressed-tensors ``strategy: attn_head``): the float is only their max, and each
     TP rank holds its heads' share, so no one digest would name them."""
+    from vllm_dcp2d.config import ConfigError
+
     cache_dtype = vllm_config.cache_config.cache_dtype
     if not cache_dtype.startswith("fp8"):  # vLLM's own test (is_quantized_kv_cache)
         return "none"
@@ -297,8 +299,6 @@ def kv_scales(vllm_config, layer_ids: dict[str, int]) -> str:
         for attr in ("_k_scale", "_v_scale"):
             t = getattr(ctx[n], attr, None)
             if t is not None and t.numel() > 1:
-                from vllm_dcp2d.config import ConfigError
-
                 raise ConfigError(f"DCP2DConnector moves an fp8 KV cache with one K and one V scale per layer; "
                                   f"{n}.{attr} has {t.numel()} (per-head scales), which it does not check")
     scales = [(float(ctx[n]._k_scale_float), float(getattr(ctx[n], "_v_scale_float", 1.0))) for n in names]
