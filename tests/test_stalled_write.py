@@ -49,6 +49,9 @@ class StalledThenRetried:
         """The given-up attempts' bytes arrive now (a real Mooncake write each)."""
         return sum(self.real.write(peer, desc) for peer, desc in self.ghosts)
 
+    def __getattr__(self, name):  # register, registered, ...: the real transport's
+        return getattr(self.real, name)
+
 
 @pytest.fixture
 def stack():

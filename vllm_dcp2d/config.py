@@ -38,6 +38,7 @@ class DCP2DConfig:
     cancel_grace_s: float = 2.0
     release_unfetched: bool = True
     protocol: str = "tcp"
+    send_staging_mib: int = 32
     local_hostname: str = "127.0.0.1"
     stats_file: str = ""
     cpu_poll_sleep_us: int = 500
@@ -99,6 +100,13 @@ KEYS: dict[str, tuple[str, str]] = {
                           "previous behaviour; for comparison)."),
     "protocol": ("both", "Mooncake transport: `\"tcp\"` (default, any machine) or `\"rdma\"` "
                  "(the engine then discovers the NICs itself)."),
+    "send_staging_mib": ("producer", "KV in host memory (CPU instances): MiB per prefill CP rank into which "
+                         "it copies a path's pages, in the decode rank's order, before writing them, so pages "
+                         "adjacent in the decode's blocks go out as one Mooncake descriptor (a DCP rank's pages are "
+                         "every N-th page of the prefill's and never adjacent there; over TCP each descriptor costs "
+                         "~10 us whatever its size). A path larger than half of it goes in several copies. 0: "
+                         "every page written in place. KV on a GPU is always written in place "
+                         "(docs/connector.md, \"Send staging\")."),
     "local_hostname": ("both", "Host name or IP this instance's Mooncake engine listens on and "
                        "advertises to its peers."),
     "stats_file": ("both", "If set, every worker appends one JSON line per transfer path and request "
@@ -180,6 +188,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "cpu_poll_sleep_us" in extra:
         v = extra["cpu_poll_sleep_us"]
         _expect("cpu_poll_sleep_us", v, _is_int(v) and 0 <= v <= 100_000, "an int in [0, 100000] microseconds")
+    if "send_staging_mib" in extra:
+        v = extra["send_staging_mib"]
+        _expect("send_staging_mib", v, _is_int(v) and 0 <= v <= 65536, "an int in [0, 65536] MiB (0 = off)")
     if "layer_split" in extra:
         v = extra["layer_split"]
         _expect("layer_split", v, v in ("auto", "on", "off"), 'one of "auto", "on", "off"')

@@ -57,7 +57,8 @@ METRICS: tuple[Metric, ...] = (
            "The part of `vllm:dcp2d_path_bytes_total` that went to replicated KV cache groups (a speculative "
            "draft's KV, every page to every DCP rank); the target's bytes are the difference."),
     Metric("vllm:dcp2d_path_descriptors", "counter", True, "decode", "descriptors",
-           "Mooncake write descriptors (contiguous runs) per path."),
+           "Mooncake write descriptors per path: runs contiguous in the decode's memory, after send staging "
+           "(docs/connector.md) merged them; one per page, layer and K/V plane without it."),
     Metric("vllm:dcp2d_path_write_seconds", "histogram", True, "decode", "write_seconds",
            "Seconds the prefill CP rank spent in Mooncake writes for one request's path (summed over "
            "its writes when layers go early; from its transfer outcome)."),

@@ -28,7 +28,11 @@ attempt, with the reason in the answer. A thread that dies anyway sets
 Public API
 ----------
 ``Sender(transport, regions, fingerprint, *, engine_id, cp_rank, cp_size, host="127.0.0.1",
-         port=0, bootstrap=None, expiry_s=300.0, claim_s=inf, num_workers=2, register_timeout_s=10.0)``
+         port=0, bootstrap=None, expiry_s=300.0, claim_s=inf, num_workers=2, register_timeout_s=10.0,
+         staging_bytes=0)``
+    ``staging_bytes``: host-memory KV only; > 0 gathers each path's pages into
+    ``num_workers`` registered slots of ``staging_bytes // num_workers`` bytes before
+    writing them (``staging.py``: fewer, larger Mooncake descriptors).
     ``.address -> str``               this rank's side channel ("tcp://host:port").
     ``.layers -> range``              the layers this rank sends.
     ``.layer_ready(key, layer, block_ids, num_tokens, event=None)``  one layer of it is computed.
@@ -62,6 +66,7 @@ from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageE
                                            decode, encode)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
 from vllm_dcp2d.connector.send_ledger import Attempt, Request, SendLedger
+from vllm_dcp2d.connector.staging import StagingPool, write
 from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 
@@ -78,12 +83,13 @@ class Sender:
     regions:     this rank's KV (must hold ``cp_layer_range(num_layers, cp_size, cp_rank)``).
     fingerprint: this side's KV format; requests with another one fail.
     bootstrap:   the instance's ``BootstrapServer`` address to register with (or None).
+    staging_bytes: 0, or (KV in host memory) bytes of send staging (``staging.py``).
     """
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, cp_rank: int, cp_size: int, host: str = "127.0.0.1", port: int = 0,
                  bootstrap: str | None = None, expiry_s: float = 300.0, claim_s: float = float("inf"),
-                 num_workers: int = 2, register_timeout_s: float = 10.0):
+                 num_workers: int = 2, register_timeout_s: float = 10.0, staging_bytes: int = 0):
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank)
@@ -91,6 +97,9 @@ class Sender:
         if not transport.registered():
             raise ValueError("register this rank's KV memory on the transport before building its Sender")
         self._memory = Memory.of(transport.registered().items())  # what any write may read
+        # One slot per writer thread; registered after _memory, which must not hold them.
+        self._staging = (StagingPool(transport, staging_bytes // num_workers, num_workers)
+                         if staging_bytes > 0 else None)
         self.expiry_s, self.claim_s = expiry_s, claim_s
         self.errors: deque[str] = deque(maxlen=100)
         self.malformed = 0
@@ -200,6 +209,8 @@ class Sender:
         for t in self._threads:
             t.join(timeout_s)
         self._waker.close()
+        if self._staging is not None and not any(t.is_alive() for t in self._threads):
+            self._staging.close()
 
     def _blocks(self, block_ids, num_tokens: int) -> tuple[tuple, int]:
         tables = tuple(t.copy() for t in block_tables("block_ids", block_ids, self.regions.num_groups))
@@ -340,7 +351,7 @@ class Sender:
         t1 = time.perf_counter()
         stalls: list[int] = []
         try:
-            nbytes = self.transport.write(req.session, desc, stalls)
+            nbytes, written = write(self.transport, self._staging, self._memory, req.session, desc, stalls)
         finally:
             # A write given up after a stall may still deliver its queued bytes,
             # also when a retry on a fresh engine then succeeded: not settled.
@@ -348,7 +359,7 @@ class Sender:
                 self.ledger.mark_unsettled(a)
         a.nbytes += nbytes
         a.replicated_bytes += replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
-        a.descriptors += len(desc)
+        a.descriptors += written
         a.plan_s += t1 - t0
         a.write_s += time.perf_counter() - t1
 

@@ -136,8 +136,10 @@ class WorkerSide:
             model_config=compat.model_config_id(self.vllm_config))
         if self.is_producer:
             self._start_layer_split(kv_caches, int(layers.size))
+        # The gather reads KV through numpy: host memory only.
+        staging = self.cfg.send_staging_mib << 20 if first.device.type == "cpu" else 0
         with _unpinned():
-            self._start(regions, memory, fingerprint, int(layers.size))
+            self._start(regions, memory, fingerprint, int(layers.size), staging)
 
     def _start_layer_split(self, kv_caches: dict, num_layers: int) -> None:
         """With layer-split storage (``vllm_compat.kv_cache`` laid the memory out in
@@ -166,7 +168,7 @@ class WorkerSide:
                  "other %d (%d layer slots instead of %d)", self.tp_rank, r.start, r.stop, len(others),
                  len(owned) + 1, num_layers)
 
-    def _start(self, regions, memory, fingerprint, num_layers: int) -> None:
+    def _start(self, regions, memory, fingerprint, num_layers: int, staging_bytes: int) -> None:
         # A producer's engine only writes: it may be replaced after a failed write.
         self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol,
                                            renew_on_failure=self.is_producer and not self.is_consumer)
@@ -181,7 +183,7 @@ class WorkerSide:
                 self.sender = Sender(self.transport, regions, fingerprint, engine_id=self.engine_id,
                                      cp_rank=self.tp_rank, cp_size=self.cp_size, host=self.cfg.local_hostname,
                                      bootstrap=boot, expiry_s=self.cfg.send_timeout_s,
-                                     claim_s=self.cfg.claim_timeout_s)
+                                     claim_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes)
                 r = cp_layer_range(num_layers, self.cp_size, self.tp_rank)
                 log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) via %s",
                          self.tp_rank, self.tp_rank, self.cp_size, r.start, r.stop, self.sender.address)

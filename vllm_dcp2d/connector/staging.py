@@ -1,0 +1,245 @@
+"""Send staging: a prefill rank gathers one path's pages before writing them (issue 29).
+
+Why: a decode DCP rank's pages are every N-th page of the prefill's, so no two of
+them are adjacent in the prefill's memory and ``plan_path`` yields one descriptor
+per page, layer and K/V plane. Over Mooncake TCP each descriptor costs about 10 us
+whatever its size (``bench/descriptors.py``: 250 descriptors of 8 KiB take 2.7 ms,
+the same 2 MB as one descriptor 0.6 ms), on both engines' threads. On the decode
+side the same pages are usually adjacent: DCP rank d keeps page p at local slot
+p div N, in blocks vLLM hands out in order. So the sender copies the path's pages
+into a registered host buffer (a *slot*) in the decode's address order and writes
+every run that is adjacent on the decode side as one descriptor: an 8K-token path
+of the test model goes from 250 descriptors to 2. The bytes still land straight
+in the decode's layout (nothing to scatter there); the cost is one local copy on
+the prefill (about 0.1 ms for 2 MB).
+
+Host-memory KV only: the gather reads the KV through numpy. With KV on a GPU the
+worker passes no pool (descriptors are cheap over RDMA, and a device gather is
+not written yet).
+
+A slot through which a write stalled or failed is never reused: Mooncake may
+still deliver a given-up attempt's bytes later (``transport.py``), and they must be
+the bytes that attempt gathered. Such a slot is replaced by a fresh one and kept,
+registered, until ``RETIRED_KEPT`` newer ones were retired (as the transport keeps
+replaced engines).
+
+Public API
+----------
+``Staged(pages, offset, write)``: one chunk of a staged path.
+``stage(desc, slot_bytes) -> (list[Staged], Descriptors)``: pure; the chunks, and the
+    descriptors to write in place (all of ``desc`` when staging merges too little).
+``StagingPool(transport, slot_bytes, slots)``
+    ``.take() -> Slot | None``             a free slot, or None (then write in place).
+    ``.give_back(slot, clean: bool)``      after its writes; ``clean=False`` retires it.
+    ``.close()``
+``Slot.addr``, ``Slot.nbytes``, ``Slot.gather(chunk: Staged, memory: Memory)``.
+``write(transport, pool, memory, session, desc, stalls) -> (bytes, descriptors)``: one
+    path's write, staged when ``pool`` has a free slot and it merges enough.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dcp2d.plan import Descriptors, Memory
+
+__all__ = ["Staged", "stage", "Slot", "StagingPool", "write"]
+
+log = logging.getLogger(__name__)
+MIN_UNIT = 256      # bytes: below this common divisor of the lengths, the gather is not worth it
+MIN_GAIN = 2        # stage only if it cuts a path's descriptors at least this many times
+RETIRED_KEPT = 4    # slots kept registered after a stalled or failed write through them
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One chunk of a staged path.
+
+    pages:  its descriptors as planned (KV address -> consumer address), in the
+            consumer's address order; what goes in place if no slot is free.
+    offset: int64 ``[len(pages)]``, where each lands in the slot (consecutive).
+    write:  the slot's bytes to the consumer: ``src`` = offset in the slot,
+            consumer-adjacent descriptors merged.
+    """
+
+    pages: Descriptors
+    offset: np.ndarray
+    write: Descriptors
+
+
+def stage(desc: Descriptors, slot_bytes: int) -> tuple[list[Staged], Descriptors]:
+    """Split ``desc`` into chunks of at most ``slot_bytes`` staged bytes each, laid out
+    in the consumer's address order, with consumer-adjacent descriptors merged.
+
+    Returns ``(chunks, in_place)``: descriptors longer than a slot go in place, and
+    so does all of ``desc`` when staging would not cut its descriptor count by
+    ``MIN_GAIN`` or the lengths share no divisor of ``MIN_UNIT`` bytes or more.
+    """
+    if slot_bytes < MIN_UNIT:
+        raise ValueError(f"slot_bytes must be >= {MIN_UNIT}, got {slot_bytes}")
+    fits = desc.length <= slot_bytes
+    if len(desc) < MIN_GAIN or not fits.any() or int(np.gcd.reduce(desc.length[fits])) < MIN_UNIT:
+        return [], desc
+    order = np.flatnonzero(fits)
+    order = order[np.argsort(desc.dst[order], kind="stable")]
+    src, dst, length = desc.src[order], desc.dst[order], desc.length[order]
+    end = np.cumsum(length)
+    start = end - length
+    # Greedy chunks: a loop per slot-full of bytes, not per page.
+    firsts = [0]
+    while (nxt := int(np.searchsorted(end, start[firsts[-1]] + slot_bytes, side="right"))) < src.size:
+        firsts.append(nxt)
+    bounds = firsts + [src.size]
+    chunks = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        off = start[a:b] - start[a]
+        d, n = dst[a:b], length[a:b]
+        run = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1] + n[:-1])))
+        run_len = np.diff(np.append(off[run], off[-1] + n[-1]))
+        chunks.append(Staged(Descriptors(src[a:b], d, n), off, Descriptors(off[run], d[run], run_len)))
+    in_place = Descriptors(desc.src[~fits], desc.dst[~fits], desc.length[~fits])
+    if sum(len(c.write) for c in chunks) + len(in_place) > len(desc) / MIN_GAIN:
+        return [], desc
+    return chunks, in_place
+
+
+def _bytes_at(addr: int, nbytes: int) -> np.ndarray:
+    """uint8 ``[nbytes]`` over host memory at ``addr`` (no copy)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def _rows(buf: np.ndarray, unit: int) -> np.ndarray:
+    """uint8 ``[len(buf) - unit + 1, unit]``: row ``i`` is ``buf[i:i + unit]`` (a view)."""
+    return np.lib.stride_tricks.as_strided(buf, shape=(buf.size - unit + 1, unit), strides=(1, 1),
+                                           writeable=False)
+
+
+class Slot:
+    """One registered host buffer: ``addr``, ``nbytes``."""
+
+    def __init__(self, nbytes: int):
+        self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.addr, self.nbytes = int(self.buf.ctypes.data), int(nbytes)
+
+    def gather(self, c: Staged, memory: Memory) -> None:
+        """Copy each of ``c.pages`` (``length[k]`` bytes at KV address ``src[k]``) to
+        offset ``c.offset[k]`` of this slot; every source must lie in one range of
+        ``memory`` (host memory)."""
+        g = c.pages
+        if not len(g):
+            return
+        if not memory.holds(g.src, g.length).all():
+            raise ValueError("a staged read falls outside the memory this rank registered")
+        # Cut every descriptor into units of the lengths' common divisor, so one
+        # fancy-indexed copy per memory range moves them all.
+        unit = int(np.gcd.reduce(g.length))
+        count = g.length // unit
+        first = np.repeat(np.cumsum(count) - count, count)
+        k = np.repeat(np.arange(len(g)), count)
+        step = (np.arange(int(count.sum())) - first) * unit
+        src, off = g.src[k] + step, c.offset[k] + step
+        if off[0] < 0 or off[-1] + unit > self.nbytes or (off.size > 1 and (np.diff(off) != unit).any()):
+            raise ValueError("staged offsets must be consecutive and inside the slot")
+        out = self.buf[off[0]:off[-1] + unit].reshape(-1, unit)
+        where = np.searchsorted(memory.addr, src, side="right") - 1
+        for r in np.unique(where):  # one per registered range (a handful), not per page
+            sel = where == r
+            base, size = int(memory.addr[r]), int(memory.nbytes[r])
+            out[sel] = _rows(_bytes_at(base, size), unit)[src[sel] - base]
+
+
+class StagingPool:
+    """``slots`` slots of ``slot_bytes``, registered on ``transport`` (thread-safe)."""
+
+    def __init__(self, transport, slot_bytes: int, slots: int):
+        if slot_bytes < MIN_UNIT or slots < 1:
+            raise ValueError(f"need slot_bytes >= {MIN_UNIT} and slots >= 1, got {slot_bytes} and {slots}")
+        self.transport, self.slot_bytes = transport, int(slot_bytes)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._retired: deque[Slot] = deque()
+        self._lock = threading.Lock()
+        for _ in range(slots):
+            self._free.put(self._new())
+
+    def _new(self) -> Slot:
+        s = Slot(self.slot_bytes)
+        self.transport.register(s.addr, s.nbytes)
+        return s
+
+    def take(self) -> Slot | None:
+        """A free slot, or None when every slot is in use (the caller writes in place)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
+    def give_back(self, slot: Slot, clean: bool) -> None:
+        """Return ``slot`` after its writes. ``clean=False`` (a write through it stalled
+        or failed): a late delivery may still read it, so a fresh slot takes its place."""
+        if clean:
+            return self._free.put(slot)
+        with self._lock:
+            self._retired.append(slot)
+            while len(self._retired) > RETIRED_KEPT:
+                self.transport.unregister(self._retired.popleft().addr)
+        try:
+            self._free.put(self._new())
+        except Exception as e:  # the pool shrinks; writes go in place when it is empty
+            log.warning("send staging: could not replace a retired slot (%s); %d bytes less to stage in", e,
+                        self.slot_bytes)
+
+    def close(self) -> None:
+        """Unregister every slot (after the writers stopped)."""
+        with self._lock:
+            slots = list(self._retired)
+            self._retired.clear()
+        while True:
+            try:
+                slots.append(self._free.get_nowait())
+            except queue.Empty:
+                break
+        for s in slots:
+            self.transport.unregister(s.addr)
+
+
+def write(transport, pool: StagingPool | None, memory: Memory, session: str, desc: Descriptors,
+          stalls: list[int]) -> tuple[int, int]:
+    """Write ``desc`` (KV -> ``session``'s memory) on ``transport``, through a slot of
+    ``pool`` when one is free and staging merges enough. ``memory``: the KV ranges
+    any source must lie in. ``stalls`` as ``MooncakeTransport.write``. Returns
+    ``(bytes written, descriptors written)``; raises what the transport raises."""
+    slot = pool.take() if pool is not None else None
+    chunks, in_place = stage(desc, slot.nbytes) if slot is not None else ([], desc)
+    nbytes, written = 0, len(in_place)
+    try:
+        for c in chunks:
+            if slot is None:  # the slot was retired and no other is free: the rest in place
+                nbytes += transport.write(session, c.pages, stalls)
+                written += len(c.pages)
+                continue
+            slot.gather(c, memory)
+            seen = len(stalls)
+            w = c.write
+            nbytes += transport.write(session, Descriptors(w.src + slot.addr, w.dst, w.length), stalls)
+            written += len(w)
+            if len(stalls) > seen:  # a late delivery may still read this slot
+                pool.give_back(slot, clean=False)
+                slot = pool.take()
+        if len(in_place):
+            nbytes += transport.write(session, in_place, stalls)
+    except BaseException:
+        if slot is not None:
+            pool.give_back(slot, clean=False)
+            slot = None
+        raise
+    finally:
+        if slot is not None:
+            pool.give_back(slot, clean=True)
+    return nbytes, written
