@@ -19,17 +19,18 @@ turn (so each way sees the machine in the same state), 8 output tokens, greedy:
 Every answer must equal the colocated one (token ids); a mismatch stops the bench.
 Printed: end-to-end p50 / p99 / max per way, PD minus colocated (difference of the
 medians, issue 29's target), and the stages of PD by hand: the prefill hop, the
-decode hop and inside it the fetch (slowest decode rank's ``fetch_seconds``), the wait
-from the fetch's end to the step that reported it (``reported_after_seconds``), and the
-rest (scheduling the request, 8 decode steps, HTTP). A warm-up round per length is
-not counted.
+decode hop and inside it, from the decode's ``stats_file``: admit (its API server
+receiving the request to the scheduler recording its load), the fetch (slowest decode
+rank's ``fetch_seconds``), the wait from the fetch's end to the step that reported it
+(``reported_after_seconds``), resume (that report to the request being scheduled),
+its first step, and the rest (the other decode steps, HTTP, and the gaps between the
+stages). A warm-up round per length is not counted.
 
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_latency.py \
         [--lengths 100,400,2000,8000] [--requests 30] [--out-tokens 8]
 
-With ``--out-tokens 1`` the stages of PD by hand are a TTFT split: the prefill hop, the
-fetch, the wait for the step that reports it, and the first decode step with the HTTP
-around it ("rest").
+With ``--out-tokens 1`` the stages of PD by hand are a TTFT split: "rest" is then the
+HTTP around the decode hop and the gaps between its stages.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") ->
         rows, stages, inside = [], [], []
         for length in lengths:
             e2e = {"colocated": [], "PD": [], "PD pipelined": [], **{name: [] for name in routers}, "PD by hand": []}
-            hops = {"prefill hop": [], "decode hop": [], "fetch": [], "reported after": [], "rest": []}
+            hops = {k: [] for k in ("prefill hop", "decode hop", "admit", "fetch", "reported after", "resume",
+                                    "first step", "rest")}
             keys, sums = [], {}
             for i in range(n + 1):  # round 0 warms up
                 if i == 1:
@@ -172,12 +174,15 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") ->
             for r in read_stats(stats):
                 by_key.setdefault(r.get("transfer_key"), []).append(r)
             for k, dec in zip(keys, hops["decode hop"]):
-                recs = by_key.get(k, [])
-                fetch = max((r["fetch_seconds"] for r in recs), default=float("nan"))
-                after = max((r.get("reported_after_seconds", float("nan")) for r in recs), default=float("nan"))
-                hops["fetch"].append(fetch)
-                hops["reported after"].append(after)
-                hops["rest"].append(dec - fetch - (after if after == after else 0.0))
+                paths = [r for r in by_key.get(k, []) if r.get("ok")]  # one per path and decode TP rank
+                line = [r for r in by_key.get(k, []) if r.get("event") == "first_step"]  # the decode scheduler's
+                stage = {"fetch": max((r["fetch_seconds"] for r in paths), default=float("nan")),
+                         "reported after": max((r["reported_after_seconds"] for r in paths), default=float("nan"))}
+                for name in ("admit", "resume", "first_step"):
+                    stage[name.replace("_", " ")] = line[0][f"{name}_seconds"] if line else float("nan")
+                for name, v in stage.items():
+                    hops[name].append(v)
+                hops["rest"].append(dec - sum(v for v in stage.values() if v == v))
             rows.append((length, e2e))
             stages.append((length, hops))
         print(f"\n## PD and colocated end to end ({n} requests per length, {OUT_TOKENS} output tokens, "

@@ -16,7 +16,8 @@ import json
 from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
-from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, running, vllm_server
+from vllm_dcp2d.testing.harness import (fetch_records, free_port, post_json, proxy_server, read_stats, running,
+                                        vllm_server)
 
 PAGE = 32
 LAYERS = 4                # tiny llama-mqa
@@ -165,7 +166,7 @@ def _check_prompts(c, which: str, tp: int, dcp: int, salt: int, page_bytes: int)
         body = {"model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True}
         status, out = post_json(c[which].url + "/v1/completions", body, timeout_s=300)
-        recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
+        recs = fetch_records(read_stats(c["stats"])[before:])
         if stalled(recs):
             assert status in (200, 502) and (status != 200 or tokens(out) == tokens(ref)), (status, out)
             print(f"{which} {name}: Mooncake stall (issue 14), handled safely: {stalled(recs)[0]}")

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from vllm_dcp2d.testing.harness import free_port
+from vllm_dcp2d.testing.harness import fetch_records, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -177,7 +177,7 @@ def test_duplicate_transfer_key_second_fails_first_loads(llm):
     outs = engine.generate([{"prompt_token_ids": ids}] * 2,
                            [greedy(4, dict(pre.kv_transfer_params)) for _ in range(2)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [local.outputs[0].token_ids] * 2
-    new = [r for r in records(stats)[before:] if r.get("transfer_key") == key and r["side"] == "consumer"]
+    new = [r for r in fetch_records(records(stats)[before:]) if r.get("transfer_key") == key]
     # The records come in completion order: the refusal is usually first, but the first
     # request's fetch may finish before vLLM schedules the second.
     refused, loaded = [r for r in new if not r["ok"]], [r for r in new if r["ok"]]
@@ -199,8 +199,8 @@ def test_remote_token_count_mismatch_recomputes(llm):
     assert pre.kv_transfer_params["remote_num_tokens"] == len(ids)
     (dec,) = engine.generate({"prompt_token_ids": longer}, greedy(4, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids
-    fails = [r for r in records(stats)
-             if r.get("transfer_key") == pre.kv_transfer_params["remote_request_id"] and r["side"] == "consumer"]
+    fails = [r for r in fetch_records(records(stats))
+             if r.get("transfer_key") == pre.kv_transfer_params["remote_request_id"]]
     assert (f"remote_num_tokens={len(ids)} prompt tokens, this decode has {len(longer)}"
             in fails[-1]["reason"]), fails
 

@@ -238,7 +238,8 @@ def test_consumer_quarantine_holds_blocks_out_of_the_free_queue():
     blocks = pool.get_new_blocks(4)  # the request's blocks
     ids = [b.block_id for b in blocks]
     free0 = pool.get_num_free_blocks()
-    out = lambda **m: NS(finished_sending=None, kv_connector_worker_meta=DCP2DWorkerMeta(**m))  # noqa: E731
+    out = lambda **m: NS(finished_sending=None, finished_recving=None,  # noqa: E731
+                         kv_connector_worker_meta=DCP2DWorkerMeta(**m))
     assert not s.has_pending_work()
     s.update_connector_output(out(quarantine={("r", 0): ids[1:], ("r", 1): ids[1:]}))
     pool.free_blocks(blocks)  # vLLM frees the failed request

@@ -32,7 +32,7 @@ from _pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstr
 
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import QueryRanks, RankTable
-from vllm_dcp2d.testing.harness import kv_cache_usage, kv_capacity, post_json, read_stats
+from vllm_dcp2d.testing.harness import fetch_records, kv_cache_usage, kv_capacity, post_json, read_stats
 from vllm_dcp2d.testing.netns import Hosts, unavailable
 from vllm_dcp2d.testing.shared import fixtures
 
@@ -125,7 +125,7 @@ def test_a_request_too_long_for_one_decode_rank(cluster):
     before = len(read_stats(c["stats"]))
     got = complete(c["proxy"].url, c["model"], prompt)
     assert tokens(got) == tokens(ref)
-    recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
+    recs = fetch_records(read_stats(c["stats"])[before:])
     check_paths(recs, LONG, DCP, 2, 0)
 
 
@@ -190,7 +190,7 @@ def test_layers_sent_while_prefill_runs(cluster):
     assert pre["kv_transfer_params"]["remote_request_id"] == tid
     t.join(300)
     assert tokens(got["out"]) == tokens(ref)
-    recs = [r for r in read_stats(c["stats"]) if r.get("transfer_key") == tid and r["side"] == "consumer"]
+    recs = [r for r in fetch_records(read_stats(c["stats"])) if r.get("transfer_key") == tid]
     check_paths(recs, len(prompt), DCP, 2, 0)
     assert [r["early_layers"] for r in recs] == [2] * 4, recs  # every layer of every path, early
 
@@ -275,6 +275,27 @@ def test_metrics(cluster):
     mine = [r for r in read_stats(c["stats"]) if r["side"] == "producer" and r.get("transfer_key") == key]
     assert sorted((r["cp_rank"], r["event"]) for r in mine) == [(0, "done"), (1, "done")], mine
     assert all(0 < r["held_seconds"] <= time.monotonic() - t_sent for r in mine), mine
+    # each CP rank's handover (request_finished -> its senders), in the histogram and the lines
+    assert all(0 <= r["handover_seconds"] < r["held_seconds"] + 1 for r in mine), mine
+    hand = ("vllm:dcp2d_send_handover_seconds_count", inst)
+    assert p_after[hand] - p_before[hand] >= 2
+    # the decode scheduler's stages: admit, resume, first step, once for the request, as its line says
+    while not (first := [r for r in read_stats(c["stats"]) if r.get("event") == "first_step"
+                         and r.get("transfer_key") == key]):
+        assert time.monotonic() < deadline + 30, "the decode scheduler wrote no first_step line"
+        time.sleep(0.5)
+    (first,) = first
+    stages = ("admit", "resume", "first_step")
+    while (d_after := scrape(c["decode"].url))[("vllm:dcp2d_decode_first_step_seconds_count", inst)] == \
+            before[("vllm:dcp2d_decode_first_step_seconds_count", inst)]:
+        assert time.monotonic() < deadline + 30, "the decode's first step never reached /metrics"
+        time.sleep(0.5)
+    for stage in stages:
+        name = f"vllm:dcp2d_decode_{stage}_seconds"
+        assert d_after[(name + "_count", inst)] - before[(name + "_count", inst)] == 1, name
+        assert d_after[(name + "_sum", inst)] - before[(name + "_sum", inst)] == \
+            pytest.approx(first[f"{stage}_seconds"], abs=1e-9), name
+        assert 0 <= first[f"{stage}_seconds"] <= time.monotonic() - t_sent, first
     for name in ("failed_fetches", "expired_requests", "quarantined_blocks"):  # a clean fetch failed nothing
         key = (f"vllm:dcp2d_{name}_total", tuple(sorted({"engine": "0", "model_name": c["model"]}.items())))
         assert after[key] == before[key], name

@@ -39,7 +39,7 @@ import pytest
 from _pd_cluster import stalled
 
 from vllm_dcp2d.layout import cdiv, cp_layer_range
-from vllm_dcp2d.testing.harness import (free_port, kv_capacity, post_json, proxy_server, read_stats, running,
+from vllm_dcp2d.testing.harness import (fetch_records, free_port, kv_capacity, post_json, proxy_server, read_stats, running,
                                         vllm_server)
 from vllm_dcp2d.testing.shared import fixtures
 
@@ -76,7 +76,7 @@ def _served(c, which: str, prompt: list[int], dcp: int) -> list[int] | None:
     bytes against the plan; None after a safely handled Mooncake stall (issue 14)."""
     before = len(read_stats(c["stats"]))
     status, out = _complete(c[which].url, c["model"], prompt)
-    recs = [r for r in read_stats(c["stats"])[before:] if r["side"] == "consumer"]
+    recs = fetch_records(read_stats(c["stats"])[before:])
     if stalled(recs):
         assert status in (200, 502), out
         return None

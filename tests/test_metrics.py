@@ -34,8 +34,10 @@ _count_event = st.tuples(st.just("count"), st.sampled_from(_COUNTERS), st.intege
 _seconds = st.sampled_from([0.0, 0.0004, 0.001, 0.003, 0.02, 0.07, 1.0, 25.0, 75.0])
 _fetch_event = st.tuples(st.just("fetch"), _seconds, _seconds)
 _held_event = st.tuples(st.just("held"), _seconds)
+_stage_event = st.tuples(st.just("stage"), st.sampled_from(("handover_seconds", "admit_seconds", "resume_seconds",
+                                                            "first_step_seconds")), _seconds)
 # steps of (TP rank -> events): what each worker records between two snapshots
-_steps = st.lists(st.lists(st.lists(st.one_of(_path_event, _count_event, _fetch_event, _held_event), max_size=6), min_size=1, max_size=3),
+_steps = st.lists(st.lists(st.lists(st.one_of(_path_event, _count_event, _fetch_event, _held_event, _stage_event), max_size=6), min_size=1, max_size=3),
                   min_size=1, max_size=5)
 
 
@@ -48,6 +50,8 @@ def _apply(stats: DCP2DStats, events) -> None:
             stats.record_fetch(e[1], e[2])
         elif e[0] == "held":
             stats.record_held(e[1])
+        elif e[0] == "stage":
+            stats.record_stage(e[1], e[2])
         else:
             stats.count(e[1], e[2])
 
@@ -90,6 +94,8 @@ def _expected(steps):
                     counters["reported_after_seconds"].append(e[2])
                 elif e[0] == "held":
                     counters["held_seconds"].append(e[1])
+                elif e[0] == "stage":
+                    counters[e[1]].append(e[2])
                 else:
                     counters[e[1]] += e[2]
     return paths, counters

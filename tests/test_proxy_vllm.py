@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_dcp2d.proxy.metrics import METRICS, PREFIX
-from vllm_dcp2d.testing.harness import (Process, bin_path, free_port, kv_cache_usage, post_json, read_stats,
+from vllm_dcp2d.testing.harness import (Process, bin_path, fetch_records, free_port, kv_cache_usage, post_json, read_stats,
                                         router_server, running, vllm_server, wait_all)
 from vllm_dcp2d.testing.shared import fixtures
 
@@ -184,8 +184,7 @@ def test_vllm_router(cluster, mode):
     assert status == 200 and text == refs[3]["text"], mode
     # every request's KV was fetched from a prefill (none recomputed), on both decodes, and each
     # fetch moved the plan's bytes
-    per_decode = [[r for r in read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:] if r["side"] == "consumer"]
-                  for i in (0, 1)]
+    per_decode = [fetch_records(read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:]) for i in (0, 1)]
     new = per_decode[0] + per_decode[1]
     assert len(new) == 4 and all(r["ok"] for r in new) and all(per_decode), per_decode
     for r in new:

@@ -161,6 +161,10 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> DCP2DStats | None:
+        """Workers: after every step (the model runner). Scheduler: after processing every
+        step's output (``update_from_output``); vLLM merges both."""
+        if self._scheduler is not None:
+            return self._scheduler.get_stats()
         return None if self._worker is None else self._worker.get_kv_connector_stats()
 
     @classmethod

@@ -39,11 +39,14 @@ class SendSpec:
     transfer_key: the id decode ranks fetch it by (``remote_request_id``): the client's
     ``transfer_id`` when it gave one, so a router can send the decode request
     before the prefill finished (layer pipelining), else vLLM's request id.
+    finished_at: ``time.monotonic()`` of ``request_finished`` in the engine core (0: not
+    finished yet); workers on the same host time the handover from it.
     """
 
     block_ids: tuple[list[int], ...]
     num_tokens: int
     transfer_key: str
+    finished_at: float = 0.0
 
 
 @dataclass

@@ -73,6 +73,19 @@ METRICS: tuple[Metric, ...] = (
            "Seconds a prefill TP rank held a finished request's KV blocks for the decode: from `request_finished` "
            "handing them to its senders until every decode rank was served, released them, or they expired "
            "(one observation per request and prefill TP rank; a long tail is decodes that ask late or never)."),
+    Metric("vllm:dcp2d_send_handover_seconds", "histogram", False, "prefill", "handover_seconds",
+           "Seconds from vLLM's scheduler finishing a prefill (`request_finished`) to a TP rank handing its "
+           "blocks to its senders (the next step's `start_load_kv`): when a decode that asked early gets "
+           "the rest of its KV (one observation per request and prefill TP rank)."),
+    Metric("vllm:dcp2d_decode_admit_seconds", "histogram", False, "decode", "admit_seconds",
+           "Seconds from the decode's API server receiving a PD request to its scheduler allocating its "
+           "blocks and recording its load (queueing on the decode; one per loaded request)."),
+    Metric("vllm:dcp2d_decode_resume_seconds", "histogram", False, "decode", "resume_seconds",
+           "Seconds from the scheduler learning a request's KV arrived (`finished_recving`) to scheduling it "
+           "on that KV (one per loaded request)."),
+    Metric("vllm:dcp2d_decode_first_step_seconds", "histogram", False, "decode", "first_step_seconds",
+           "Seconds of a loaded request's first step on the decode: scheduled until its output (the first "
+           "token) is back in the scheduler (one per loaded request)."),
     Metric("vllm:dcp2d_failed_fetches", "counter", False, "decode", "failed",
            "Fetches that ended with an error (length mismatches included); expiries are counted apart."),
     Metric("vllm:dcp2d_expired_requests", "counter", False, "both", "expired",

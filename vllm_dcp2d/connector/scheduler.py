@@ -60,7 +60,9 @@ import numpy as np
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
+from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
+from vllm_dcp2d.connector.timeline import DecodeTimeline
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
@@ -100,6 +102,8 @@ class SchedulerSide:
         self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
         self._key_owner: dict[str, str] = {}  # transfer key -> request id
         self.bell = StepBell() if is_consumer else None  # ends an idle step when a fetch ends
+        # consumer: admit, resume and first step of each loaded request (issue 29)
+        self.timeline = DecodeTimeline(StatsFile(cfg.stats_file, "consumer", engine_id)) if is_consumer else None
         self._was_idle = False  # the last step had nothing to compute or hand over
 
     # -- consumer ----------------------------------------------------------------------------
@@ -140,6 +144,7 @@ class SchedulerSide:
         if warning:
             log.warning("request %s: %s", request.request_id, warning)
         self._loads[request.request_id] = spec
+        self.timeline.admitted(request.request_id, spec.transfer_key, getattr(request, "arrival_time", None))
 
     def _release(self, request, params: dict) -> None:
         """Consumer: this instance will not fetch ``request``'s KV from its producer."""
@@ -186,6 +191,11 @@ class SchedulerSide:
         Consumer: blocks go into quarantine or come out of it (``DCP2DWorkerMeta``)."""
         for req_id in connector_output.finished_sending or ():
             self._unbind_key(req_id)
+        if self.timeline is not None and connector_output.finished_recving:
+            done = set(connector_output.finished_recving)
+            # block-level load errors name no request: time none of this step's loads
+            bad = done if connector_output.invalid_block_ids else set(connector_output.failed_recving or ())
+            self.timeline.loaded(done, bad)
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, DCP2DWorkerMeta):
             return
@@ -257,7 +267,17 @@ class SchedulerSide:
                     self._computed[req_id] = prompt_len
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
                                                       self._keys.get(req_id, req_id))
+        if self.timeline is not None:
+            self.timeline.scheduled(req_id for req_id, _ in compat.scheduled_tokens(scheduler_output))
         return meta
+
+    def get_stats(self) -> DCP2DStats | None:
+        """Called by vLLM after it processed each step's output (``update_from_output``,
+        via ``get_kv_connector_stats``): the stages the scheduler timed."""
+        if self.timeline is None:
+            return None
+        self.timeline.step_done()
+        return self.timeline.take_stats()
 
     def shutdown(self) -> None:
         if self.bell is not None:
@@ -285,6 +305,8 @@ class SchedulerSide:
         that finished before it was admitted (its load never started) is released
         on the producer."""
         self._remote_decode.pop(request.request_id, None)
+        if self.timeline is not None:
+            self.timeline.forget(request.request_id)
         computed = self._computed.pop(request.request_id, None) is not None
         params = transfer_params(request.kv_transfer_params)
         if self.is_consumer and params.get("do_remote_prefill"):  # still set: never admitted
@@ -302,7 +324,8 @@ class SchedulerSide:
             return False, None
         num_tokens = request.num_prompt_tokens
         key = self._keys.get(request.request_id, request.request_id)
-        self._ready[request.request_id] = SendSpec(self._pages(block_ids, num_tokens), num_tokens, key)
+        self._ready[request.request_id] = SendSpec(self._pages(block_ids, num_tokens), num_tokens, key,
+                                                   time.monotonic())
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -33,7 +33,8 @@ _COUNTERS = ("failed", "expired", "quarantined", "lifted", "prefix_broadcast_byt
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
 # Per-request stage durations (issue 29): a decode rank's, one observation per fetch; a prefill
 # rank's, one per request it held blocks for.
-_TIMERS = ("fetch_seconds", "reported_after_seconds", "held_seconds")
+_TIMERS = ("fetch_seconds", "reported_after_seconds", "held_seconds", "handover_seconds", "admit_seconds",
+           "resume_seconds", "first_step_seconds")
 # Write durations kept per path between two snapshots, for the histogram. A
 # snapshot covers one engine step, so a path sees at most one write per request
 # per TP rank in it; past this bound the oldest are dropped (the log line's
@@ -128,6 +129,14 @@ class DCP2DStats(KVConnectorStats):
     def record_held(self, seconds: float) -> None:
         """Called by a prefill worker when the senders let go of a request's blocks."""
         self._observe("held_seconds", seconds)
+
+    def record_stage(self, timer: str, seconds: float) -> None:
+        """One request's stage took ``seconds`` (``timer`` one of ``_TIMERS``): a prefill
+        worker's handover, the decode scheduler's admit, resume and first step
+        (``timeline.py``)."""
+        if timer not in _TIMERS:
+            raise KeyError(f"stats timer {timer!r}: expected one of {_TIMERS}")
+        self._observe(timer, seconds)
 
     def _observe(self, timer: str, value: float) -> None:
         with self._lock:

@@ -104,6 +104,7 @@ class WorkerSide:
         self._meta = DCP2DWorkerMeta()
         self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
         self._handed: dict[str, float] = {}  # producer: transfer key -> when its blocks went to the senders
+        self._handover: dict[str, float] = {}  # producer: transfer key -> request_finished to _handed (s)
         self._finished_sending: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -256,7 +257,11 @@ class WorkerSide:
                 self._finished_sending.add(req_id)
             else:
                 self._sending[spec.transfer_key] = req_id
-                self._handed[spec.transfer_key] = time.monotonic()
+                now = time.monotonic()
+                self._handed[spec.transfer_key] = now
+                if spec.finished_at:  # CLOCK_MONOTONIC: one clock for the engine core and its workers
+                    self._handover[spec.transfer_key] = now - spec.finished_at
+                    self.stats.record_stage("handover_seconds", now - spec.finished_at)
                 self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
         for spec in meta.releases.values():
             self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
@@ -310,7 +315,7 @@ class WorkerSide:
                     self.stats.record_held(held)
                 # side "producer" on a kv_both instance too
                 self.stats_file.write(side="producer", request_id=req_id, transfer_key=key, cp_rank=self.tp_rank,
-                                      event=why, held_seconds=held)
+                                      event=why, held_seconds=held, handover_seconds=self._handover.pop(key, None))
                 if why == "released":
                     log.debug("DCP2D: request %s released by its decode ranks on CP rank %d", req_id, self.tp_rank)
                 if why in ("expired", "unclaimed"):

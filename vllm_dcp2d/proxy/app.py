@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -39,8 +38,12 @@ class ClientGone(Exception):
 
 
 def prefill_body(body: dict, transfer_id: str) -> dict:
-    """The prefill copy of a client request: one token, no stream, remote decode."""
-    out = copy.deepcopy(body)
+    """The prefill copy of a client request: one token, no stream, remote decode.
+
+    Shallow: only top-level keys are replaced, so the client's values (an 8K-token
+    prompt list, messages) are shared, not copied (a deep copy of 8K token ids took
+    ~2 ms, on the request's critical path twice)."""
+    out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -52,7 +55,8 @@ def prefill_body(body: dict, transfer_id: str) -> dict:
 
 
 def decode_body(body: dict, kv_transfer_params: dict) -> dict:
-    out = copy.deepcopy(body)
+    """The decode copy of a client request: the same, with the prefill's params (shallow)."""
+    out = dict(body)
     out["kv_transfer_params"] = kv_transfer_params
     return out
 

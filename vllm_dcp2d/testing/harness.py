@@ -27,7 +27,7 @@ from pathlib import Path
 from vllm_dcp2d.testing import shm
 
 __all__ = ["free_port", "Process", "vllm_server", "proxy_server", "router_server", "extra_config", "post_json", "wait_all",
-           "read_stats", "bin_path"]
+           "read_stats", "fetch_records", "bin_path"]
 
 
 # The ports this harness hands out (API servers, proxies, bootstrap ports) come from
@@ -323,3 +323,10 @@ def read_stats(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fetch_records(records: list[dict]) -> list[dict]:
+    """The decode workers' lines among ``records``: one per path and decode TP rank of
+    a fetch (``ok`` true), or one per failed fetch (``ok`` false); not the decode
+    scheduler's per-request ``first_step`` lines nor the prefill's lines."""
+    return [r for r in records if r.get("side") == "consumer" and "ok" in r]
