@@ -12,7 +12,9 @@ Printed per case: requests answered, end-to-end p50/p99/max, stalls (path
 writes that took over 2 s, from ``stats_file``), fresh-engine retries (prefill
 log), median fetch and write time, layers written early (pipelining), bytes on
 the wire per request, the CPU cores the servers kept busy, and for the
-built-in connector how many answers equal DCP2D's sequential ones.
+built-in connector how many answers equal DCP2D's sequential ones. Then, per DCP2D
+case, the instances' API-server latency while it ran (``GET /v1/models`` every 100 ms
+on the prefill and the decode: an engine loop that polls too eagerly starves it).
 ``cpu_poll_sleep_us=0`` is vLLM's own spinning shared-memory queues (see
 docs/connector.md, "Known limitations").
 
@@ -23,7 +25,7 @@ bench-only shim ``bench/builtin_cpu_shim/sitecustomize.py``; the plugin never
 does. ``--no-builtin`` skips that case; if it cannot start, the bench prints why.
 
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_serving.py [--requests 6] [--sleep-us 500 0]
-    # the stall target (issue 14): 0 stalls in 300 requests, p99 <= 2x p50
+    # the stall target (issue 14): 0 stalls in 300 requests, p99 <= 2x p50; the API servers' latency meanwhile
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_serving.py --requests 300 --sleep-us 500
     # the same, with the built-in connector on the first 60 prompts
     ... bench/pd_serving.py --requests 300 --builtin-requests 60 --timeout 40
@@ -37,7 +39,9 @@ import os
 import re
 import statistics
 import tempfile
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -94,6 +98,37 @@ def latency_row(lat: list[float]) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
+class ApiProbe:
+    """While a case runs: ``GET /v1/models`` on each instance every 100 ms, timed. The
+    API server shares the host's cores with the engine loop and its workers; an engine
+    that polls for transfers too eagerly starves it (issue 14: requests waited ~10 s),
+    and the step bell (issue 29) must not bring that back."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.lat, self.failed = urls, [], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            for url in self.urls:
+                t = time.monotonic()
+                try:
+                    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+                        r.read()
+                    self.lat.append(time.monotonic() - t)
+                except OSError:
+                    self.failed += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(15)
+
+
 def count_lines(path: Path, pattern: str) -> int:
     try:
         return len(re.findall(pattern, path.read_text(errors="replace")))
@@ -125,12 +160,13 @@ def run_case(work: Path, model: str, sleep_us: int, requests: int, timeout_s: fl
             before, cpu0, t0 = len(read_stats(stats)), session_cpu_s(sids), time.monotonic()
             retries0 = count_lines(prefill.log_path, "retrying on a fresh engine")
             lat, ok, answers = [], 0, []
-            for r in range(requests):
-                t = time.monotonic()
-                status, text = post(proxy.url + "/v1/completions", body(model, prompt(1000 * i + r)), timeout_s)
-                lat.append(time.monotonic() - t)
-                ok += status == 200
-                answers.append(text if status == 200 else None)
+            with ApiProbe([prefill.url, decode.url]) as api:
+                for r in range(requests):
+                    t = time.monotonic()
+                    status, text = post(proxy.url + "/v1/completions", body(model, prompt(1000 * i + r)), timeout_s)
+                    lat.append(time.monotonic() - t)
+                    ok += status == 200
+                    answers.append(text if status == 200 else None)
             wall = time.monotonic() - t0
             recs = [x for x in read_stats(stats)[before:] if x.get("side") == "consumer" and x.get("ok")]
             rows.append({"case": f"DCP2D {mode}", "sleep_us": sleep_us, "ok": ok, "n": requests, **latency_row(lat),
@@ -140,7 +176,9 @@ def run_case(work: Path, model: str, sleep_us: int, requests: int, timeout_s: fl
                          "write_ms": 1e3 * statistics.median([x["seconds"] for x in recs]) if recs else None,
                          "early": statistics.mean([x["early_layers"] for x in recs]) if recs else None,
                          "bytes": sum(x["bytes"] for x in recs) / max(ok, 1),
-                         "cores": (session_cpu_s(sids) - cpu0) / wall})
+                         "cores": (session_cpu_s(sids) - cpu0) / wall,
+                         "api": latency_row(api.lat) if api.lat else None, "n_api": len(api.lat),
+                         "api_failed": api.failed})
             if mode == "sequential":
                 texts = answers
     finally:
@@ -259,6 +297,14 @@ def main() -> None:
               f"{fmt(r.get('fetch_ms'), '8.1f')} {fmt(r.get('write_ms'), '8.2f')} {fmt(r.get('early'), '5.2f')} "
               f"{fmt(None if r.get('bytes') is None else r['bytes'] / 1e3, '7.1f')} {r['cores']:>5.2f} "
               f"{fmt(r.get('same'), '5d')}")
+    api = [r for r in rows if r.get("api")]
+    if api:
+        print("\nthe instances' API servers meanwhile (GET /v1/models every 100 ms on the prefill and the decode):\n")
+        print(f"{'case':>20} {'sleep us':>8} {'probes':>6} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'failed':>6}")
+        for r in api:
+            a = r["api"]
+            print(f"{r['case']:>20} {r['sleep_us']:>8} {r['n_api']:>6} {a['p50']:>7.1f} {a['p99']:>7.1f} "
+                  f"{a['max']:>7.1f} {r['api_failed']:>6}")
     print(f"\nend-to-end latency per request; stalls = path writes over {STALL_S:.0f} s; retries = writes re-sent on a"
           "\nfresh Mooncake engine; fetch/write = medians of a decode rank's whole fetch and of one path's writes;"
           "\nearly = mean layers per path written before the prefill ended (of 2); KB/req = KV bytes on the wire"

@@ -74,11 +74,15 @@ def test_staged_writes_land_what_the_plan_writes_in_place(seed, layers, regions,
     want, pools.dst[:] = pools.dst.copy(), 0
     # the smallest slot holds the largest page (smaller ones put pages in place)
     slot_bytes = data.draw(st.integers(MIN_UNIT, 2 * int(desc.length.max(initial=MIN_UNIT)) + 4 * MIN_UNIT))
-    chunks, in_place = stage(desc, slot_bytes)
+    # the consumer registered each layer's KV apart: a merged write must not span two
+    per_layer = pools.dst.nbytes // layers
+    dst_memory = Memory.of([(pools.dst.ctypes.data + i * per_layer, per_layer) for i in range(layers)])
+    chunks, in_place = stage(desc, slot_bytes, dst_memory)
     slot = Slot(slot_bytes)
     memory = Memory.of([(pools.src.ctypes.data, pools.src.nbytes)])
     for c in chunks:
         assert c.pages.nbytes == c.write.nbytes <= slot_bytes
+        assert dst_memory.holds(c.write.dst, c.write.length).all()
         assert np.array_equal(c.offset, np.cumsum(c.pages.length) - c.pages.length)
         slot.gather(c, memory)
         memmove(c.write, slot.addr)
@@ -104,6 +108,20 @@ def test_a_decode_ranks_pages_in_fresh_blocks_go_out_as_one_descriptor_per_layer
     # a slot of 10 pages: chunks of 10 pages, merged where adjacent on the decode
     chunks, _ = stage(desc, 10 * 512)
     assert len(chunks) == 12 and all(len(c.pages) == 10 and len(c.write) == 1 for c in chunks)
+
+
+def test_runs_adjacent_across_two_consumer_buffers_are_not_merged():
+    """Layer 0's last decode block ends where layer 1's first begins: one run in
+    memory, but two registered buffers on the consumer (Mooncake writes into one)."""
+    rng = np.random.default_rng(4)
+    pools = Pools(rng, 2, [512], 0, 16, 4)
+    desc = plan_path(pools.src_regions, np.arange(8) * 2 % 16, range(2), pools.dst_regions, np.arange(4), 2, 0, 0, 8)
+    (c,), _ = stage(desc, 1 << 16)
+    assert len(c.write) == 1  # all 8 pages adjacent in memory
+    half = pools.dst.nbytes // 2
+    split = Memory.of([(pools.dst.ctypes.data, half), (pools.dst.ctypes.data + half, half)])
+    (c,), _ = stage(desc, 1 << 16, split)
+    assert len(c.write) == 2 and split.holds(c.write.dst, c.write.length).all()
 
 
 def test_gather_refuses_a_source_outside_the_registered_memory():

@@ -342,7 +342,8 @@ class Sender:
                          req.dcp_size, req.dcp_rank, req.first_page, num_pages)
         # TransferRequest.validate keeps every destination inside what the consumer
         # registered; this checks the plan against it, and the source against ours.
-        if not Memory(req.memory_addr, req.memory_bytes).holds(desc.dst, desc.length).all():
+        consumer = Memory(req.memory_addr, req.memory_bytes)
+        if not consumer.holds(desc.dst, desc.length).all():
             raise ValueError("a planned write falls outside the memory the consumer registered")
         if not self._memory.holds(desc.src, desc.length).all():
             raise ValueError("a planned read falls outside the memory this rank registered")
@@ -351,7 +352,7 @@ class Sender:
         t1 = time.perf_counter()
         stalls: list[int] = []
         try:
-            nbytes, written = write(self.transport, self._staging, self._memory, req.session, desc, stalls)
+            nbytes, written = write(self.transport, self._staging, self._memory, req.session, desc, stalls, consumer)
         finally:
             # A write given up after a stall may still deliver its queued bytes,
             # also when a retry on a fresh engine then succeeded: not settled.

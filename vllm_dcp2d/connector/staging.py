@@ -26,14 +26,15 @@ replaced engines).
 Public API
 ----------
 ``Staged(pages, offset, write)``: one chunk of a staged path.
-``stage(desc, slot_bytes) -> (list[Staged], Descriptors)``: pure; the chunks, and the
-    descriptors to write in place (all of ``desc`` when staging merges too little).
+``stage(desc, slot_bytes, dst_memory=None) -> (list[Staged], Descriptors)``: pure; the
+    chunks, and the descriptors to write in place (all of ``desc`` when staging merges
+    too little).
 ``StagingPool(transport, slot_bytes, slots)``
     ``.take() -> Slot | None``             a free slot, or None (then write in place).
     ``.give_back(slot, clean: bool)``      after its writes; ``clean=False`` retires it.
     ``.close()``
 ``Slot.addr``, ``Slot.nbytes``, ``Slot.gather(chunk: Staged, memory: Memory)``.
-``write(transport, pool, memory, session, desc, stalls) -> (bytes, descriptors)``: one
+``write(transport, pool, memory, session, desc, stalls, dst_memory) -> (bytes, descriptors)``: one
     path's write, staged when ``pool`` has a free slot and it merges enough.
 """
 
@@ -74,9 +75,11 @@ class Staged:
     write: Descriptors
 
 
-def stage(desc: Descriptors, slot_bytes: int) -> tuple[list[Staged], Descriptors]:
+def stage(desc: Descriptors, slot_bytes: int, dst_memory: Memory | None = None) -> tuple[list[Staged], Descriptors]:
     """Split ``desc`` into chunks of at most ``slot_bytes`` staged bytes each, laid out
-    in the consumer's address order, with consumer-adjacent descriptors merged.
+    in the consumer's address order, with consumer-adjacent descriptors merged, but
+    never across two of ``dst_memory``'s ranges (the consumer's registered buffers:
+    one write must land in one).
 
     Returns ``(chunks, in_place)``: descriptors longer than a slot go in place, and
     so does all of ``desc`` when staging would not cut its descriptor count by
@@ -101,7 +104,11 @@ def stage(desc: Descriptors, slot_bytes: int) -> tuple[list[Staged], Descriptors
     for a, b in zip(bounds[:-1], bounds[1:]):
         off = start[a:b] - start[a]
         d, n = dst[a:b], length[a:b]
-        run = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1] + n[:-1])))
+        brk = d[1:] != d[:-1] + n[:-1]
+        if dst_memory is not None:
+            buf = np.searchsorted(dst_memory.addr, d, side="right")
+            brk |= buf[1:] != buf[:-1]
+        run = np.flatnonzero(np.concatenate(([True], brk)))
         run_len = np.diff(np.append(off[run], off[-1] + n[-1]))
         chunks.append(Staged(Descriptors(src[a:b], d, n), off, Descriptors(off[run], d[run], run_len)))
     in_place = Descriptors(desc.src[~fits], desc.dst[~fits], desc.length[~fits])
@@ -210,13 +217,14 @@ class StagingPool:
 
 
 def write(transport, pool: StagingPool | None, memory: Memory, session: str, desc: Descriptors,
-          stalls: list[int]) -> tuple[int, int]:
+          stalls: list[int], dst_memory: Memory | None = None) -> tuple[int, int]:
     """Write ``desc`` (KV -> ``session``'s memory) on ``transport``, through a slot of
     ``pool`` when one is free and staging merges enough. ``memory``: the KV ranges
-    any source must lie in. ``stalls`` as ``MooncakeTransport.write``. Returns
+    any source must lie in; ``dst_memory``: the consumer's registered ranges (runs
+    merge within one). ``stalls`` as ``MooncakeTransport.write``. Returns
     ``(bytes written, descriptors written)``; raises what the transport raises."""
     slot = pool.take() if pool is not None else None
-    chunks, in_place = stage(desc, slot.nbytes) if slot is not None else ([], desc)
+    chunks, in_place = stage(desc, slot.nbytes, dst_memory) if slot is not None else ([], desc)
     nbytes, written = 0, len(in_place)
     try:
         for c in chunks:
