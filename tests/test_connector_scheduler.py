@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace as NS
 
@@ -74,6 +75,38 @@ def test_consumer_load_spec_and_one_shot():
     assert spec.timeout_s == 60.0
     assert params["do_remote_prefill"] is False          # a preempted request recomputes locally
     assert s.build_connector_meta(sched_out()).loads == {}  # handed over once
+
+
+def test_consumer_times_admit_resume_and_first_step_through_the_workers_echo(tmp_path):
+    """The decode's timeline (issue 29): the step that first runs a loaded request lists
+    it in ``first_run``; the workers echo it (``DCP2DWorkerMeta.ran``) with that step's
+    output, which ends its first step; a load failed on any rank is not timed."""
+    from vllm_dcp2d.connector.metadata import DCP2DWorkerMeta
+
+    stats = tmp_path / "stats.jsonl"
+    s = side(consumer=True, stats_file=str(stats))
+    blocks = NS(get_block_ids=lambda: ([7, 3, 9, 1],))
+    for rid in ("r", "bad"):
+        req = request(rid, params=dict(REMOTE, remote_request_id=f"p-{rid}"))
+        req.arrival_time = time.time() - 0.25
+        s.update_state_after_alloc(req, blocks, num_external_tokens=100)
+    assert s.build_connector_meta(sched_out()).first_run == []  # the step that dispatches the loads
+    out = lambda **kw: NS(finished_sending=None, **{"finished_recving": None, "failed_recving": set(),  # noqa: E731
+                                                     "kv_connector_worker_meta": None, **kw})
+    s.update_connector_output(out(kv_connector_worker_meta=DCP2DWorkerMeta(failed_loads={"bad"})))
+    s.update_connector_output(out(finished_recving={"r", "bad"}))
+    meta = s.build_connector_meta(sched_out(new=[("r", 0), ("bad", 0)], tokens={"r": 1, "bad": 100}))
+    assert meta.first_run == ["r"]
+    assert s.build_connector_meta(sched_out(cached=[("r", 100)], tokens={"r": 1})).first_run == []
+    s.update_connector_output(out(kv_connector_worker_meta=DCP2DWorkerMeta(ran={"r"})))
+    d = s.get_stats().data
+    assert len(d["admit_seconds"]) == 2 and all(0.25 <= a < 5 for a in d["admit_seconds"])
+    assert len(d["resume_seconds"]) == 1 and len(d["first_step_seconds"]) == 1
+    assert s.get_stats() is None  # taken
+    (line,) = [json.loads(x) for x in stats.read_text().splitlines()]
+    assert (line["side"], line["event"], line["transfer_key"], line["request_id"]) == (
+        "consumer", "first_step", "p-r", "r")
+    assert line["first_step_seconds"] == d["first_step_seconds"][0]
 
 
 @pytest.mark.parametrize("given,used", [(4, 4.0), (0.5, 0.5), (-1, 60.0), ("5", 60.0), (True, 60.0),
@@ -238,7 +271,7 @@ def test_consumer_quarantine_holds_blocks_out_of_the_free_queue():
     blocks = pool.get_new_blocks(4)  # the request's blocks
     ids = [b.block_id for b in blocks]
     free0 = pool.get_num_free_blocks()
-    out = lambda **m: NS(finished_sending=None, finished_recving=None,  # noqa: E731
+    out = lambda **m: NS(finished_sending=None, finished_recving=None, failed_recving=set(),  # noqa: E731
                          kv_connector_worker_meta=DCP2DWorkerMeta(**m))
     assert not s.has_pending_work()
     s.update_connector_output(out(quarantine={("r", 0): ids[1:], ("r", 1): ids[1:]}))

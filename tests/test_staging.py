@@ -214,3 +214,62 @@ def test_a_slot_a_stalled_write_went_through_is_not_reused(stack, monkeypatch):
     for s, d in ((xs, xd), (ys, yd)):
         pages, blocks = p.expected(s, d)
         assert np.array_equal(p.dst[:, blocks], pages)
+
+
+class Ledger:
+    """A transport stand-in: which ranges are registered; writes succeed, stall once
+    (the code ``MooncakeTransport.write`` reports in ``stalls``) or fail at once."""
+
+    max_batch = 1024
+
+    def __init__(self, outcome="ok"):
+        self.regs, self.outcome, self.unregistered = {}, outcome, []
+
+    def register(self, addr, nbytes):
+        self.regs[addr] = nbytes
+
+    def unregister(self, addr):
+        self.unregistered.append(addr)
+        if self.regs.pop(addr, None) is None:
+            raise RuntimeError(f"{addr:#x} is not registered")
+
+    def write(self, peer, desc, stalls=None):
+        if self.outcome == "stall":
+            stalls.append(-1)
+        if self.outcome == "dead":
+            raise RuntimeError("peer gone")
+        return desc.nbytes
+
+
+@pytest.mark.parametrize("outcome", ["ok", "dead", "stall"])
+def test_a_slot_is_retired_only_after_a_stall_and_held_while_a_late_write_may_read_it(outcome, monkeypatch):
+    from vllm_dcp2d.connector import staging
+
+    now = [100.0]
+    monkeypatch.setattr(staging.time, "monotonic", lambda: now[0])
+    rng = np.random.default_rng(5)
+    pools = Pools(rng, 1, [512], 0, 16, 8)
+    desc = plan_path(pools.src_regions, np.arange(16), range(1), pools.dst_regions, np.arange(8), 2, 0, 0, 16)
+    net = Ledger(outcome)
+    pool = staging.StagingPool(net, 1 << 16, 1)
+    (first,) = net.regs
+    memory = Memory.of([(pools.src.ctypes.data, pools.src.nbytes)])
+    stalls = []
+    try:
+        assert staging.write(net, pool, memory, "peer", desc, stalls) == (desc.nbytes, 1, 1)
+    except RuntimeError:
+        assert outcome == "dead"
+    slot = pool.take()
+    if outcome != "stall":  # nothing can read it later: reused
+        assert slot.addr == first and set(net.regs) == {first}
+        return
+    assert slot.addr != first and set(net.regs) == {first, slot.addr}  # a fresh one; the old one held
+    pool.give_back(slot, clean=True)
+    now[0] += staging.RETIRED_HOLD_S - 1
+    staging.write(net, pool, memory, "peer", desc, stalls)  # retires the second slot
+    assert net.unregistered == [] and len(net.regs) == 3
+    now[0] += 2
+    staging.write(net, pool, memory, "peer", desc, stalls)
+    assert net.unregistered == [first] and len(net.regs) == 3  # held its time, then let go
+    net.regs.clear()
+    pool.close()  # unregistering what the transport no longer has: logged, not raised

@@ -1,6 +1,7 @@
 """The decode scheduler's per-request stages (``connector/timeline.py``): admit,
-resume and first step, each timed to its own step also when vLLM processes a step's
-output one step late (async scheduling), and written to ``stats_file``."""
+resume and first step, the first step paired with its own output through the
+workers' echo (``first_run`` -> ``ran``) however late vLLM processes it, and
+written to ``stats_file``."""
 
 import json
 import time
@@ -35,42 +36,50 @@ def lines(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-@settings(max_examples=40, deadline=None)
-@given(lag=st.integers(0, 2), resume_steps=st.integers(0, 3), tokens_one=st.booleans())
-def test_first_step_is_timed_to_its_own_output_however_late_vllm_reads_it(lag, resume_steps, tokens_one,
-                                                                          tmp_path_factory):
+@settings(max_examples=60, deadline=None)
+@given(lag=st.integers(0, 2), resume_steps=st.integers(0, 3), tokens_one=st.booleans(),
+       lost=st.sets(st.integers(0, 6), max_size=2))
+def test_first_step_is_paired_with_its_own_output(lag, resume_steps, tokens_one, lost, tmp_path_factory):
     """vLLM processes each step's output ``lag`` steps after scheduling it (0:
-    synchronous, 1: async scheduling). The request's KV arrives; ``resume_steps``
-    steps later it is scheduled; its first step takes 7 s on this clock, the others
-    1 s. With ``tokens_one`` it finishes as that step's output is processed."""
+    synchronous, 1: async scheduling) and may drop the outputs of steps in ``lost``
+    (0.33's fault-tolerance drain). Request r's KV arrives; ``resume_steps`` steps
+    later it runs first, a step of 7 s on this clock (others 1 s). With
+    ``tokens_one`` it finishes as that step's output is processed."""
     path = tmp_path_factory.mktemp("t") / "stats.jsonl"
     t = DecodeTimeline(StatsFile(str(path), "consumer", "D"))
     clock = Clock()
-    sched_at, done_at, pending = [], [], []
+    k = resume_steps
+    sched_at, done_at, pending = [], {}, []  # pending: (step, duration, its echo)
+
+    def process():
+        step, took, echo = pending.pop(0)
+        clock.now += took
+        done_at[step] = clock.now
+        if step in lost:
+            return
+        if tokens_one and step == k:
+            t.forget("r")
+        t.ran(echo)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tl.time, "monotonic", clock)
         t.admitted("r", "key-r", time.time() - 2.0)
         loaded_at = clock.now
-        t.loaded({"r"}, set())
-        k = resume_steps
+        t.loaded({"r"})
         for i, reqs in enumerate([[]] * k + [["r", "other"]] + [["r"]] * 3):
             clock.now += 0.5  # scheduling
             sched_at.append(clock.now)
-            t.scheduled(reqs)
-            pending.append(7.0 if "other" in reqs else 1.0)
+            pending.append((i, 7.0 if i == k else 1.0, t.scheduled(reqs)))
             if len(pending) > lag:
-                clock.now += pending.pop(0)
-                if tokens_one and i - lag == k:
-                    t.forget("r")
-                done_at.append(clock.now)
-                t.step_done()
+                process()
         while pending:
-            clock.now += pending.pop(0)
-            done_at.append(clock.now)
-            t.step_done()
+            process()
     s = t.take_stats().data
     assert s["admit_seconds"] == [pytest.approx(2.0, abs=0.5)]
     assert s["resume_seconds"] == [sched_at[k] - loaded_at]
+    if k in lost:  # its first step's output never came back: not timed
+        assert s["first_step_seconds"] == [] and lines(path) == []
+        return
     assert s["first_step_seconds"] == [done_at[k] - sched_at[k]]
     assert lag or s["first_step_seconds"] == [7.0]
     (line,) = lines(path)
@@ -79,31 +88,30 @@ def test_first_step_is_timed_to_its_own_output_however_late_vllm_reads_it(lag, r
         s[f][0] for f in ("admit_seconds", "resume_seconds", "first_step_seconds")]
 
 
-def test_async_order_pairs_each_step_with_its_output(clock, tmp_path):
-    """Async scheduling: step 2 is scheduled before step 1's output is read. The
-    request first runs in step 2; step 1's output must not end its first step."""
+def test_only_the_first_step_on_loaded_kv_is_listed(clock, tmp_path):
     t = DecodeTimeline(StatsFile(str(tmp_path / "s"), "consumer", "D"))
     t.admitted("r", "k", None)
-    t.loaded({"r"}, set())
-    t.scheduled([])          # step 1: without r
-    clock.now += 1
-    t.scheduled(["r"])       # step 2: r on its KV
+    assert t.scheduled(["r"]) == []   # not loaded yet (vLLM would not schedule it; nothing to time)
+    t.loaded({"r"})
+    clock.now += 2
+    assert t.scheduled(["r", "x"]) == ["r"]
+    assert t.scheduled(["r"]) == []   # its later steps
     clock.now += 3
-    t.step_done()            # step 1's output
-    assert t.stats.data["first_step_seconds"] == []
-    clock.now += 5
-    t.step_done()            # step 2's output
-    assert t.take_stats().data["first_step_seconds"] == [8.0]
+    t.ran(["r", "x"])
+    d = t.take_stats().data
+    assert (d["admit_seconds"], d["resume_seconds"], d["first_step_seconds"]) == ([], [2.0], [3.0])
 
 
 def test_failed_and_unloaded_requests_are_not_timed(clock, tmp_path):
+    """A rank's fetch failed in an earlier step than the last rank reported the
+    request; another request was aborted while its KV was on the way."""
     t = DecodeTimeline(StatsFile(str(tmp_path / "s"), "consumer", "D"))
     for r in ("failed", "finished_early", "never_loaded"):
-        t.admitted(r, r, None)
-    t.loaded({"failed", "unknown"}, {"failed"})  # a recomputed fetch; an id it never admitted
-    t.forget("finished_early")                  # aborted while its KV was on the way
-    t.scheduled(["failed", "finished_early", "never_loaded"])
-    t.step_done()
-    t.step_done()  # more outputs than steps: nothing to pair
+        t.admitted(r, r, time.time() + 5)  # an API server's clock ahead of this one: no admit
+    t.failed({"failed"})
+    t.loaded({"failed", "unknown"})
+    t.forget("finished_early")
+    assert t.scheduled(["failed", "finished_early", "never_loaded"]) == []
+    t.ran(["failed", "finished_early", "never_loaded"])
     assert t.take_stats() is None
     assert not (tmp_path / "s").exists()

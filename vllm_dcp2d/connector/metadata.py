@@ -110,6 +110,8 @@ class DCP2DMetadata(compat.KVConnectorMetadata):
                owners broadcast them; else None).
     bell:      consumer: the scheduler's ``StepBell`` address; workers ring it when
                a fetch ends, to end an idle step's sleep (``step_bell``). "" = none.
+    first_run: consumer requests this step runs for the first time on their loaded
+               KV; workers echo them back with the step's output (``timeline``).
     """
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
@@ -121,6 +123,7 @@ class DCP2DMetadata(compat.KVConnectorMetadata):
     preempted: dict[str, str] = field(default_factory=dict)
     context_blocks: list[int] | None = None
     bell: str = ""
+    first_run: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -129,10 +132,16 @@ class DCP2DWorkerMeta(compat.KVConnectorWorkerMetadata):
 
     quarantine: ``(request id, tp rank) -> block ids`` to keep out of the free queue.
     lifted:     ``(request id, tp rank)`` quarantines that ended.
+    ran:        the step's ``DCP2DMetadata.first_run``, echoed: their first step is done.
+    failed_loads: requests whose fetch failed on this rank (block-level load errors
+                included), whichever step their last rank reports them in.
     """
 
     quarantine: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     lifted: set[tuple[str, int]] = field(default_factory=set)
+    ran: set[str] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
 
     def aggregate(self, other: DCP2DWorkerMeta) -> DCP2DWorkerMeta:
-        return DCP2DWorkerMeta({**self.quarantine, **other.quarantine}, self.lifted | other.lifted)
+        return DCP2DWorkerMeta({**self.quarantine, **other.quarantine}, self.lifted | other.lifted,
+                               self.ran | other.ran, self.failed_loads | other.failed_loads)

@@ -191,12 +191,13 @@ class SchedulerSide:
         Consumer: blocks go into quarantine or come out of it (``DCP2DWorkerMeta``)."""
         for req_id in connector_output.finished_sending or ():
             self._unbind_key(req_id)
-        if self.timeline is not None and connector_output.finished_recving:
-            done = set(connector_output.finished_recving)
-            # block-level load errors name no request: time none of this step's loads
-            bad = done if connector_output.invalid_block_ids else set(connector_output.failed_recving or ())
-            self.timeline.loaded(done, bad)
         meta = connector_output.kv_connector_worker_meta
+        if self.timeline is not None:
+            self.timeline.failed(connector_output.failed_recving or ())
+            if isinstance(meta, DCP2DWorkerMeta):
+                self.timeline.failed(meta.failed_loads)
+                self.timeline.ran(meta.ran)
+            self.timeline.loaded(connector_output.finished_recving or ())
         if not isinstance(meta, DCP2DWorkerMeta):
             return
         for key, ids in meta.quarantine.items():
@@ -268,16 +269,13 @@ class SchedulerSide:
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
                                                       self._keys.get(req_id, req_id))
         if self.timeline is not None:
-            self.timeline.scheduled(req_id for req_id, _ in compat.scheduled_tokens(scheduler_output))
+            meta.first_run = self.timeline.scheduled(req_id for req_id, _ in compat.scheduled_tokens(scheduler_output))
         return meta
 
     def get_stats(self) -> DCP2DStats | None:
         """Called by vLLM after it processed each step's output (``update_from_output``,
         via ``get_kv_connector_stats``): the stages the scheduler timed."""
-        if self.timeline is None:
-            return None
-        self.timeline.step_done()
-        return self.timeline.take_stats()
+        return None if self.timeline is None else self.timeline.take_stats()
 
     def shutdown(self) -> None:
         if self.bell is not None:

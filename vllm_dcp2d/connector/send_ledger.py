@@ -67,6 +67,7 @@ class Attempt:
     nbytes: int = 0
     replicated_bytes: int = 0  # the part of nbytes written to the consumer's replicated groups
     descriptors: int = 0
+    batches: int = 0     # Mooncake write calls' batches (staging writes a path in chunks)
     plan_s: float = 0.0
     write_s: float = 0.0
     error: str = ""      # a layer written early failed: the destination is undefined

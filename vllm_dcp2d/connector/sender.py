@@ -352,7 +352,8 @@ class Sender:
         t1 = time.perf_counter()
         stalls: list[int] = []
         try:
-            nbytes, written = write(self.transport, self._staging, self._memory, req.session, desc, stalls, consumer)
+            nbytes, written, batches = write(self.transport, self._staging, self._memory, req.session, desc,
+                                             stalls, consumer)
         finally:
             # A write given up after a stall may still deliver its queued bytes,
             # also when a retry on a fresh engine then succeeded: not settled.
@@ -361,6 +362,7 @@ class Sender:
         a.nbytes += nbytes
         a.replicated_bytes += replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
         a.descriptors += written
+        a.batches += batches
         a.plan_s += t1 - t0
         a.write_s += time.perf_counter() - t1
 
@@ -398,13 +400,12 @@ class Sender:
                 self.ledger.end_answer(a, state, error)
 
     def _ok(self, a: Attempt, state: Request) -> TransferOutcome:
-        n = a.descriptors
         naive = len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
         return TransferOutcome(
             transfer_key=a.req.transfer_key, attempt_id=a.req.attempt_id, cp_rank=self.cp_rank,
             cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
-            num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=a.nbytes, descriptors=n,
-            batches=-(-n // self.transport.max_batch), naive_bytes=naive, plan_s=a.plan_s, write_s=a.write_s,
+            num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=a.nbytes, descriptors=a.descriptors,
+            batches=a.batches, naive_bytes=naive, plan_s=a.plan_s, write_s=a.write_s,
             early_layers=len(a.sent), settled=a.settled, replicated_bytes=a.replicated_bytes)
 
     def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0,

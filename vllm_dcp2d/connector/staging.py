@@ -17,11 +17,12 @@ Host-memory KV only: the gather reads the KV through numpy. With KV on a GPU the
 worker passes no pool (descriptors are cheap over RDMA, and a device gather is
 not written yet).
 
-A slot through which a write stalled or failed is never reused: Mooncake may
-still deliver a given-up attempt's bytes later (``transport.py``), and they must be
-the bytes that attempt gathered. Such a slot is replaced by a fresh one and kept,
-registered, until ``RETIRED_KEPT`` newer ones were retired (as the transport keeps
-replaced engines).
+A slot a write stalled through is never reused: Mooncake may still deliver a
+given-up attempt's bytes later (``transport.py``), and they must be the bytes that
+attempt gathered. Such a slot is replaced by a fresh one and kept, registered, for
+``RETIRED_HOLD_S`` (as long as the transport keeps the replaced engine that may run
+it; at most one retirement per writer thread per ``STALL_S``). A write that failed
+at once (a dead peer) reads nothing later: its slot is reused.
 
 Public API
 ----------
@@ -31,10 +32,10 @@ Public API
     too little).
 ``StagingPool(transport, slot_bytes, slots)``
     ``.take() -> Slot | None``             a free slot, or None (then write in place).
-    ``.give_back(slot, clean: bool)``      after its writes; ``clean=False`` retires it.
+    ``.give_back(slot, clean: bool)``      after its writes; ``clean=False`` (a stall) retires it.
     ``.close()``
 ``Slot.addr``, ``Slot.nbytes``, ``Slot.gather(chunk: Staged, memory: Memory)``.
-``write(transport, pool, memory, session, desc, stalls, dst_memory) -> (bytes, descriptors)``: one
+``write(transport, pool, memory, session, desc, stalls, dst_memory) -> (bytes, descriptors, batches)``: one
     path's write, staged when ``pool`` has a free slot and it merges enough.
 """
 
@@ -44,11 +45,13 @@ import ctypes
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_dcp2d.connector.transport import RETIRED_KEPT, STALL_S
 from vllm_dcp2d.plan import Descriptors, Memory
 
 __all__ = ["Staged", "stage", "Slot", "StagingPool", "write"]
@@ -56,7 +59,9 @@ __all__ = ["Staged", "stage", "Slot", "StagingPool", "write"]
 log = logging.getLogger(__name__)
 MIN_UNIT = 256      # bytes: below this common divisor of the lengths, the gather is not worth it
 MIN_GAIN = 2        # stage only if it cuts a path's descriptors at least this many times
-RETIRED_KEPT = 4    # slots kept registered after a stalled or failed write through them
+# A slot a write stalled through stays registered as long as the transport keeps the
+# engine that may still run that write (RETIRED_KEPT engines, one renewal per STALL_S).
+RETIRED_HOLD_S = RETIRED_KEPT * STALL_S
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,7 @@ class StagingPool:
             raise ValueError(f"need slot_bytes >= {MIN_UNIT} and slots >= 1, got {slot_bytes} and {slots}")
         self.transport, self.slot_bytes = transport, int(slot_bytes)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        self._retired: deque[Slot] = deque()
+        self._retired: deque[tuple[float, Slot]] = deque()  # (held until, slot), oldest first
         self._lock = threading.Lock()
         for _ in range(slots):
             self._free.put(self._new())
@@ -188,24 +193,36 @@ class StagingPool:
             return None
 
     def give_back(self, slot: Slot, clean: bool) -> None:
-        """Return ``slot`` after its writes. ``clean=False`` (a write through it stalled
-        or failed): a late delivery may still read it, so a fresh slot takes its place."""
+        """Return ``slot`` after its writes. ``clean=False`` (a write through it stalled):
+        a late delivery may still read it, so it is kept registered for ``RETIRED_HOLD_S``
+        and a fresh slot takes its place. Never raises."""
         if clean:
             return self._free.put(slot)
+        now = time.monotonic()
         with self._lock:
-            self._retired.append(slot)
-            while len(self._retired) > RETIRED_KEPT:
-                self.transport.unregister(self._retired.popleft().addr)
+            self._retired.append((now + RETIRED_HOLD_S, slot))
+            self._evict(now)
         try:
             self._free.put(self._new())
         except Exception as e:  # the pool shrinks; writes go in place when it is empty
             log.warning("send staging: could not replace a retired slot (%s); %d bytes less to stage in", e,
                         self.slot_bytes)
 
+    def _evict(self, now: float) -> None:
+        """Unregister (and let go of) retired slots held for their whole time (under ``_lock``)."""
+        while self._retired and self._retired[0][0] <= now:
+            self._unregister(self._retired.popleft()[1])
+
+    def _unregister(self, slot: Slot) -> None:
+        try:
+            self.transport.unregister(slot.addr)
+        except Exception as e:  # the engine may be closed already; the memory goes with the slot
+            log.warning("send staging: unregistering a slot failed: %s", e)
+
     def close(self) -> None:
-        """Unregister every slot (after the writers stopped)."""
+        """Unregister every slot (after the writers stopped and the transport's writes ended)."""
         with self._lock:
-            slots = list(self._retired)
+            slots = [slot for _, slot in self._retired]
             self._retired.clear()
         while True:
             try:
@@ -213,41 +230,46 @@ class StagingPool:
             except queue.Empty:
                 break
         for s in slots:
-            self.transport.unregister(s.addr)
+            self._unregister(s)
 
 
 def write(transport, pool: StagingPool | None, memory: Memory, session: str, desc: Descriptors,
-          stalls: list[int], dst_memory: Memory | None = None) -> tuple[int, int]:
+          stalls: list[int], dst_memory: Memory | None = None) -> tuple[int, int, int]:
     """Write ``desc`` (KV -> ``session``'s memory) on ``transport``, through a slot of
     ``pool`` when one is free and staging merges enough. ``memory``: the KV ranges
     any source must lie in; ``dst_memory``: the consumer's registered ranges (runs
     merge within one). ``stalls`` as ``MooncakeTransport.write``. Returns
-    ``(bytes written, descriptors written)``; raises what the transport raises."""
+    ``(bytes, descriptors, batches)`` written; raises what the transport raises.
+    A slot goes back clean unless a write through it stalled (then a late delivery
+    may read it); a write that failed at once read nothing more."""
     slot = pool.take() if pool is not None else None
     chunks, in_place = stage(desc, slot.nbytes, dst_memory) if slot is not None else ([], desc)
-    nbytes, written = 0, len(in_place)
+    nbytes, written, batches = 0, 0, 0
+
+    def send(d: Descriptors) -> None:
+        nonlocal nbytes, written, batches
+        nbytes += transport.write(session, d, stalls)
+        written += len(d)
+        batches += -(-len(d) // transport.max_batch)
+
     try:
         for c in chunks:
             if slot is None:  # the slot was retired and no other is free: the rest in place
-                nbytes += transport.write(session, c.pages, stalls)
-                written += len(c.pages)
+                send(c.pages)
                 continue
             slot.gather(c, memory)
             seen = len(stalls)
-            w = c.write
-            nbytes += transport.write(session, Descriptors(w.src + slot.addr, w.dst, w.length), stalls)
-            written += len(w)
-            if len(stalls) > seen:  # a late delivery may still read this slot
-                pool.give_back(slot, clean=False)
+            try:
+                send(Descriptors(c.write.src + slot.addr, c.write.dst, c.write.length))
+            finally:
+                if len(stalls) > seen:  # a late delivery may still read this slot
+                    retired, slot = slot, None
+                    pool.give_back(retired, clean=False)
+            if slot is None:
                 slot = pool.take()
         if len(in_place):
-            nbytes += transport.write(session, in_place, stalls)
-    except BaseException:
-        if slot is not None:
-            pool.give_back(slot, clean=False)
-            slot = None
-        raise
+            send(in_place)
     finally:
         if slot is not None:
             pool.give_back(slot, clean=True)
-    return nbytes, written
+    return nbytes, written, batches

@@ -20,21 +20,27 @@ records them into a ``DCP2DStats`` the scheduler returns from
 ``get_kv_connector_stats`` (vLLM merges it with the workers' snapshot of the same
 step), and writes one ``stats_file`` line per request (``event`` "first_step").
 
-vLLM calls ``update_from_output`` (and so ``step_done``) once per scheduled step,
-in order; with async scheduling one step later than ``build_connector_meta``.
-A FIFO of the steps' requests pairs them, so a first step is timed to its own
-output in both modes. A load that failed or fell back is forgotten: its first
-step is a local prefill, not a PD stage.
+A first step is paired with its own output, not counted in steps: the scheduler
+lists the requests in that step's ``DCP2DMetadata.first_run`` and the workers echo
+them in the step's ``DCP2DWorkerMeta.ran``, which vLLM hands back with that step's
+output, however late (async scheduling) and even if it drops other steps' outputs.
+A load that failed on any rank (``DCP2DWorkerMeta.failed_loads``, or vLLM's
+``failed_recving``) is not timed: its first step is a local prefill.
+
+Clocks: admit compares the API server's ``time.time()`` with the engine core's (a
+negative value, clocks of two hosts, is dropped); the rest is the engine core's
+``time.monotonic()``.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 
 __all__ = ["DecodeTimeline"]
+
+MAX_TRACKED = 4096  # requests between admission and their first step's output (a backstop)
 
 
 class DecodeTimeline:
@@ -43,40 +49,42 @@ class DecodeTimeline:
     def __init__(self, stats_file: StatsFile):
         self.stats = DCP2DStats()
         self.stats_file = stats_file
-        self._reqs: dict[str, dict] = {}   # request id -> {"key", "admit", "loaded", "scheduled"}
-        # Per step not yet back: the requests it first ran on their KV. Bounded: vLLM takes
-        # stats after every step it schedules, so this holds one or two steps.
-        self._steps: deque[list[str]] = deque(maxlen=1024)
+        self._reqs: dict[str, dict] = {}  # request id -> {"key", "admit", "loaded", "scheduled"}
 
     def admitted(self, req_id: str, transfer_key: str, arrival_time: float | None) -> None:
         """Blocks allocated and the load recorded (``update_state_after_alloc``).
         ``arrival_time``: ``time.time()`` when the API server got it (None: unknown)."""
-        admit = max(0.0, time.time() - arrival_time) if arrival_time else None
+        admit = time.time() - arrival_time if arrival_time else -1.0
+        admit = admit if admit >= 0 else None
+        if len(self._reqs) >= MAX_TRACKED:  # outputs that never came back: forget the oldest
+            del self._reqs[next(iter(self._reqs))]
         self._reqs[req_id] = {"key": transfer_key, "admit": admit, "loaded": None, "scheduled": None}
         if admit is not None:
             self.stats.record_stage("admit_seconds", admit)
 
-    def loaded(self, finished: set[str], failed: set[str]) -> None:
-        """``finished_recving`` of one step's output; ``failed``: those recomputed."""
+    def failed(self, req_ids) -> None:
+        """Their fetch failed on some rank: not timed."""
+        for req_id in req_ids:
+            self._reqs.pop(req_id, None)
+
+    def loaded(self, req_ids) -> None:
+        """``finished_recving`` of one step's output (every rank reported them)."""
         now = time.monotonic()
-        for req_id in finished:
+        for req_id in req_ids:
             r = self._reqs.get(req_id)
-            if r is None:
-                continue
-            if req_id in failed:
-                del self._reqs[req_id]
-            elif r["loaded"] is None:
+            if r is not None and r["loaded"] is None:
                 r["loaded"] = now
 
     def forget(self, req_id: str) -> None:
-        """``req_id`` finished (``request_finished``): untracked unless a step running it
-        on its KV is on its way back (``step_done`` times that one, a 1-token answer)."""
+        """``req_id`` finished (``request_finished``): untracked, unless its first step
+        is on its way back (a 1-token answer finishes as that output is processed)."""
         r = self._reqs.get(req_id)
         if r is not None and r["scheduled"] is None:
             del self._reqs[req_id]
 
-    def scheduled(self, req_ids) -> None:
-        """One step was scheduled (``build_connector_meta``) with these requests."""
+    def scheduled(self, req_ids) -> list[str]:
+        """One step is scheduled (``build_connector_meta``) with these requests. Returns
+        those it runs first on their loaded KV: the step's ``first_run``."""
         now, first = time.monotonic(), []
         for req_id in req_ids:
             r = self._reqs.get(req_id)
@@ -84,16 +92,14 @@ class DecodeTimeline:
                 r["scheduled"] = now
                 self.stats.record_stage("resume_seconds", now - r["loaded"])
                 first.append(req_id)
-        self._steps.append(first)
+        return first
 
-    def step_done(self) -> None:
-        """The oldest scheduled step's output was processed (``get_kv_connector_stats``)."""
-        if not self._steps:
-            return
+    def ran(self, req_ids) -> None:
+        """Their first step's output was processed (``DCP2DWorkerMeta.ran``)."""
         now = time.monotonic()
-        for req_id in self._steps.popleft():
+        for req_id in req_ids:
             r = self._reqs.pop(req_id, None)
-            if r is None:
+            if r is None or r["scheduled"] is None:
                 continue
             first_step = now - r["scheduled"]
             self.stats.record_stage("first_step_seconds", first_step)

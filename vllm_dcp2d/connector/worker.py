@@ -77,6 +77,7 @@ class WorkerSide:
         self.tp_rank, self.tp_size = compat.tp_rank_size()
         self.dcp_rank, self.dcp_size = compat.dcp_rank_size()
         self.cp_size = cfg.cp_size or self.tp_size
+        self._one_host = compat.single_host(vllm_config)  # the handover is timed across processes
         if is_producer:
             if self.cp_size > self.tp_size:
                 raise ConfigError(f"kv_connector_extra_config['cp_size'] = {self.cp_size}: must be <= "
@@ -102,6 +103,7 @@ class WorkerSide:
         self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
         self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
         self._meta = DCP2DWorkerMeta()
+        self._first_run: list[str] = []  # consumer: the bound step's DCP2DMetadata.first_run
         self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
         self._handed: dict[str, float] = {}  # producer: transfer key -> when its blocks went to the senders
         self._handover: dict[str, float] = {}  # producer: transfer key -> request_finished to _handed (s)
@@ -203,6 +205,8 @@ class WorkerSide:
     def bind(self, meta) -> None:
         """Called every step with its metadata, before the forward (None after it):
         the context blocks the layer-split fill broadcasts, the step bell to ring."""
+        if isinstance(meta, DCP2DMetadata):
+            self._first_run = meta.first_run
         if isinstance(meta, DCP2DMetadata) and meta.bell != self.rope.address:
             self.rope.close()
             self.rope = BellRope(meta.bell)
@@ -259,9 +263,11 @@ class WorkerSide:
                 self._sending[spec.transfer_key] = req_id
                 now = time.monotonic()
                 self._handed[spec.transfer_key] = now
-                if spec.finished_at:  # CLOCK_MONOTONIC: one clock for the engine core and its workers
-                    self._handover[spec.transfer_key] = now - spec.finished_at
-                    self.stats.record_stage("handover_seconds", now - spec.finished_at)
+                handover = now - spec.finished_at
+                # CLOCK_MONOTONIC is one clock for the engine core and its workers on one host
+                if spec.finished_at and self._one_host and handover >= 0:
+                    self._handover[spec.transfer_key] = handover
+                    self.stats.record_stage("handover_seconds", handover)
                 self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
         for spec in meta.releases.values():
             self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
@@ -351,12 +357,15 @@ class WorkerSide:
         return sending, recving, failed
 
     def build_worker_meta(self) -> DCP2DWorkerMeta | None:
-        """Called by the model runner after ``get_finished``: blocks to quarantine and
-        quarantines lifted, for the scheduler side."""
-        if not (self._meta.quarantine or self._meta.lifted):
+        """Called by the model runner after ``get_finished``, with the step's metadata
+        still bound: blocks to quarantine and quarantines lifted, failed loads, and
+        the requests whose first step on loaded KV this was, for the scheduler side."""
+        self._meta.ran, self._first_run = set(self._first_run), []
+        m = self._meta
+        if not (m.quarantine or m.lifted or m.ran or m.failed_loads):
             return None
-        meta, self._meta = self._meta, DCP2DWorkerMeta()
-        return meta
+        self._meta = DCP2DWorkerMeta()
+        return m
 
     def _record(self, f) -> None:
         # how long the ended fetch waited for this step to report it (issue 29: the idle sleep)
@@ -378,6 +387,7 @@ class WorkerSide:
         fails or recomputes it (``kv_load_failure_policy``)."""
         expired = f is not None and f.error.timed_out
         self.stats.count("expired" if expired else "failed")
+        self._meta.failed_loads.add(req_id)
         # Undefined from the first fetched page on, in every group.
         blocks = [b for ids, sharded in zip(block_ids, self.group_sharded)
                   for b in ids[first_page // (self.dcp_size if sharded else 1):]]

@@ -49,7 +49,7 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
-           "preempted"]
+           "preempted", "single_host"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -159,6 +159,14 @@ def scheduled_context(scheduler_output):
         yield req.req_id, req.num_computed_tokens
     cached = scheduler_output.scheduled_cached_reqs
     yield from zip(cached.req_ids, cached.num_computed_tokens)
+
+
+def single_host(vllm_config) -> bool:
+    """The engine core and every worker of this instance run on one host, so their
+    ``time.monotonic()`` is one clock: not under Ray or multi-node TP (``nnodes``,
+    0.32 and 0.33)."""
+    pc = vllm_config.parallel_config
+    return getattr(pc, "nnodes", 1) <= 1 and pc.distributed_executor_backend != "ray"
 
 
 def finished_normally(request) -> bool:
