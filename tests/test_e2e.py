@@ -146,7 +146,7 @@ def test_decode_expiry_recomputes(cluster):
     elapsed = time.monotonic() - t0
     assert tokens(out) == tokens(ref)
     assert elapsed >= EXPIRY_S
-    recs = [r for r in read_stats(c["stats"]) if r.get("transfer_key") == "never-prefilled"]
+    recs = [r for r in fetch_records(read_stats(c["stats"])) if r.get("transfer_key") == "never-prefilled"]
     assert recs and recs[-1]["ok"] is False and recs[-1]["expired"] is True
     # the instance keeps serving, blocks were freed: a normal request still works
     out = complete(c["proxy1"].url, c["model"], PROMPTS["short"])

@@ -42,8 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_dcp2d.proxy.metrics import METRICS, PREFIX
-from vllm_dcp2d.testing.harness import (Process, bin_path, fetch_records, free_port, kv_cache_usage, post_json, read_stats,
-                                        router_server, running, vllm_server, wait_all)
+from vllm_dcp2d.testing.harness import (Process, bin_path, fetch_records, free_port, kv_cache_usage, post_json,
+                                        read_stats, router_server, running, vllm_server, wait_all)
 from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
@@ -103,7 +103,7 @@ def wait_for(what: str, cond, timeout_s: float) -> None:
 
 def fetched(stats_path) -> list[dict]:
     """A decode instance's consumer records of completed fetches."""
-    return [r for r in read_stats(stats_path) if r["side"] == "consumer" and r.get("ok")]
+    return [r for r in fetch_records(read_stats(stats_path)) if r["ok"]]
 
 
 # one cluster for the module's tests, checked before each and started again if a test broke
@@ -271,7 +271,7 @@ def test_two_prefill_two_decode(cluster):
     tmp_path, model, prefill, decode = c["tmp"], c["model"], c["prefill"], c["decode"]
     px, px_nohealth, px_pipe = c["px"], c["px_nohealth"], c["px_pipe"]
     seen = {i: len(fetched(tmp_path / f"d{i}.jsonl")) for i in (0, 1)}  # what the routers' requests fetched
-    failed = {i: len([r for r in read_stats(tmp_path / f"d{i}.jsonl") if not r.get("ok")]) for i in (0, 1)}
+    failed = {i: len([r for r in fetch_records(read_stats(tmp_path / f"d{i}.jsonl")) if not r["ok"]]) for i in (0, 1)}
     ref = [reference(c, prompt) for prompt in PROMPTS]
 
     def check(url: str, i: int) -> None:
@@ -291,7 +291,7 @@ def test_two_prefill_two_decode(cluster):
         check(px_pipe.url, i)
     # each decode instance fetched its requests' KV from a prefill (none recomputed)
     assert len(fetched(tmp_path / "d0.jsonl")) - seen[0] == 4 and len(fetched(tmp_path / "d1.jsonl")) - seen[1] == 3
-    assert [len([r for r in read_stats(tmp_path / f"d{i}.jsonl") if not r.get("ok")]) for i in (0, 1)] == \
+    assert [len([r for r in fetch_records(read_stats(tmp_path / f"d{i}.jsonl")) if not r["ok"]]) for i in (0, 1)] == \
         [failed[0], failed[1]]
 
     # 2. the decode holding a request dies before its first byte: the request is retried on
