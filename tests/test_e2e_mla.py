@@ -39,8 +39,8 @@ import pytest
 from _pd_cluster import stalled
 
 from vllm_dcp2d.layout import cdiv, cp_layer_range
-from vllm_dcp2d.testing.harness import (fetch_records, free_port, kv_capacity, post_json, proxy_server, read_stats, running,
-                                        vllm_server)
+from vllm_dcp2d.testing.harness import (fetch_records, free_port, kv_capacity, post_json, proxy_server, read_stats,
+                                        running, vllm_server)
 from vllm_dcp2d.testing.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]

@@ -37,8 +37,8 @@ _held_event = st.tuples(st.just("held"), _seconds)
 _stage_event = st.tuples(st.just("stage"), st.sampled_from(("handover_seconds", "admit_seconds", "resume_seconds",
                                                             "first_step_seconds")), _seconds)
 # steps of (TP rank -> events): what each worker records between two snapshots
-_steps = st.lists(st.lists(st.lists(st.one_of(_path_event, _count_event, _fetch_event, _held_event, _stage_event), max_size=6), min_size=1, max_size=3),
-                  min_size=1, max_size=5)
+_event = st.one_of(_path_event, _count_event, _fetch_event, _held_event, _stage_event)
+_steps = st.lists(st.lists(st.lists(_event, max_size=6), min_size=1, max_size=3), min_size=1, max_size=5)
 
 
 def _apply(stats: DCP2DStats, events) -> None:
