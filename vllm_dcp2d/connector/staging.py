@@ -11,7 +11,7 @@ into a registered host buffer (a *slot*) in the decode's address order and write
 every run that is adjacent on the decode side as one descriptor: an 8K-token path
 of the test model goes from 250 descriptors to 2. The bytes still land straight
 in the decode's layout (nothing to scatter there); the cost is one local copy on
-the prefill (about 0.1 ms for 2 MB).
+the prefill (0.15 ms at p50 for 2 MB: ``bench/descriptors.py``).
 
 Host-memory KV only: the gather reads the KV through numpy. With KV on a GPU the
 worker passes no pool (descriptors are cheap over RDMA, and a device gather is

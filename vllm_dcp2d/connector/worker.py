@@ -105,8 +105,8 @@ class WorkerSide:
         self._meta = DCP2DWorkerMeta()
         self._first_run: list[str] = []  # consumer: the bound step's DCP2DMetadata.first_run
         self._sending: dict[str, str] = {}  # producer: transfer key -> request id, until finished
-        self._handed: dict[str, float] = {}  # producer: transfer key -> when its blocks went to the senders
-        self._handover: dict[str, float] = {}  # producer: transfer key -> request_finished to _handed (s)
+        # producer: transfer key -> (when its blocks went to the senders, seconds since request_finished)
+        self._handed: dict[str, tuple[float, float | None]] = {}
         self._finished_sending: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -262,12 +262,13 @@ class WorkerSide:
             else:
                 self._sending[spec.transfer_key] = req_id
                 now = time.monotonic()
-                self._handed[spec.transfer_key] = now
                 handover = now - spec.finished_at
                 # CLOCK_MONOTONIC is one clock for the engine core and its workers on one host
-                if spec.finished_at and self._one_host and handover >= 0:
-                    self._handover[spec.transfer_key] = handover
+                if not (spec.finished_at and self._one_host and handover >= 0):
+                    handover = None
+                else:
                     self.stats.record_stage("handover_seconds", handover)
+                self._handed[spec.transfer_key] = (now, handover)
                 self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
         for spec in meta.releases.values():
             self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
@@ -315,13 +316,13 @@ class WorkerSide:
             for key, why in self.sender.pop_finished().items():
                 req_id = self._sending.pop(key, key)
                 sending.add(req_id)
-                handed = self._handed.pop(key, None)
+                handed, handover = self._handed.pop(key, (None, None))
                 held = None if handed is None else time.monotonic() - handed
                 if held is not None:
                     self.stats.record_held(held)
                 # side "producer" on a kv_both instance too
                 self.stats_file.write(side="producer", request_id=req_id, transfer_key=key, cp_rank=self.tp_rank,
-                                      event=why, held_seconds=held, handover_seconds=self._handover.pop(key, None))
+                                      event=why, held_seconds=held, handover_seconds=handover)
                 if why == "released":
                     log.debug("DCP2D: request %s released by its decode ranks on CP rank %d", req_id, self.tp_rank)
                 if why in ("expired", "unclaimed"):
