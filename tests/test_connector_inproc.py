@@ -112,12 +112,22 @@ def test_transfer_equals_local(llm):
 
 
 @pytest.mark.timeout(120)
-def test_loaded_kv_is_used(llm):
-    """Decode prompt B over the KV of prompt A (same length): the output follows A's KV."""
+def test_loaded_kv_is_used_and_only_for_its_own_prompt(llm, monkeypatch):
+    """Decode prompt B with the params of prompt A's prefill (same length): the prefill
+    refuses to write A's KV for B (prompt digests differ; issue 37, finding 8) and the
+    decode computes B itself, so its answer is B's own. With the digest check forced
+    to pass (both sides' digests made equal), the output follows A's KV: what is
+    loaded is what the decode attends over."""
+    import vllm_dcp2d.connector.scheduler as scheduler
+
     engine, _ = llm
     a = prompts()["pages"]
     b = [t + 1 for t in a]
     (local_b,) = engine.generate({"prompt_token_ids": b}, greedy(8), use_tqdm=False)
+    (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
+    assert dec.outputs[0].token_ids == local_b.outputs[0].token_ids
+    monkeypatch.setattr(scheduler, "prompt_digest", lambda ids, extras=(): "same")
     (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids != local_b.outputs[0].token_ids

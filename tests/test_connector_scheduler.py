@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from vllm_dcp2d.config import DCP2DConfig  # noqa: E402
+from vllm_dcp2d.connector.messages import prompt_digest  # noqa: E402
 from vllm_dcp2d.connector.scheduler import SchedulerSide  # noqa: E402
 
 PAGE = 32
@@ -38,7 +39,8 @@ def side(producer=False, consumer=False, **cfg):
 
 
 def request(rid="r", n=100, params=None, status=RequestStatus.RUNNING):
-    return NS(request_id=rid, num_prompt_tokens=n, kv_transfer_params=params, status=status)
+    return NS(request_id=rid, num_prompt_tokens=n, prompt_token_ids=list(range(n)), kv_transfer_params=params,
+              status=status)
 
 
 def sched_out(new=(), cached=(), tokens=None):
@@ -136,14 +138,17 @@ def test_consumer_per_request_timeout_cap_is_a_config_key():
     (dict(REMOTE, remote_request_id=7), "remote_request_id = 7"),
     (dict(REMOTE, remote_engine_id=""), "remote_engine_id = ''"),
 ])
-def test_consumer_bad_params_prefill_locally(params, why, caplog):
-    """Checked at the boundary, before any worker sees them: the request is prefilled
-    here, the log names the value (a bad address used to kill the receiver thread)."""
+def test_consumer_bad_params_fail_the_load(params, why, caplog):
+    """Checked at the boundary: the load goes to the workers refused, with the reason,
+    and they report it failed in that step (kv_load_failure_policy ends or recomputes
+    it); it used to be left waiting for a load that never started (issue 37, item 4).
+    The log names the value (a bad address used to kill the receiver thread)."""
     s = side(consumer=True)
     req = request(params=dict(params))
     s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1],)), 100)
-    assert s.build_connector_meta(sched_out()).loads == {}
-    assert why in caplog.text and "prefilling locally" in caplog.text
+    spec = s.build_connector_meta(sched_out()).loads["r"]
+    assert why in spec.refused and spec.block_ids == ([1],)
+    assert why in caplog.text and "its load fails" in caplog.text
 
 
 def test_producer_holds_blocks_and_answers_params():
@@ -161,7 +166,8 @@ def test_producer_holds_blocks_and_answers_params():
     assert delay is True
     assert params == {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": "t",
                       "remote_bootstrap_addr": "tcp://127.0.0.1:4242", "remote_engine_id": "eng",
-                      "remote_num_tokens": 100, "transfer_id": "t"}
+                      "remote_num_tokens": 100, "remote_prompt_digest": prompt_digest(range(100)),
+                      "transfer_id": "t"}
     meta = s.build_connector_meta(sched_out())
     assert meta.ready["r"].block_ids == ([10, 11, 12, 13],) and meta.ready["r"].transfer_key == "t"
 
@@ -173,7 +179,7 @@ def test_producer_transfer_keys_unique_while_in_flight():
     a = request("a", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
     b = request("b", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
     c = request("c", params={"do_remote_decode": True, "transfer_id": "t"}, status=RequestStatus.FINISHED_STOPPED)
-    long = request("d", params={"do_remote_decode": True, "transfer_id": "x" * 257},
+    long = request("d", params={"do_remote_decode": True, "transfer_id": "x" * 513},
                    status=RequestStatus.FINISHED_STOPPED)
     for r in (a, b, long):
         s.update_state_after_alloc(r, None, 0)
@@ -248,14 +254,17 @@ def test_producer_aborted_while_preempted_fails_its_waiting_fetches():
     assert s.request_finished(third, ([2],))[1]["remote_request_id"] == "t"
 
 
-@pytest.mark.parametrize("remote,want", [(100, 100), (99, 99), ("100", -1), (None, None)])
+@pytest.mark.parametrize("remote,want", [(100, 100), (99, 99), ("100", None), (-1, None), (None, None)])
 def test_consumer_load_spec_carries_the_producers_token_count(remote, want):
-    """The workers fail a load whose remote_num_tokens differs from the prompt here."""
+    """The workers fail a load whose remote_num_tokens differs from the prompt here; one
+    that is not a count is refused with the load."""
     s = side(consumer=True)
     params = dict(REMOTE) if remote is None else dict(REMOTE, remote_num_tokens=remote)
     s.update_state_after_alloc(request(params=params), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
     spec = s.build_connector_meta(sched_out()).loads["r"]
     assert (spec.num_tokens, spec.remote_num_tokens) == (100, want)
+    assert spec.prompt_digest == ("" if spec.refused else prompt_digest(range(100)))
+    assert bool(spec.refused) == (remote is not None and want is None)
 
 
 def test_consumer_quarantine_holds_blocks_out_of_the_free_queue():

@@ -112,7 +112,7 @@ def _pack(d) -> bytes:
     (lambda d: d.update(v=1), "unsupported protocol version 1"),
     (lambda d: d.update(v=2), "unsupported protocol version 2"),
     (lambda d: d.update(v=5), "unsupported protocol version 5"),
-    (lambda d: d.update(v=7), "unsupported protocol version 7"),
+    (lambda d: d.update(v=m.PROTOCOL_VERSION + 1), f"unsupported protocol version {m.PROTOCOL_VERSION + 1}"),
     (lambda d: d.update(v=True), "unsupported protocol version True"),
     (lambda d: d.pop("v"), "unsupported protocol version None"),
     (lambda d: d.update(type="Nope"), "unknown message type 'Nope'"),
@@ -166,7 +166,7 @@ def test_hostile_bytes(data, match):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda d: d.update(v=3), r"unsupported protocol version 3 \(this side speaks 6\)"),
+    (lambda d: d.update(v=3), rf"unsupported protocol version 3 \(this side speaks {m.PROTOCOL_VERSION}\)"),
     (lambda d: d.pop("num_tokens"), r"missing fields \['num_tokens'\]"),
     (lambda d: d.update(attempt_id=1), r"unknown fields \[\"'attempt_id'\"\]"),
     (lambda d: d.update(consumer_rank=2), r"consumer_rank must be in \[0, consumer_size=2\)"),

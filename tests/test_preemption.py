@@ -27,6 +27,7 @@ import time
 import numpy as np
 import pytest
 
+from vllm_dcp2d.connector.messages import prompt_digest
 from vllm_dcp2d.testing.harness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(300)]
@@ -154,16 +155,14 @@ class Decode:
 
 
 class Gate:
-    """Blocks every sender worker thread until ``open()``: layer writes queued
-    behind it run only then."""
+    """Blocks the sender's writer for the decode rank at ``session`` until ``open()``:
+    layer writes queued behind it (that decode's, in order) run only then."""
 
-    def __init__(self, sender, workers: int = 2):
+    def __init__(self, sender, session: str):
         self._open = threading.Event()
         self.entered = threading.Semaphore(0)
-        for _ in range(workers):
-            sender._work.put(self._wait)
-        for _ in range(workers):
-            assert self.entered.acquire(timeout=10), "the sender's workers did not reach the gate"
+        sender._writers.submit(session, self._wait)
+        assert self.entered.acquire(timeout=10), "the sender's writer did not reach the gate"
 
     def _wait(self):
         self.entered.release()
@@ -196,7 +195,8 @@ def race(engine, key: str):
             decode = Decode(stack, probe.sender, kv.kv_connector_extra_config["bootstrap_port"])
             dst_ids = np.array([3, 6])
             decode.recv.start(key, decode.bootstrap, dst_ids, num_tokens=A_TOKENS, wait_s=120.0,
-                              remote_engine_id=kv.engine_id)
+                              remote_engine_id=kv.engine_id,
+                              prompt_digest=prompt_digest(prompt(A_TOKENS, 2)["prompt_token_ids"]))
             deadline = time.monotonic() + 20
             while probe.sender.waiting(key) != 1:
                 assert time.monotonic() < deadline, "the fetch never reached the prefill rank"
@@ -206,7 +206,7 @@ def race(engine, key: str):
             probe.llm.step()                                   # step 1: C's prefill
             probe.llm.add_request(a_id, prompt(A_TOKENS, 2), greedy(3, {"do_remote_decode": True,
                                                                           "transfer_id": key}))
-            gate = Gate(probe.sender)
+            gate = Gate(probe.sender, decode.recv.transport.session_id)
             probe.llm.step()                                   # step 2: C decodes, A's whole prompt
             a_internal = probe.internal(a_id)
             old = probe.computing[a_internal]

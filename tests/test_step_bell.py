@@ -3,14 +3,17 @@ rings, also from another process, and sleeps its full time otherwise."""
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
+import tempfile
 import sys
 import threading
 import time
 
 from hypothesis import given, settings, strategies as st
 
-from vllm_dcp2d.connector.step_bell import BellRope, StepBell
+from vllm_dcp2d.connector.step_bell import PREFIX, BellRope, StepBell
 
 LONG_S = 30.0  # a sleep no test waits out: a ring must end it
 
@@ -74,22 +77,41 @@ def test_one_sleep_takes_every_queued_ring(rings):
         bell.close()
 
 
-def test_close_releases_the_address_and_a_late_ring_is_harmless():
+def test_the_bell_lives_in_a_private_directory_removed_on_close():
+    """Only this user's processes can ring it (issue 37, finding 9: an abstract socket
+    could be rung by any local process); closing removes it, and a late ring is harmless."""
     bell = StepBell()
-    if sys.platform.startswith("linux"):
-        assert bell.address.startswith("ipc://@")  # abstract namespace: no file to leave behind
+    path = bell.address.removeprefix("ipc://")
+    d = os.path.dirname(path)
+    info = os.stat(d)
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    assert os.path.basename(d).startswith(f"{PREFIX}{os.getpid()}-")
     rope = BellRope(bell.address)
+    rope.ring()
+    assert bell.sleep(5.0)
     bell.close()
+    assert not os.path.exists(d)
     rope.ring()
     rope.ring()  # nobody listens: dropped, never blocks
-    # ZMQ unbinds on its I/O thread after close() returns: the address is free again soon
-    deadline = time.monotonic() + 10.0
-    while (again := StepBell(bell.address)).address != bell.address:
-        assert time.monotonic() < deadline, f"{bell.address} still bound 10 s after close()"
-        time.sleep(0.05)
-    again.close()
     rope.close()
     rope.ring()  # closed: nothing
+
+
+def test_a_killed_engines_bell_directory_is_removed_by_the_next(tmp_path, monkeypatch):
+    """A killed engine core runs no close(): the next bell removes the directories of
+    processes that are gone, and only those."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone, live = tmp_path / f"{PREFIX}{dead.pid}-x", tmp_path / f"{PREFIX}{os.getpid()}-y"
+    for d in (gone, live):
+        d.mkdir(mode=0o700)
+        (d / "bell").write_bytes(b"")
+    bell = StepBell()
+    try:
+        assert not gone.exists() and live.exists()
+    finally:
+        bell.close()
 
 
 def test_a_file_bell_is_removed_on_close(tmp_path):

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from _fake_rank import FakeRank, outcome
 from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
 
+from vllm_dcp2d.connector.auth import Auth
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector import fetch as fetch_mod
-from vllm_dcp2d.connector import receiver as receiver_mod
 from vllm_dcp2d.connector import sender as sender_mod
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.codec import fields_to_wire
@@ -166,22 +166,22 @@ def test_engine_id_of_the_rank_table_must_match(stack):
 
 
 def test_an_unreadable_answer_fails_only_by_its_deadline(stack, monkeypatch):
-    """A bug while reading one answer (injected into decode): that fetch fails at its
-    deadline; the thread goes on."""
+    """A bug while reading one answer (injected into the first answer's decoding): that
+    fetch fails at its deadline; the thread goes on."""
     r = receiver(stack, timeout_s=1.0)
     server = stack.enter_context(BootstrapServer())
     rank = ok_rank(server)
     stack.callback(rank.close)
-    real = receiver_mod.decode
     calls = []
 
-    def once(data, expect=None):
-        if not calls:
-            calls.append(1)
-            raise RuntimeError("injected")
-        return real(data, expect)
+    class Once(Auth):
+        def unpack(self, frame, expect=None):
+            if TransferOutcome in (expect or ()) and not calls:
+                calls.append(1)
+                raise RuntimeError("injected")
+            return super().unpack(frame, expect)
 
-    monkeypatch.setattr(receiver_mod, "decode", once)
+    monkeypatch.setattr(r, "auth", Once())
     r.start("x", server.address, DST_IDS, num_tokens=TOKENS)
     f = r.wait("x", 10)
     assert not f.ok and f.error.timed_out

@@ -44,6 +44,9 @@ class DCP2DConfig:
     cpu_poll_sleep_us: int = 500
     router_discovery_address: str = ""
     router_http_address: str = ""
+    auth_secret_file: str = ""
+    verify_kv: bool = False
+    max_prefill_wait_s: float = 60.0
 
 
 # key -> (role it matters to, doc). Order is the README's order.
@@ -130,6 +133,19 @@ KEYS: dict[str, tuple[str, str]] = {
     "router_http_address": ("both", "`host:port` the router sends this instance's requests to (its "
                             "`vllm serve --host/--port`, as reachable from the router); needed with "
                             "`router_discovery_address`."),
+    "auth_secret_file": ("both", "File holding the shared secret (at least 16 bytes; mode 0600 or 0400) that "
+                         "authenticates every side-channel message: each is sealed with an HMAC-SHA256 tag, a "
+                         "timestamp and a nonce, and one that is unsealed, forged, replayed or more than 60 s "
+                         "off is dropped and counted (`vllm:dcp2d_unauthenticated_messages_total`). `\"\"` "
+                         "(default): the secret in `$DCP2D_AUTH_SECRET`, else none (the side channel is then "
+                         "open to whoever reaches it: docs/security.md). Give prefill and decode the same secret."),
+    "verify_kv": ("consumer", "Each prefill rank sends a checksum (xxh3-64) of the bytes it wrote for this decode "
+                  "rank, which checks its blocks against it before reporting the load: a page that arrived wrong, "
+                  "whoever wrote it, fails the load (`kv_load_failure_policy`) and never enters the prefix cache. "
+                  "Costs a read of the KV on both sides (BENCHMARKS.md, \"verify_kv\"); KV in host memory only."),
+    "max_prefill_wait_s": ("producer", "The longest a decode's transfer request may wait at this prefill for a "
+                           "request it does not know yet (the decode's `prefill_wait_s` is cut to it), so no peer "
+                           "can hold this rank's memory longer."),
 }
 
 assert list(KEYS) == [f.name for f in fields(DCP2DConfig)]
@@ -169,8 +185,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
         if key in extra:
             v = extra[key]
             _expect(key, v, isinstance(v, str) and v.strip() != "", "a non-empty string")
-    if "stats_file" in extra:
-        _expect("stats_file", extra["stats_file"], isinstance(extra["stats_file"], str), "a file path string")
+    for key in ("stats_file", "auth_secret_file"):
+        if key in extra:
+            _expect(key, extra[key], isinstance(extra[key], str), "a file path string")
     if "bootstrap_port" in extra:
         v = extra["bootstrap_port"]
         _expect("bootstrap_port", v, _is_int(v) and 1 <= v <= 65535, "an int port in [1, 65535]")
@@ -182,7 +199,7 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
         v = extra["cp_size"]
         _expect("cp_size", v, _is_int(v) and v >= 0, "an int >= 0 (0 = tensor-parallel size)")
     for key in ("transfer_timeout_s", "max_transfer_timeout_s", "send_timeout_s", "claim_timeout_s",
-                "prefill_wait_s", "cancel_grace_s"):
+                "prefill_wait_s", "cancel_grace_s", "max_prefill_wait_s"):
         if key in extra:
             v = extra[key]
             _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")
@@ -196,9 +213,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "layer_split" in extra:
         v = extra["layer_split"]
         _expect("layer_split", v, v in ("auto", "on", "off"), 'one of "auto", "on", "off"')
-    if "release_unfetched" in extra:
-        v = extra["release_unfetched"]
-        _expect("release_unfetched", v, isinstance(v, bool), "a bool (true or false)")
+    for key in ("release_unfetched", "verify_kv"):
+        if key in extra:
+            _expect(key, extra[key], isinstance(extra[key], bool), "a bool (true or false)")
     if "protocol" in extra:
         v = extra["protocol"]
         _expect("protocol", v, v in ("tcp", "rdma"), 'one of "tcp", "rdma"')

@@ -9,6 +9,12 @@ half-open layer range ``cp_layer_range(num_layers, cp_size, r)``; the first
 
 Decode (DCP): sequence page ``p`` lives on rank ``p % dcp_size`` at local
 slot ``p // dcp_size``.
+
+KV heads (both sides): vLLM splits a model's ``K`` KV heads over TP ranks
+(``kv_head_range``): ``K / TP`` consecutive heads each when ``K >= TP``, else one
+head replicated on ``TP / K`` consecutive ranks. A prefill splits layers only among
+the ranks that hold the same heads (``send_shard``), so every sending rank holds the
+whole KV of its heads for the layers it sends.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ __all__ = [
     "dcp_local_slot",
     "filter_kv_indices_for_dcp_rank",
     "dcp_pages_for_rank",
+    "kv_head_range",
+    "head_replicas",
+    "send_shard",
+    "askers",
     "cdiv",
 ]
 
@@ -134,6 +144,61 @@ def dcp_pages_for_rank(num_pages: int, dcp_size: int, dcp_rank: int, first_page:
         raise ValueError(f"num_pages and first_page must be >= 0, got {num_pages}, {first_page}")
     start = first_page + (dcp_rank - first_page) % dcp_size
     return np.arange(start, num_pages, dcp_size, dtype=np.int64)
+
+
+def _check_heads(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    num_kv_heads, tp_size = _check_size("num_kv_heads", num_kv_heads), _check_size("tp_size", tp_size)
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} and tp_size={tp_size}: one must divide the other "
+                         f"(vLLM splits KV heads over TP ranks or replicates them)")
+    return num_kv_heads, tp_size
+
+
+def head_replicas(num_kv_heads: int, tp_size: int) -> int:
+    """How many TP ranks hold each KV head: ``TP / K`` when ``K < TP``, else 1."""
+    num_kv_heads, tp_size = _check_heads(num_kv_heads, tp_size)
+    return max(1, tp_size // num_kv_heads)
+
+
+def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """The KV heads TP rank ``tp_rank`` holds, as vLLM's ``QKVParallelLinear`` splits them:
+    8 heads on TP=4 -> rank 1 holds ``range(2, 4)``; 2 heads on TP=4 -> rank 1 holds ``range(0, 1)``."""
+    num_kv_heads, tp_size = _check_heads(num_kv_heads, tp_size)
+    tp_rank = _check_rank("tp_rank", tp_rank, tp_size, "tp_size")
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    head = tp_rank // (tp_size // num_kv_heads)
+    return range(head, head + 1)
+
+
+def send_shard(num_layers: int, num_kv_heads: int, tp_size: int, tp_rank: int,
+               cp_size: int = 0) -> tuple[int, int, range, range] | None:
+    """What prefill TP rank ``tp_rank`` sends: ``(cp_rank, senders, layers, heads)``, or None.
+
+    The ranks that hold the same heads (``head_replicas`` of them) split the layers:
+    replica ``i < cp_size`` of each head group is CP rank ``group * cp_size + i`` and
+    sends ``cp_layer_range(num_layers, cp_size, i)`` of its heads; the other replicas
+    send nothing. ``cp_size`` 0 = every replica. Raises ValueError for a ``cp_size``
+    above the replicas, naming both."""
+    replicas = head_replicas(num_kv_heads, tp_size)
+    cp_size = replicas if cp_size == 0 else _check_size("cp_size", cp_size)
+    if cp_size > replicas:
+        raise ValueError(f"cp_size={cp_size}: the model's {num_kv_heads} KV heads over tensor_parallel_size={tp_size} "
+                         f"leave {replicas} rank(s) holding each head to split the layers among; expected 1.."
+                         f"{replicas} (or 0: {replicas})")
+    heads = kv_head_range(num_kv_heads, tp_size, tp_rank)
+    group, i = divmod(tp_rank, replicas)
+    if i >= cp_size:
+        return None
+    return (group * cp_size + i, (tp_size // replicas) * cp_size, cp_layer_range(num_layers, cp_size, i), heads)
+
+
+def askers(num_kv_heads: int, tp_size: int, heads: range) -> int:
+    """How many of a consumer's ``tp_size`` TP ranks hold any of ``heads`` (so fetch from
+    the producer rank that sends them): a producer rank frees a request once that many
+    ranks of one consumer got their pages or released them."""
+    return sum(1 for t in range(tp_size) if set(kv_head_range(num_kv_heads, tp_size, t)) & set(heads))
 
 
 @dataclass(frozen=True)

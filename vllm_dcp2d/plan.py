@@ -36,7 +36,7 @@ import numpy as np
 from vllm_dcp2d.layout import _check_rank, _check_size, cdiv, cp_layer_range, dcp_pages_for_rank
 
 __all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request", "block_tables", "Memory", "region_ends",
-           "blocks_within"]
+           "blocks_within", "senders_for", "ShardError"]
 
 MAX_ADDR = (1 << 63) - 1
 
@@ -374,3 +374,39 @@ def plan_request(num_layers: int, cp_size: int, src_regions: list[KVRegions], sr
                           dst_regions[d], dst_block_ids, dcp_size, d, first_page, num_pages)
         for r in range(cp_size) for d in range(dcp_size)
     }
+
+
+class ShardError(ValueError):
+    """A prefill's ranks cannot give a decode rank exactly its KV (which heads and layers
+    each holds); the message names both sides' shards and the fix."""
+
+
+def _heads(r: range) -> str:
+    return f"head {r.start}" if len(r) == 1 else f"heads {r.start}-{r.stop - 1}"
+
+
+def senders_for(layers: np.ndarray, heads: np.ndarray, num_layers: int, num_kv_heads: int, want: range) -> np.ndarray:
+    """The CP ranks a consumer rank holding KV heads ``want`` fetches from, given a rank
+    table's shards: rank ``r`` sends layers ``[layers[2r], layers[2r+1])`` of heads
+    ``[heads[2r], heads[2r+1])`` (int64 ``[2R]`` each). Returns int64 ``[n]`` ascending.
+
+    Raises ``ShardError`` unless the ranks holding any of ``want`` hold exactly ``want``
+    (a part of a rank's heads is not moved) and their layers cover each layer once."""
+    lo, hi = heads[0::2], heads[1::2]
+    ask = np.flatnonzero((lo < want.stop) & (hi > want.start))
+    theirs = ", ".join(f"cp rank {r}: {_heads(range(int(lo[r]), int(hi[r])))}" for r in range(lo.size))
+    fix = (f"the prefill's ranks hold {theirs} of {num_kv_heads}; this decode rank holds {_heads(want)}. "
+           f"Start the prefill with a tensor_parallel_size that splits the KV heads as the decode does")
+    bad = ask[(lo[ask] != want.start) | (hi[ask] != want.stop)]
+    if bad.size or not ask.size:
+        raise ShardError(f"KV heads differ: {fix} (moving a part of a rank's heads is not supported)")
+    count = np.zeros(num_layers + 1, dtype=np.int64)
+    np.add.at(count, layers[0::2][ask], 1)
+    np.add.at(count, layers[1::2][ask], -1)
+    cover = np.cumsum(count)[:num_layers]
+    if (cover != 1).any():
+        missing = np.flatnonzero(cover != 1)
+        raise ShardError(f"the prefill's ranks holding {_heads(want)} send layers "
+                         f"{[(int(layers[2 * r]), int(layers[2 * r + 1])) for r in ask]}, covering layer(s) "
+                         f"{missing[:8].tolist()} {int(cover[missing[0]])} times instead of once ({fix})")
+    return ask.astype(np.int64)

@@ -13,38 +13,48 @@ sockets have ``linger=0``, so a peer that disappears yields ``BootstrapError``
 Public API
 ----------
 ``class BootstrapError(RuntimeError)``: no answer in time, or an error answer.
-``BootstrapServer(host="127.0.0.1", port=0)``: registry thread of one prefill instance.
+``BootstrapServer(host="127.0.0.1", port=0, token="", auth=Auth())``: registry thread of one
+    prefill instance; registrations must carry ``token``, every frame passes ``auth``.
     ``.address -> str`` ("tcp://host:port"), ``.port -> int``,
     ``.ranks() -> dict[int, str]``, ``.table() -> RankTable | Reply``, ``.close()``; a context manager.
-``request(address, msg, expect, timeout_s) -> message``: one round trip on a fresh socket.
-``register_rank(server, msg: RegisterRank, timeout_s=10.0) -> None``: retries until acknowledged.
-``query_ranks(server, engine_id, timeout_s=10.0) -> RankTable``: retries until all ranks registered.
-``TableQuery(address, engine_id, fingerprint)``: the non-blocking client a decode rank's poll loop
-    uses (``ask(now)``, ``read()``, ``forget()``, ``.table``).
+``request(address, msg, expect, timeout_s, auth=Auth()) -> message``: one round trip on a fresh socket.
+``register_rank(server, msg: RegisterRank, timeout_s=10.0, auth=Auth()) -> None``: retries until acknowledged.
+``query_ranks(server, engine_id, timeout_s=10.0, auth=Auth()) -> RankTable``: retries until all ranks registered.
+``socket(kind) -> zmq.Socket``: every side-channel socket: no linger, no handshake deadline,
+    inbound messages bounded (``MAXMSGSIZE``, ``RCVHWM``: a peer that sends more is cut off).
+``TableQuery(address, engine_id, accept, auth=Auth())``: the non-blocking client a decode rank's poll loop
+    uses (``ask(now)``, ``read()``, ``forget()``, ``.table``); ``accept(table)`` raises
+    ``FingerprintMismatch`` for a table this rank cannot fetch from.
 ``Backoff``: the one resend schedule (1, 2, 4, ... s) of every unanswered message.
 ``Waker``: lets any thread interrupt a poll loop (``wake()``, ``.socket``, ``drain()``, ``close()``).
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import os
 import threading
 import time
 
+import numpy as np
 import zmq
 
-from vllm_dcp2d.connector.messages import (MessageError, QueryRanks, RankTable, RegisterRank, Reply, decode,
-                                           encode)
+from vllm_dcp2d.connector.auth import Auth, AuthError, PeerLog
+from vllm_dcp2d.connector.messages import (MAX_MESSAGE_BYTES, MessageError, QueryRanks, RankTable, RegisterRank,
+                                           Reply, encode)
 
 __all__ = ["BootstrapError", "BootstrapServer", "Backoff", "TableQuery", "Waker", "request", "register_rank",
-           "query_ranks", "bind", "send_nowait"]
+           "query_ranks", "bind", "send_nowait", "dealer", "socket"]
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 POLL_S = 0.1  # how often background loops check their stop flag
 RESEND_S, RESEND_MAX_S = 1.0, 8.0  # an unanswered bootstrap message is sent again after 1, 2, 4, 8, 8, ... s
+MAX_FRAME = MAX_MESSAGE_BYTES + 1024  # a message plus its seal (``auth``)
+RCV_HWM = 64  # frames queued from one peer before ZMQ stops reading it: at most RCV_HWM x MAX_FRAME held
+NO_AUTH = Auth()
 
 
 class BootstrapError(RuntimeError):
@@ -63,6 +73,11 @@ def socket(kind: int) -> zmq.Socket:
     # as lost. Every wait here has its own deadline; a dead peer closes its TCP
     # connection, which the disconnect monitors see.
     s.setsockopt(zmq.HANDSHAKE_IVL, 0)
+    # A frame over the wire's limit is not buffered (ZMQ drops the peer), and one peer
+    # cannot queue more than RCV_HWM frames: what a peer can make this process hold is
+    # bounded before any byte of it is decoded.
+    s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    s.setsockopt(zmq.RCVHWM, RCV_HWM)
     return s
 
 
@@ -77,16 +92,24 @@ def send_nowait(sock: zmq.Socket, payload: bytes) -> bool:
     return True
 
 
-def connect(sock: zmq.Socket, monitor: zmq.Socket, address: str) -> None:
-    """``sock.connect(address)``; if ZMQ refuses the address, close both sockets and
-    raise ValueError naming it (the caller fails only what needed that peer)."""
+def dealer(address: str, options: dict | None = None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to ``address`` (``options``: socket options set first) and its
+    disconnect monitor. If ZMQ refuses anything (the address, no file descriptor left
+    for the monitor), closes what it opened and raises ValueError naming the address:
+    the caller fails only what needed that peer, and no socket leaks."""
+    sock, monitor = socket(zmq.DEALER), None
     try:
+        for opt, value in (options or {}).items():
+            sock.setsockopt(opt, value)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(address)
     except zmq.ZMQError as e:
-        sock.disable_monitor()
-        monitor.close()
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close()
         sock.close()
         raise ValueError(f"cannot connect to {address!r}: {e}") from None
+    return sock, monitor
 
 
 def bind(sock: zmq.Socket, host: str, port: int = 0) -> str:
@@ -130,7 +153,7 @@ class Waker:
         self.socket.close()
 
 
-def request(address: str, msg, expect, timeout_s: float):
+def request(address: str, msg, expect, timeout_s: float, auth: Auth = NO_AUTH):
     """Send ``msg`` to the ROUTER at ``address`` and return its decoded reply.
 
     Raises BootstrapError on timeout or a malformed reply; a fresh DEALER per
@@ -139,12 +162,12 @@ def request(address: str, msg, expect, timeout_s: float):
     sock = socket(zmq.DEALER)
     try:
         sock.connect(address)
-        if not send_nowait(sock, encode(msg)):
+        if not send_nowait(sock, auth.pack(msg)):
             raise BootstrapError(f"could not queue {type(msg).__name__} for {address}")
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise BootstrapError(f"no reply from {address} within {timeout_s:.1f}s to {type(msg).__name__}")
         try:
-            return decode(sock.recv(), expect)
+            return auth.unpack(sock.recv(), expect)
         except MessageError as e:
             raise BootstrapError(f"bad reply from {address}: {e}") from None
     finally:
@@ -195,18 +218,18 @@ def _retry(what: str, server: str, timeout_s: float, attempt):
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
-def register_rank(server: str, msg: RegisterRank, timeout_s: float = 10.0) -> None:
+def register_rank(server: str, msg: RegisterRank, timeout_s: float = 10.0, auth: Auth = NO_AUTH) -> None:
     """Register a prefill CP rank's side-channel address with ``server``; retried
     (the server may start after the rank) until acknowledged or ``timeout_s``."""
     _retry(f"registering cp rank {msg.cp_rank}", server, timeout_s,
-           lambda t: request(server, msg, Reply, t))
+           lambda t: request(server, msg, Reply, t, auth))
 
 
-def query_ranks(server: str, engine_id: str, timeout_s: float = 10.0) -> RankTable:
+def query_ranks(server: str, engine_id: str, timeout_s: float = 10.0, auth: Auth = NO_AUTH) -> RankTable:
     """The rank table of the prefill instance behind ``server``; retried until every
     CP rank has registered or ``timeout_s`` passes."""
     return _retry("querying the rank table", server, timeout_s,
-                  lambda t: request(server, QueryRanks(engine_id), (RankTable, Reply), t))
+                  lambda t: request(server, QueryRanks(engine_id), (RankTable, Reply), t, auth))
 
 
 class BootstrapServer:
@@ -217,9 +240,17 @@ class BootstrapServer:
     fingerprint must match the ranks already registered) and ``QueryRanks``
     with a ``RankTable`` once all ranks are in, else a ``Reply`` naming the
     missing ranks. Malformed input gets a ``Reply(ok=False)`` and is logged.
+
+    token: what a ``RegisterRank`` must carry (the instance's own ranks have it,
+    ``WorkerSide`` hands it out over the TP group): without it nobody else can put
+    an address in the table. auth: every frame is opened and sealed with it; a frame
+    it refuses gets a plain ``Reply`` saying so (it says only that, to anyone).
+
+    Each message is handled and answered in one guard: nothing a peer sends, however
+    long or malformed, stops the thread.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "", auth: Auth = NO_AUTH):
         self._sock = socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.address = bind(self._sock, host, port)
@@ -227,6 +258,9 @@ class BootstrapServer:
         self.failed = ""  # why the server thread died ("" while it runs)
         self._lock = threading.Lock()
         self._ranks: dict[int, RegisterRank] = {}
+        self._token = token
+        self.auth = auth
+        self._peers = PeerLog(log)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"dcp2d-bootstrap-{self.port}", daemon=True)
         self._thread.start()
@@ -251,36 +285,54 @@ class BootstrapServer:
                 if self._sock.poll(int(POLL_S * 1000), zmq.POLLIN):
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                     if len(frames) == 2:
-                        self._answer(frames[0], self._handle(frames[1]))
+                        self._serve(*frames)
         except Exception:
             self.failed = "bootstrap thread died"
             log.exception("bootstrap %s: %s", self.address, self.failed)
         finally:
             self._sock.close()
 
-    def _answer(self, identity: bytes, reply) -> None:
-        try:  # ROUTER_MANDATORY: a peer that went away raises instead of blocking
-            self._sock.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            log.warning("bootstrap %s: answer to a peer dropped: %s", self.address, e)
-
-    def _handle(self, payload: bytes):
-        """One message's answer; whatever the message holds, the server goes on."""
+    def _serve(self, identity: bytes, payload: bytes) -> None:
+        """Answer one frame; whatever it holds, the server goes on."""
         try:
-            msg = decode(payload, (RegisterRank, QueryRanks))
+            frame = self._handle(payload)
+        except AuthError as e:  # said in the clear, to anyone: only that it was refused
+            self._peers.warn("auth", "bootstrap %s: %s", self.address, str(e))
+            frame = encode(Reply(False, f"refused: {e}"))
+        except Exception as e:  # a bug, not bad input: answer it, keep serving
+            log.exception("bootstrap %s: handling a message failed", self.address)
+            frame = self._seal(Reply(False, f"bootstrap could not handle the message: {type(e).__name__}: {e}"))
+        try:  # ROUTER_MANDATORY: a peer that went away raises instead of blocking
+            self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._peers.warn("send", "bootstrap %s: answer to a peer dropped: %s", self.address, str(e))
+
+    def _seal(self, reply) -> bytes:
+        return self.auth.pack(reply)
+
+    def _handle(self, payload: bytes) -> bytes:
+        """The sealed answer to one frame; raises ``AuthError`` for a frame ``auth`` refuses."""
+        try:
+            msg = self.auth.unpack(payload, (RegisterRank, QueryRanks))
+        except AuthError:
+            raise
         except MessageError as e:
-            log.warning("bootstrap %s: rejected message: %s", self.address, e)
-            return Reply(False, f"rejected: {e}")
+            self._peers.warn("rejected", "bootstrap %s: rejected message: %s", self.address, str(e))
+            return self._seal(Reply(False, f"rejected: {e}"))
         try:
             with self._lock:
-                if isinstance(msg, RegisterRank):
-                    return self._register(msg)
-                return self._table(msg)
+                answer = self._register(msg) if isinstance(msg, RegisterRank) else self._table(msg)
         except Exception as e:  # a bug, not bad input: answer it, keep serving
             log.exception("bootstrap %s: handling %s failed", self.address, type(msg).__name__)
-            return Reply(False, f"bootstrap could not handle {type(msg).__name__}: {type(e).__name__}: {e}")
+            answer = Reply(False, f"bootstrap could not handle {type(msg).__name__}: {type(e).__name__}: {e}")
+        return self._seal(answer)
 
     def _register(self, msg: RegisterRank) -> Reply:
+        if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
+            self._peers.warn("token", "bootstrap %s: a registration of cp rank %d at %s without this instance's "
+                             "token was refused", self.address, msg.cp_rank, msg.address)
+            return Reply(False, f"registration of cp rank {msg.cp_rank} refused: it does not carry this "
+                                f"instance's registration token")
         for other in self._ranks.values():
             if other.cp_rank == msg.cp_rank:
                 continue
@@ -308,8 +360,10 @@ class BootstrapServer:
         missing = [r for r in range(first.cp_size) if r not in self._ranks]
         if missing:
             return Reply(False, f"{len(self._ranks)} of {first.cp_size} cp ranks registered, missing {missing}")
-        return RankTable(first.engine_id, first.cp_size,
-                         tuple(self._ranks[r].address for r in range(first.cp_size)), first.fingerprint)
+        ranks = [self._ranks[r] for r in range(first.cp_size)]
+        return RankTable(first.engine_id, first.cp_size, tuple(m.address for m in ranks), first.fingerprint,
+                         np.array([(m.layer_start, m.layer_end) for m in ranks], np.int64).reshape(-1),
+                         np.array([(m.head_start, m.head_end) for m in ranks], np.int64).reshape(-1))
 
 
 class TableQuery:
@@ -321,18 +375,16 @@ class TableQuery:
     ``Backoff`` waits without an answer (on the same socket: ZMQ reconnects to a
     restarted server by itself), and ``QUERY_RETRY_S`` after a "not every rank
     registered" reply. ``read()`` takes one reply: the ``RankTable`` (also kept
-    in ``.table``), or None; raises ``MessageError`` for a malformed reply or
-    ``FingerprintMismatch`` for a table of another KV format (kept in ``.refused``).
-    ``forget()`` drops the table (ask again).
+    in ``.table``), or None; raises ``MessageError`` for a malformed reply, or what
+    ``accept(table)`` raises (``FingerprintMismatch``: a table of another KV format or
+    sharding, kept in ``.refused``). ``forget()`` drops the table (ask again).
     """
 
     QUERY_RETRY_S = 0.05
 
-    def __init__(self, address: str, engine_id: str, fingerprint):
-        self.address, self.engine_id, self.fingerprint = address, engine_id, fingerprint
-        self.sock = socket(zmq.DEALER)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        connect(self.sock, self.monitor, address)
+    def __init__(self, address: str, engine_id: str, accept, auth: Auth = NO_AUTH):
+        self.address, self.engine_id, self.accept, self.auth = address, engine_id, accept, auth
+        self.sock, self.monitor = dealer(address)
         self.table: RankTable | None = None
         self.refused: RankTable | None = None  # the last table read, if its fingerprint differs
         self.last_reason = "no answer"
@@ -348,20 +400,22 @@ class TableQuery:
             self._asked = 0.0
         if not self._asked and now >= self._retry_at:
             # a full queue (server unreachable for long): asked again after the next wait
-            send_nowait(self.sock, encode(QueryRanks(self.engine_id)))
+            send_nowait(self.sock, self.auth.pack(QueryRanks(self.engine_id)))
             self._asked = now
 
     def read(self) -> RankTable | None:
         payload = self.sock.recv()
         self._asked = 0.0
         self._backoff.reset()
-        msg = decode(payload, (RankTable, Reply))
-        if isinstance(msg, Reply):  # not every rank registered yet
-            self._retry_at = time.monotonic() + self.QUERY_RETRY_S
+        msg = self.auth.unpack(payload, (RankTable, Reply))
+        if isinstance(msg, Reply):
             self.last_reason = msg.reason
+            if msg.reason.startswith(("refused:", "rejected:")):  # will not change by asking again
+                raise MessageError(f"the bootstrap server {msg.reason}")
+            self._retry_at = time.monotonic() + self.QUERY_RETRY_S  # not every rank registered yet
             return None
         self.refused = msg  # a table of another KV format: its ranks can still be told to free a request
-        self.fingerprint.check(msg.fingerprint)
+        self.accept(msg)
         self.refused = None
         self.table = msg
         return msg

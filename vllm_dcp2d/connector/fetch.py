@@ -14,10 +14,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import RankTable, encode
+from vllm_dcp2d.connector.messages import RankTable
 
 __all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
 
+CORRUPT = "KV checksum mismatch"
 CANCEL_RESEND_MAX_S = 30.0  # a quarantining rank is asked again after 1, 2, 4, ... 30 s
 SEND_HWM = 1000  # messages queued to one rank (ZMQ's default); past it a send fails instead of blocking
 
@@ -33,6 +34,11 @@ class FetchError(RuntimeError):
         """The fetch hit its deadline (as opposed to an explicit failure)."""
         return self.reason.startswith("timed out")
 
+    @property
+    def corrupt(self) -> bool:
+        """Every rank answered ok, but the bytes here are not what it sent (``verify_kv``)."""
+        return self.reason.startswith(CORRUPT)
+
 
 @dataclass(eq=False)
 class Fetch:
@@ -46,8 +52,10 @@ class Fetch:
     first_page: int
     deadline: float
     wait_s: float
+    prompt_digest: str = ""  # messages.prompt_digest of the prompt here
     started: float = field(default_factory=time.monotonic)
     table: RankTable | None = None
+    senders: tuple = ()  # the CP ranks asked (those holding this rank's KV heads)
     inflight: dict = field(default_factory=dict)     # cp_rank -> (rank address, attempt_id); FetchLedger
     outcomes: dict = field(default_factory=dict)     # cp_rank -> TransferOutcome
     error: FetchError | None = None
@@ -60,7 +68,7 @@ class Fetch:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.table is not None and len(self.outcomes) == self.table.cp_size
+        return self.error is None and self.table is not None and len(self.outcomes) == len(self.senders) > 0
 
     @property
     def nbytes(self) -> int:
@@ -75,14 +83,10 @@ class Rank:
     """A DEALER to one prefill CP rank's side channel, with its link monitor and
     when the cancels of its quarantined attempts go out again."""
 
-    def __init__(self, address: str, poller: zmq.Poller, identity: bytes):
-        self.address = address
-        self.sock = bs.socket(zmq.DEALER)
+    def __init__(self, address: str, poller: zmq.Poller, identity: bytes, auth=None):
+        self.address, self.auth = address, auth
         # Same routing id after a reconnect: the rank's answers still reach us.
-        self.sock.setsockopt(zmq.ROUTING_ID, identity)
-        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        bs.connect(self.sock, self.monitor, address)
+        self.sock, self.monitor = bs.dealer(address, {zmq.ROUTING_ID: identity, zmq.SNDHWM: SEND_HWM})
         for s in (self.sock, self.monitor):
             poller.register(s, zmq.POLLIN)
         # Disconnected, and nothing read from the rank since. Only an answer clears it,
@@ -90,12 +94,13 @@ class Rank:
         # socket to itself (TCP simultaneous open from the same ephemeral port).
         self.down = False
         self.cancel_at = 0.0                  # when the quarantined attempts' cancels go out again
+        self.used = time.monotonic()          # last asked or heard from (``Receiver`` closes idle links)
         self.backoff = bs.Backoff(CANCEL_RESEND_MAX_S)
 
     def send(self, msg) -> bool:
         """Queue ``msg`` without blocking; False if ``SEND_HWM`` messages already wait
         for a rank that does not read them (unreachable, or gone)."""
-        return bs.send_nowait(self.sock, encode(msg))
+        return bs.send_nowait(self.sock, (self.auth or bs.NO_AUTH).pack(msg))
 
     def close(self, poller: zmq.Poller) -> None:
         for s in (self.sock, self.monitor):

@@ -27,20 +27,21 @@ import os
 import re
 import threading
 import time
-import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import RankTable, Reply, decode, encode
+from vllm_dcp2d.connector.auth import Auth
+from vllm_dcp2d.connector.messages import MessageError, RankTable, Reply, clip
 
 __all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER"]
 
 log = logging.getLogger(__name__)
 MAX_ANSWER = 1 << 20  # bytes of a /query answer a decode reads at most
-HTTP_TIMEOUT_S = 5.0
+HTTP_TIMEOUT_S = 5.0  # per request and per connection (a half-sent request is cut off after it)
+MAX_CONNECTIONS = 32  # connections served at once; more are closed at accept
 _ADDR = re.compile(r"http://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
 _ids = itertools.count()
 # Peers are asked directly: urllib's default opener would send these GETs through
@@ -66,14 +67,17 @@ def check_http_addr(addr) -> str:
 class HttpBootstrap:
     """``GET /query`` of one prefill instance, answered from its ``BootstrapServer``.
 
-    server: the instance's ZMQ ``bootstrap.BootstrapServer`` (same process);
-    engine_id: the instance's engine id (the router passes it on as ``remote_engine_id``)."""
+    server: the instance's ZMQ ``bootstrap.BootstrapServer`` (same process; the rank
+    table is sealed with its ``auth``); engine_id: the instance's engine id (the router
+    passes it on as ``remote_engine_id``)."""
 
     def __init__(self, host: str, port: int, server: bs.BootstrapServer, engine_id: str):
         self.server, self.engine_id = server, engine_id
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = HTTP_TIMEOUT_S  # the connection's socket timeout: an idle or half-sent request ends
+
             def do_GET(self):  # noqa: N802 - http.server's name
                 if self.path.split("?", 1)[0] != "/query":
                     return self._send(404, {"error": f"no {self.path}; this is the DCP2D bootstrap: GET /query"})
@@ -94,9 +98,7 @@ class HttpBootstrap:
             def log_message(self, *args):  # quiet: a router polls this
                 pass
 
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
-        self._http.timeout = HTTP_TIMEOUT_S
+        self._http = _BoundedServer((host, port), Handler)
         self.port = self._http.server_address[1]
         self.address = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": bs.POLL_S},
@@ -111,12 +113,41 @@ class HttpBootstrap:
         return {"0": {"engine_id": self.engine_id,
                       "worker_addr": {str(r): {"0": addr} for r, addr in ranks.items()},
                       "dcp2d": {"bootstrap": self.server.address,
-                                "rank_table": base64.b64encode(encode(table)).decode()}}}
+                                "rank_table": base64.b64encode(self.server.auth.pack(table)).decode()}}}
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._http.shutdown()
         self._http.server_close()
         self._thread.join(timeout_s)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them: a peer that opens
+    connections and sends nothing holds a thread for ``HTTP_TIMEOUT_S`` at most, and
+    the connections past the limit are closed at once."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address, handler):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def start_http_bootstrap(cfg, server: bs.BootstrapServer, engine_id: str) -> HttpBootstrap | None:
@@ -152,9 +183,9 @@ class HttpTableQuery:
 
     QUERY_RETRY_S = bs.TableQuery.QUERY_RETRY_S
 
-    def __init__(self, address: str, engine_id: str, fingerprint):
+    def __init__(self, address: str, engine_id: str, accept, auth: Auth = bs.NO_AUTH):
         self.address = check_http_addr(address)
-        self.engine_id, self.fingerprint = engine_id, fingerprint
+        self.engine_id, self.accept, self.auth = engine_id, accept, auth
         self._inproc = f"inproc://dcp2d-http-query-{next(_ids)}"
         self.sock = bs.context().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -178,18 +209,21 @@ class HttpTableQuery:
             threading.Thread(target=self._get, name="dcp2d-http-query", daemon=True).start()
 
     def _get(self) -> None:
+        """One ``GET /query`` (its own thread). Pushes ``b"T" + the sealed rank table`` or
+        ``b"E" + why not``; whatever the peer answers (not HTTP, not JSON, too long), the
+        query ends and ``_busy`` clears."""
         try:
             with direct_get(self.address + "/query", HTTP_TIMEOUT_S) as r:
                 body = json.loads(r.read(MAX_ANSWER + 1)[:MAX_ANSWER])
             entry = body["0"]["dcp2d"]
-            payload = base64.b64decode(entry["rank_table"], validate=True)
-        except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError) as e:
-            payload = encode(Reply(False, f"GET {self.address}/query: {type(e).__name__}: {e}"[:400]))
+            frame = b"T" + base64.b64decode(entry["rank_table"], validate=True)
+        except Exception as e:  # noqa: BLE001 - a peer's answer of any shape (http.client.HTTPException too)
+            frame = b"E" + clip(f"GET {self.address}/query: {type(e).__name__}: {e}", 400).encode()
         push = bs.context().socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         try:
             push.connect(self._inproc)
-            push.send(payload, zmq.NOBLOCK)
+            push.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the loop closed the query meanwhile
             log.debug("http bootstrap answer from %s dropped: %s", self.address, e)
         finally:
@@ -197,20 +231,23 @@ class HttpTableQuery:
             self._busy.clear()
 
     def read(self) -> RankTable | None:
-        payload = self.sock.recv()
+        frame = self.sock.recv()
         self._asked = 0.0
-        msg = decode(payload, (RankTable, Reply))
-        if isinstance(msg, Reply):
+        if frame[:1] == b"E":  # no answer: again after the resend schedule's wait
+            self.last_reason = frame[1:].decode(errors="replace")
+            self._retry_at = time.monotonic() + self._backoff.next()
+            return None
+        msg = self.auth.unpack(frame[1:], (RankTable, Reply))
+        if isinstance(msg, Reply):  # the ranks are not all registered yet
             self.last_reason = msg.reason
-            if msg.reason.startswith("GET "):  # no answer: again after the resend schedule's wait
-                self._retry_at = time.monotonic() + self._backoff.next()
-            else:  # the ranks are not all registered yet
-                self._backoff.reset()
-                self._retry_at = time.monotonic() + self.QUERY_RETRY_S
+            if msg.reason.startswith(("refused:", "rejected:")):
+                raise MessageError(f"the bootstrap server {msg.reason}")
+            self._backoff.reset()
+            self._retry_at = time.monotonic() + self.QUERY_RETRY_S
             return None
         self._backoff.reset()
         self.refused = msg  # a table of another KV format: its ranks can still be told to free a request
-        self.fingerprint.check(msg.fingerprint)
+        self.accept(msg)
         self.refused = None
         self.table = msg
         return msg

@@ -30,6 +30,9 @@ Public API
 
 from __future__ import annotations
 
+import array
+import hashlib
+import sys
 from dataclasses import dataclass, fields
 
 import msgpack
@@ -37,12 +40,13 @@ import numpy as np
 
 from vllm_dcp2d.connector.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
                                         Str, StrList, fields_from_wire, fields_to_wire)
+from vllm_dcp2d.layout import cp_layer_range
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, region_ends
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
     "TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer", "RegisterRank", "QueryRanks", "RankTable", "Reply",
-    "encode", "decode", "attempt_of", "MAX_NAME",
+    "encode", "decode", "attempt_of", "clip", "prompt_digest", "MAX_NAME", "MAX_REASON",
 ]
 
 # History: 1 = first release. 2 = the transfer key and the per-attempt id are
@@ -57,18 +61,52 @@ __all__ = [
 # registered memory: a request that would write outside it is refused); a
 # rejected message is answered with a TransferOutcome for its attempt when the
 # attempt id can be read. 6 = Fingerprint.kv_scales (an fp8 cache's per-layer scales) and
-# kv_dtype naming the fp8 encoding.
-PROTOCOL_VERSION = 6
+# kv_dtype naming the fp8 encoding. 7 = the trust boundary (issue 37): frames may be sealed
+# (``auth``, outside the msgpack map); RegisterRank.token (the instance's own ranks only) and
+# each rank's layers and KV heads, listed per rank in RankTable.layers/heads;
+# Fingerprint.num_kv_heads; TransferRequest.head_start/head_end (the decode rank's heads),
+# prompt_digest (the prompt it expects: a key reused or a prompt tokenized otherwise is
+# refused) and verify; TransferOutcome.checksum; ReleaseTransfer.prompt_digest.
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_COUNT = 1 << 48        # pages, bytes, descriptors
 MAX_GROUPS = 256           # KV cache groups of one request
 MAX_NAME = 512             # characters of a transfer key or engine id
 MAX_RANGES = 1 << 16       # registered memory ranges of one consumer rank
+MAX_HEADS = 1 << 16        # KV heads of a model
+MAX_REASON = 4096          # characters of a reason in a TransferOutcome or Reply
 
 
 _NAME = Str(MAX_NAME)
 _SECONDS = Float(1e7)
+_DIGEST = Str(64, min_len=0)   # hex; "" = none given (only equal to none)
+_REASON = Str(MAX_REASON, min_len=0)
+
+
+def prompt_digest(token_ids, extras=()) -> str:
+    """32 hex digits naming a prompt: its token ids (as int64) and the identifiers of
+    whatever else feeds its KV (``extras``: multimodal items). Both sides compute it;
+    "" when the token ids are unknown (prompt embeds), which only "" matches."""
+    if token_ids is None:
+        return ""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    h = hashlib.blake2b(ids.tobytes(), digest_size=16)
+    for x in extras:
+        h.update(b"\0" + str(x).encode())
+    return h.hexdigest()
+
+
+def clip(text: str, limit: int = MAX_REASON) -> str:
+    """``text`` cut to ``limit`` characters (a reason, a peer's text in a log line):
+    what goes on the wire must fit its field, and a peer must not fill our logs."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    tail = f"... ({len(text)} chars)"
+    return text[:max(0, limit - len(tail))] + tail[:limit]
 
 
 @dataclass(frozen=True)
@@ -97,6 +135,8 @@ class Fingerprint(_Message):
     kv_scales:    "none", or for an fp8 cache a digest of every layer's K and V scales
                   (``vllm_compat.connector_api.kv_scales``): the same bytes mean the same
                   values only under the same scales.
+    num_kv_heads: KV heads of the model (1 for MLA's latent); which of them a rank holds
+                  travels beside the fingerprint (``RegisterRank``, ``TransferRequest``).
     """
 
     model: str
@@ -108,10 +148,12 @@ class Fingerprint(_Message):
     model_config: str
     draft_layers: int = 0
     kv_scales: str = "none"
+    num_kv_heads: int = 1
 
     SCHEMA = {"model": _NAME, "num_layers": Int(1, 1 << 16), "page_size": Int(1, 1 << 24),
               "kv_dtype": Str(64), "page_bytes": Int(1, 1 << 40), "layout": Str(256),
-              "model_config": Str(256), "draft_layers": Int(0, 1 << 16), "kv_scales": Str(64)}
+              "model_config": Str(256), "draft_layers": Int(0, 1 << 16), "kv_scales": Str(64),
+              "num_kv_heads": Int(1, MAX_HEADS)}
 
     def check(self, other: Fingerprint) -> None:
         """Raise ``FingerprintMismatch`` naming every differing field with both values."""
@@ -154,7 +196,14 @@ class TransferRequest(_Message):
     group_sharded: int64 ``[G]`` (1 or 0): the consumer's ``KVRegions``.
     fingerprint:   the consumer's KV format.
     wait_s:        how long the producer may hold the request if it does not know
-                   ``request_id`` yet (prefill still running); 0 = answer at once.
+                   ``request_id`` yet (prefill still running); 0 = answer at once. The
+                   producer cuts it to its own ``max_prefill_wait_s``.
+    head_start, head_end: the KV heads ``[head_start, head_end)`` of ``fingerprint.num_kv_heads``
+                   this consumer rank holds (default: all); the producer sends only
+                   what it holds of them.
+    prompt_digest: ``prompt_digest`` of the prompt the consumer expects; the producer
+                   refuses a request whose prompt differs, before any write.
+    verify:        ask for the checksum of what is written (``TransferOutcome.checksum``).
     """
 
     transfer_key: str
@@ -180,6 +229,10 @@ class TransferRequest(_Message):
     group_sharded: np.ndarray
     fingerprint: Fingerprint
     wait_s: float
+    head_start: int = 0
+    head_end: int = 0
+    prompt_digest: str = ""
+    verify: bool = False
 
     SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR), "engine_id": _NAME,
               "consumer_rank": Int(0, 1 << 16), "consumer_size": Int(1, 1 << 16), "session": Str(256),
@@ -190,7 +243,13 @@ class TransferRequest(_Message):
               "base": Ids(1 << 20, min_n=1), "page_stride": Ids(64, lo=1, min_n=1),
               "page_bytes": Ids(64, lo=1, min_n=1), "fingerprint": Nested(Fingerprint),
               "wait_s": Float(3600.0), "group_sizes": Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),
-              "layer_group": Ids(1 << 16, hi=MAX_GROUPS - 1, min_n=1), "group_sharded": Ids(MAX_GROUPS, hi=1, min_n=1)}
+              "layer_group": Ids(1 << 16, hi=MAX_GROUPS - 1, min_n=1), "group_sharded": Ids(MAX_GROUPS, hi=1, min_n=1),
+              "head_start": Int(0, MAX_HEADS), "head_end": Int(0, MAX_HEADS), "prompt_digest": _DIGEST,
+              "verify": Bool()}
+
+    def __post_init__(self):
+        if self.head_end == 0:  # default: every head of the model
+            object.__setattr__(self, "head_end", self.fingerprint.num_kv_heads)
 
     @classmethod
     def build(cls, *, regions: KVRegions, memory: Memory, block_ids, **kw) -> TransferRequest:
@@ -216,6 +275,9 @@ class TransferRequest(_Message):
         if self.consumer_rank >= self.consumer_size:
             raise MessageError(f"consumer_rank must be in [0, consumer_size={self.consumer_size}), "
                                f"got {self.consumer_rank}")
+        if not 0 <= self.head_start < self.head_end <= self.fingerprint.num_kv_heads:
+            raise MessageError(f"heads [{self.head_start}, {self.head_end}) must be a non-empty range within the "
+                               f"model's num_kv_heads={self.fingerprint.num_kv_heads}")
         if self.dcp_rank >= self.dcp_size:
             raise MessageError(f"dcp_rank must be in [0, dcp_size={self.dcp_size}), got {self.dcp_rank}")
         if self.page_bytes.size != self.page_stride.size:
@@ -270,6 +332,8 @@ class TransferOutcome(_Message):
     settled:           no write of this fetch can still land. False when a write
                        timed out: Mooncake may deliver its queued bytes later, so
                        the consumer must keep those blocks out of use (quarantine).
+    checksum:          with ``TransferRequest.verify``: ``checksum.path_checksum`` of the
+                       bytes this rank wrote, in the plan's order; "" otherwise.
     """
 
     transfer_key: str
@@ -291,9 +355,10 @@ class TransferOutcome(_Message):
     early_layers: int
     settled: bool
     replicated_bytes: int = 0
+    checksum: str = ""
 
     SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR), "cp_rank": Int(0, 1 << 12),
-              "cp_size": Int(1, 1 << 12), "ok": Bool(), "reason": Str(4096, min_len=0),
+              "cp_size": Int(1, 1 << 12), "ok": Bool(), "reason": _REASON, "checksum": _DIGEST,
               "layer_start": Int(0, 1 << 16), "layer_end": Int(0, 1 << 16),
               "num_tokens": Int(0, MAX_COUNT), "num_pages": Int(0, MAX_COUNT), "nbytes": Int(0, MAX_COUNT),
               "descriptors": Int(0, MAX_COUNT), "batches": Int(0, MAX_COUNT),
@@ -314,20 +379,48 @@ class TransferOutcome(_Message):
 
 @dataclass(frozen=True)
 class RegisterRank(_Message):
-    """Prefill CP rank -> bootstrap server: "rank ``cp_rank`` serves at ``address``"."""
+    """Prefill CP rank -> bootstrap server: "rank ``cp_rank`` serves at ``address``".
+
+    token:      the instance's registration token (TP rank 0 draws it and hands it to
+                its ranks); a registration without it is refused, so no other process
+                can take a rank's place in the table.
+    layer_start, layer_end: the KV layers the rank sends (default its ``cp_layer_range``).
+    head_start, head_end: the KV heads it holds of ``fingerprint.num_kv_heads`` (default all).
+    """
 
     engine_id: str
     cp_rank: int
     cp_size: int
     address: str
     fingerprint: Fingerprint
+    token: str = ""
+    layer_start: int = 0
+    layer_end: int = 0
+    head_start: int = 0
+    head_end: int = 0
 
     SCHEMA = {"engine_id": _NAME, "cp_rank": Int(0, 1 << 12), "cp_size": Int(1, 1 << 12),
-              "address": Str(256), "fingerprint": Nested(Fingerprint)}
+              "address": Str(256), "fingerprint": Nested(Fingerprint), "token": Str(128, min_len=0),
+              "layer_start": Int(0, 1 << 16), "layer_end": Int(0, 1 << 16), "head_start": Int(0, MAX_HEADS),
+              "head_end": Int(0, MAX_HEADS)}
+
+    def __post_init__(self):
+        if self.layer_end == 0 and 0 <= self.cp_rank < self.cp_size:
+            r = cp_layer_range(self.fingerprint.num_layers, self.cp_size, self.cp_rank)
+            object.__setattr__(self, "layer_start", r.start)
+            object.__setattr__(self, "layer_end", r.stop)
+        if self.head_end == 0:
+            object.__setattr__(self, "head_end", self.fingerprint.num_kv_heads)
 
     def validate(self) -> None:
         if self.cp_rank >= self.cp_size:
             raise MessageError(f"cp_rank must be in [0, cp_size={self.cp_size}), got {self.cp_rank}")
+        if not 0 <= self.layer_start < self.layer_end <= self.fingerprint.num_layers:
+            raise MessageError(f"layers [{self.layer_start}, {self.layer_end}) must be a non-empty range within "
+                               f"num_layers={self.fingerprint.num_layers}")
+        if not 0 <= self.head_start < self.head_end <= self.fingerprint.num_kv_heads:
+            raise MessageError(f"heads [{self.head_start}, {self.head_end}) must be a non-empty range within "
+                               f"num_kv_heads={self.fingerprint.num_kv_heads}")
 
 
 @dataclass(frozen=True)
@@ -353,16 +446,18 @@ class ReleaseTransfer(_Message):
     a fetch of it open) the request is freed, when no write reads its blocks any
     more. Idempotent; one for a request the rank does not hold (any more) is
     ignored. ``num_tokens``: the decode's prompt length; a release naming another
-    count than the request has is ignored (the key was reused by another request)."""
+    count than the request has is ignored (the key was reused by another request), and so
+    is one whose ``prompt_digest`` differs: freeing a request takes knowing its prompt."""
 
     transfer_key: str
     engine_id: str
     consumer_rank: int
     consumer_size: int
     num_tokens: int
+    prompt_digest: str = ""
 
     SCHEMA = {"transfer_key": _NAME, "engine_id": _NAME, "consumer_rank": Int(0, 1 << 16),
-              "consumer_size": Int(1, 1 << 16), "num_tokens": Int(0, MAX_COUNT)}
+              "consumer_size": Int(1, 1 << 16), "num_tokens": Int(0, MAX_COUNT), "prompt_digest": _DIGEST}
 
     def validate(self) -> None:
         if self.consumer_rank >= self.consumer_size:
@@ -379,31 +474,66 @@ class QueryRanks(_Message):
     SCHEMA = {"engine_id": _NAME}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RankTable(_Message):
-    """Bootstrap server -> decode rank: ``addresses[r]`` serves CP rank ``r``."""
+    """Bootstrap server -> decode rank: ``addresses[r]`` serves CP rank ``r``, which sends
+    the layers ``[layers[2r], layers[2r+1])`` of the KV heads ``[heads[2r], heads[2r+1])``
+    (int64 ``[2 * cp_size]`` each; default: ``cp_layer_range`` of every head)."""
 
     engine_id: str
     cp_size: int
     addresses: tuple
     fingerprint: Fingerprint
+    layers: np.ndarray | None = None
+    heads: np.ndarray | None = None
 
     SCHEMA = {"engine_id": _NAME, "cp_size": Int(1, 1 << 12), "addresses": StrList(1 << 12, Str(256)),
-              "fingerprint": Nested(Fingerprint)}
+              "fingerprint": Nested(Fingerprint), "layers": Ids(1 << 13, hi=1 << 16),
+              "heads": Ids(1 << 13, hi=MAX_HEADS)}
+
+    def __post_init__(self):
+        if self.layers is None:
+            r = [cp_layer_range(self.fingerprint.num_layers, self.cp_size, i) for i in range(self.cp_size)]
+            object.__setattr__(self, "layers", np.array([(x.start, x.stop) for x in r], np.int64).reshape(-1))
+        if self.heads is None:
+            object.__setattr__(self, "heads", np.tile(np.array([0, self.fingerprint.num_kv_heads], np.int64),
+                                                      self.cp_size))
+
+    def __eq__(self, other):
+        return isinstance(other, RankTable) and all(
+            np.array_equal(getattr(self, k), getattr(other, k)) if k in ("layers", "heads")
+            else getattr(self, k) == getattr(other, k) for k in self.SCHEMA)
+
+    def shard(self, cp_rank: int) -> tuple[range, range]:
+        """(layers, KV heads) CP rank ``cp_rank`` sends."""
+        a, b = self.layers[2 * cp_rank: 2 * cp_rank + 2]
+        h, g = self.heads[2 * cp_rank: 2 * cp_rank + 2]
+        return range(int(a), int(b)), range(int(h), int(g))
 
     def validate(self) -> None:
         if len(self.addresses) != self.cp_size:
             raise MessageError(f"addresses has {len(self.addresses)} entries, expected cp_size={self.cp_size}")
+        for name, arr, hi in (("layers", self.layers, self.fingerprint.num_layers),
+                              ("heads", self.heads, self.fingerprint.num_kv_heads)):
+            if arr.size != 2 * self.cp_size:
+                raise MessageError(f"{name} has {arr.size} entries, expected 2 x cp_size={2 * self.cp_size}")
+            lo, up = arr[0::2], arr[1::2]
+            if (lo >= up).any() or (up > hi).any():
+                raise MessageError(f"{name} must be non-empty ranges within [0, {hi}], got {arr.tolist()}")
 
 
 @dataclass(frozen=True)
 class Reply(_Message):
-    """Generic answer: an acknowledgement (``ok``) or an error with a reason."""
+    """Generic answer: an acknowledgement (``ok``) or an error with a reason (clipped to
+    ``MAX_REASON``: a reason may quote a peer's input of any length)."""
 
     ok: bool
     reason: str
 
-    SCHEMA = {"ok": Bool(), "reason": Str(4096, min_len=0)}
+    SCHEMA = {"ok": Bool(), "reason": _REASON}
+
+    def __post_init__(self):
+        object.__setattr__(self, "reason", clip(self.reason))
 
 
 _TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, CancelTransfer, ReleaseTransfer, RegisterRank,

@@ -41,12 +41,14 @@ class SendSpec:
     before the prefill finished (layer pipelining), else vLLM's request id.
     finished_at: ``time.monotonic()`` of ``request_finished`` in the engine core (0: not
     finished yet); workers on the same host time the handover from it.
+    prompt_digest: ``messages.prompt_digest`` of its prompt: decode ranks must name it.
     """
 
     block_ids: tuple[list[int], ...]
     num_tokens: int
     transfer_key: str
     finished_at: float = 0.0
+    prompt_digest: str = ""
 
 
 @dataclass
@@ -64,6 +66,10 @@ class LoadSpec:
     num_tokens:        prompt tokens of the request here; each prefill rank must hold as many.
     remote_num_tokens: what the producer said it computed (``kv_transfer_params``), None if absent.
     timeout_s:         deadline of the fetch (``params.load_params``).
+    prompt_digest:     ``messages.prompt_digest`` of the prompt here; the producer refuses another.
+    refused:           why the request's ``kv_transfer_params`` were refused ("" if they were
+                       not): the worker reports the load failed, so ``kv_load_failure_policy``
+                       ends or recomputes the request at once.
     """
 
     transfer_key: str
@@ -74,6 +80,8 @@ class LoadSpec:
     num_tokens: int
     remote_num_tokens: int | None
     timeout_s: float
+    prompt_digest: str = ""
+    refused: str = ""
 
 
 @dataclass
@@ -81,12 +89,14 @@ class ReleaseSpec:
     """A producer request this consumer will never fetch: ``transfer_key``
     (``remote_request_id``) of ``num_tokens`` prompt tokens at ``bootstrap_addr``, of
     the producer ``remote_engine_id`` (None: the params named none; the release then
-    goes to whichever instance serves that address)."""
+    goes to whichever instance serves that address); ``prompt_digest`` of its prompt
+    (the producer ignores a release that does not name it)."""
 
     transfer_key: str
     bootstrap_addr: str
     num_tokens: int
     remote_engine_id: str | None = None
+    prompt_digest: str = ""
 
 
 @dataclass

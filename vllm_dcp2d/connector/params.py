@@ -13,7 +13,7 @@ import re
 
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
-from vllm_dcp2d.connector.messages import MAX_NAME
+from vllm_dcp2d.connector.messages import MAX_NAME, clip
 
 __all__ = ["REQUIRED", "KEYS", "check_bootstrap_addr", "load_params", "timeout_s"]
 
@@ -31,7 +31,7 @@ def check_bootstrap_addr(addr) -> str:
     port in [1, 65535]; raises ValueError naming the value and the forms expected."""
     m = _ADDR.fullmatch(addr) if isinstance(addr, str) else None
     if m is None or not 1 <= int(m["port"]) <= 65535 or (m["scheme"] == "tcp" and addr.endswith("/")):
-        raise ValueError(f"remote_bootstrap_addr = {addr!r}: expected 'tcp://<host>:<port>' or "
+        raise ValueError(f"remote_bootstrap_addr = {clip(repr(addr), 80)}: expected 'tcp://<host>:<port>' or "
                          f"'http://<host>:<port>' with a port in [1, 65535]")
     return addr.rstrip("/")
 
@@ -59,18 +59,21 @@ def timeout_s(params: dict, cfg: DCP2DConfig) -> tuple[float, str]:
 
 
 def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], ...], num_tokens: int,
-                first_page: int) -> tuple[LoadSpec, str]:
+                first_page: int, prompt_digest: str = "") -> tuple[LoadSpec, str]:
     """A ``LoadSpec`` from a consumer request's ``params`` plus what the scheduler
     allocated, and a warning ("" if none). Raises ValueError naming the first bad
     field: the request is then prefilled locally."""
     missing = ([" or ".join(KEYS)] if not set(KEYS) & set(params) else []) + [k for k in REQUIRED if k not in params]
     if missing:
-        raise ValueError(f"kv_transfer_params lack {missing} (got {sorted(params)})")
+        raise ValueError(f"kv_transfer_params lack {missing} (got {clip(repr(sorted(map(str, params))), 200)})")
     key = _name(params, "remote_request_id" if "remote_request_id" in params else "transfer_id")
     engine = _name(params, "remote_engine_id")
     addr = check_bootstrap_addr(params["remote_bootstrap_addr"])
     timeout, warning = timeout_s(params, cfg)
     remote = params.get("remote_num_tokens")
+    if remote is not None and (type(remote) is not int or remote < 0):
+        raise ValueError(f"remote_num_tokens = {clip(repr(remote), 40)}: expected an int >= 0 (the prefill's "
+                         f"prompt length)")
     return LoadSpec(transfer_key=key, bootstrap_addr=addr, remote_engine_id=engine, block_ids=block_ids,
-                    first_page=first_page, num_tokens=num_tokens, timeout_s=timeout,
-                    remote_num_tokens=None if remote is None else remote if type(remote) is int else -1), warning
+                    first_page=first_page, num_tokens=num_tokens, timeout_s=timeout, remote_num_tokens=remote,
+                    prompt_digest=prompt_digest), warning

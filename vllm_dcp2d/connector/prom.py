@@ -104,6 +104,12 @@ METRICS: tuple[Metric, ...] = (
            "is then answered unsettled: the decode quarantines its blocks)."),
     Metric("vllm:dcp2d_retries", "counter", False, "prefill", "retries",
            "Batches re-sent on a fresh Mooncake engine after a stall."),
+    Metric("vllm:dcp2d_unauthenticated_messages", "counter", False, "both", "unauthenticated",
+           "Side-channel frames dropped unread: unsealed, forged, replayed or stale with `auth_secret_file` "
+           "set, or sealed without it (docs/security.md)."),
+    Metric("vllm:dcp2d_corrupt_fetches", "counter", False, "decode", "corrupt",
+           "Fetches whose KV did not match the checksum its prefill rank sent (`verify_kv`): failed, "
+           "their blocks never used or cached."),
 )
 
 

@@ -56,17 +56,22 @@ import uuid
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.auth import Auth
 from vllm_dcp2d.connector.http_bootstrap import HttpTableQuery
-from vllm_dcp2d.connector.fetch import Fetch, FetchError, Rank, drain, link_events
+from vllm_dcp2d.connector.checksum import checksum, path_ranges
+from vllm_dcp2d.connector.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.connector.fetch_ledger import FetchLedger
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
-                                           ReleaseTransfer, Reply, TransferOutcome, TransferRequest, decode)
-from vllm_dcp2d.plan import KVRegions, Memory, block_tables, blocks_within
+                                           ReleaseTransfer, Reply, TransferOutcome, TransferRequest)
+from vllm_dcp2d.layout import askers
+from vllm_dcp2d.plan import KVRegions, Memory, ShardError, block_tables, blocks_within, senders_for
 from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
 
-__all__ = ["Receiver", "Fetch", "FetchError"]
+__all__ = ["Receiver", "Fetch", "FetchError", "MAX_QUERIES", "IDLE_S"]
 
 log = logging.getLogger(__name__)
+MAX_QUERIES = 256  # prefill instances (bootstrap addresses) one decode rank talks to at once
+IDLE_S = 60.0      # a table query or rank link unused this long is closed
 
 
 class Receiver:
@@ -79,6 +84,11 @@ class Receiver:
                  must lie inside what ``transport`` has registered: that memory, and
                  the blocks each region has inside it, travel with every request.
     dcp_size, dcp_rank: this rank's DCP topology, sent with every request.
+    heads:       the KV heads this rank holds (default: all of ``fingerprint.num_kv_heads``);
+                 it fetches from the CP ranks that hold them (``plan.senders_for``).
+    auth:        seals and opens every frame (``auth.py``).
+    verify:      ask every prefill rank for a checksum of what it wrote and check this
+                 rank's KV against it before a fetch ends ok (``checksum.py``; host memory).
     consumer_rank, consumer_size: this worker among the decode instance's workers.
     timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
                  may hold the request while its prefill is still running.
@@ -91,13 +101,16 @@ class Receiver:
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
                  dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
-                 cancel_grace_s: float = 2.0, on_output=None):
+                 cancel_grace_s: float = 2.0, on_output=None, heads: range | None = None,
+                 auth: Auth = bs.NO_AUTH, verify: bool = False):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
                              f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.consumer_rank, self.consumer_size = engine_id, consumer_rank, consumer_size
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
+        self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
+        self.auth, self.verify = auth, verify
         self.timeout_s, self.wait_s, self.cancel_grace_s = timeout_s, wait_s, cancel_grace_s
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
@@ -124,7 +137,7 @@ class Receiver:
 
     def start(self, transfer_key: str, bootstrap: str, block_ids, first_page: int = 0,
               timeout_s: float | None = None, wait_s: float | None = None, *, num_tokens: int,
-              remote_engine_id: str | None = None) -> None:
+              remote_engine_id: str | None = None, prompt_digest: str = "") -> None:
         """Begin fetching ``transfer_key`` from the prefill instance at ``bootstrap``.
 
         block_ids:  int ``[n]`` this rank's block table of the request; sequence
@@ -134,6 +147,8 @@ class Receiver:
         num_tokens: the prompt tokens this side expects; every CP rank must hold exactly as many.
         remote_engine_id: the prefill engine expected behind ``bootstrap`` (None: any);
                     a rank table of another engine fails the fetch, naming both.
+        prompt_digest: ``messages.prompt_digest`` of the prompt here; a prefill rank whose
+                    request has another prompt refuses to write.
         Raises RuntimeError if the receiver is closed or its thread died.
         """
         if self.failed:
@@ -144,11 +159,11 @@ class Receiver:
         t = self.timeout_s if timeout_s is None else timeout_s
         w = self.wait_s if wait_s is None else wait_s
         self._new.put(Fetch(transfer_key, bootstrap, remote_engine_id, ids, int(num_tokens), int(first_page),
-                            time.monotonic() + t, w))
+                            time.monotonic() + t, w, prompt_digest))
         self._waker.wake()
 
     def release(self, transfer_key: str, bootstrap: str, num_tokens: int,
-                remote_engine_id: str | None = None) -> None:
+                remote_engine_id: str | None = None, prompt_digest: str = "") -> None:
         """This rank will never fetch ``transfer_key`` (``num_tokens`` prompt tokens)
         from the prefill instance at ``bootstrap``: send every CP rank a
         ``ReleaseTransfer`` so it frees the request now instead of at its
@@ -159,7 +174,7 @@ class Receiver:
         if self._stop.is_set() or self.failed:
             return
         self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.timeout_s,
-                            remote_engine_id))
+                            remote_engine_id, prompt_digest))
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
@@ -201,6 +216,7 @@ class Receiver:
         self._queries: dict[str, bs.TableQuery] = {}
         self._waiting: dict[str, list[Fetch]] = {}  # bootstrap -> fetches waiting for its table
         self._unsent: dict[str, list[tuple]] = {}  # bootstrap -> releases waiting for its table
+        self._collect_at = 0.0  # when idle queries and links are next closed
         reason = "receiver closed"
         try:
             self._loop()
@@ -261,17 +277,58 @@ class Receiver:
     def _query(self, bootstrap: str) -> bs.TableQuery:
         q = self._queries.get(bootstrap)
         if q is None:  # each raises on a malformed address
+            if len(self._queries) >= MAX_QUERIES:
+                self._collect(float("inf"))
+            if len(self._queries) >= MAX_QUERIES:
+                raise ValueError(f"this decode rank talks to {len(self._queries)} prefill instances already (at "
+                                 f"most {MAX_QUERIES}); {bootstrap!r} is one more")
             kind = HttpTableQuery if bootstrap.startswith("http://") else bs.TableQuery
-            q = kind(bootstrap, self.engine_id, self.fingerprint)
+            q = kind(bootstrap, self.engine_id, self._accept, self.auth)
             self._queries[bootstrap] = q
             for s in (q.sock, q.monitor):
                 self._poller.register(s, zmq.POLLIN)
+        q.used = time.monotonic()
         return q
+
+    def _collect(self, idle_s: float = IDLE_S) -> None:
+        """Close the table queries and rank links nothing has used for ``idle_s`` (inf: none
+        in use now): no fetch, release or quarantined attempt needs them. Each holds
+        sockets and a reconnect timer, and any request may name a new address."""
+        now = time.monotonic()
+        active = {f.bootstrap for f in self.ledger.active()}
+        for bootstrap, q in list(self._queries.items()):
+            if (bootstrap in active or self._waiting.get(bootstrap) or bootstrap in self._unsent
+                    or now - q.used < idle_s):
+                continue
+            for s in (q.sock, q.monitor):
+                self._poller.unregister(s)
+            q.close()
+            del self._queries[bootstrap]
+            self._waiting.pop(bootstrap, None)
+        for addr, rank in list(self._ranks.items()):
+            if not self.ledger.busy(addr) and now - rank.used >= idle_s:
+                rank.close(self._poller)
+                del self._ranks[addr]
+
+    def _accept(self, table: RankTable) -> None:
+        """Raise ``FingerprintMismatch`` unless this rank can fetch its KV from ``table``'s
+        ranks: the same model shape first (the shard check needs it), then each of this
+        rank's KV heads and layers held by exactly one of them, then the page format
+        (a page format that differs only because the heads do is named as the heads)."""
+        mine, theirs = self.fingerprint, table.fingerprint
+        if (mine.num_layers, mine.num_kv_heads) == (theirs.num_layers, theirs.num_kv_heads):
+            try:
+                senders_for(table.layers, table.heads, mine.num_layers, mine.num_kv_heads, self.heads)
+            except ShardError as e:
+                raise FingerprintMismatch(f"{e} (this decode: TP rank {self.consumer_rank} of "
+                                          f"{self.consumer_size}, DCP rank {self.dcp_rank} of {self.dcp_size})") from None
+        mine.check(theirs)
 
     def _rank(self, addr: str) -> Rank:
         rank = self._ranks.get(addr)
         if rank is None:
-            rank = self._ranks[addr] = Rank(addr, self._poller, self._identity)
+            rank = self._ranks[addr] = Rank(addr, self._poller, self._identity, self.auth)
+        rank.used = time.monotonic()
         return rank
 
     def _queue_release(self, rel: tuple) -> None:
@@ -285,28 +342,36 @@ class Receiver:
         for bootstrap, items in list(self._unsent.items()):
             table = self._queries[bootstrap].table
             keep = []
-            for key, _, num_tokens, deadline, engine in items:
+            for key, _, num_tokens, deadline, engine, digest in items:
                 if table is not None:
-                    self._release(table, key, num_tokens, engine)
+                    self._release(table, key, num_tokens, engine, digest)
                 elif deadline <= now:
                     log.info("release of %r not sent: no rank table from %s (%s)", key, bootstrap,
                              self._queries[bootstrap].last_reason)
                 else:
-                    keep.append((key, bootstrap, num_tokens, deadline, engine))
+                    keep.append((key, bootstrap, num_tokens, deadline, engine, digest))
             if keep:
                 self._unsent[bootstrap] = keep
             else:
                 del self._unsent[bootstrap]
 
-    def _release(self, table: RankTable, key: str, num_tokens: int, engine: str | None) -> None:
+    def _release(self, table: RankTable, key: str, num_tokens: int, engine: str | None, digest: str) -> None:
         if engine is not None and engine != table.engine_id:
             log.info("release of %r not sent: %s serves engine %r, the request named %r", key,
                      ",".join(table.addresses), table.engine_id, engine)
             return
-        msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self.consumer_size, num_tokens)
-        for addr in table.addresses:
+        for cp_rank, addr in enumerate(table.addresses):
+            if not set(table.shard(cp_rank)[1]) & set(self.heads):
+                continue  # that rank holds none of this rank's heads: it never counts this rank
+            msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self._askers(table, cp_rank), num_tokens,
+                                  digest)
             if not self._rank(addr).send(msg):
                 log.info("release of %r not sent to %s: its queue is full", key, addr)
+
+    def _askers(self, table: RankTable, cp_rank: int) -> int:
+        """How many TP ranks of this decode instance fetch from ``cp_rank`` (those holding
+        its heads): the prefill rank frees a request once that many are served."""
+        return askers(self.fingerprint.num_kv_heads, self.consumer_size, table.shard(cp_rank)[1])
 
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
@@ -314,14 +379,20 @@ class Receiver:
             return self._fail(f, FetchError(f.transfer_key, None, (
                 f"the request names prefill engine {f.remote_engine_id!r}, but {f.bootstrap} serves engine "
                 f"{table.engine_id!r} (restarted, or another instance on that address)")))
-        for cp_rank, addr in enumerate(table.addresses):
+        fp = self.fingerprint
+        f.senders = tuple(int(r) for r in senders_for(table.layers, table.heads, fp.num_layers, fp.num_kv_heads,
+                                                      self.heads))
+        for cp_rank in f.senders:
+            addr = table.addresses[cp_rank]
             attempt = next(self._attempts)
             msg = TransferRequest.build(
                 regions=self.regions, memory=self.memory, transfer_key=f.transfer_key, attempt_id=attempt,
-                engine_id=self.engine_id, consumer_rank=self.consumer_rank, consumer_size=self.consumer_size,
-                session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
+                engine_id=self.engine_id, consumer_rank=self.consumer_rank,
+                consumer_size=self._askers(table, cp_rank), session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                 block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
-                num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s)
+                num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s,
+                head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,
+                verify=self.verify)
             try:
                 sent = self._rank(addr).send(msg)
             except MessageError as e:  # this request cannot be put on the wire (a key too long, ...)
@@ -341,8 +412,8 @@ class Receiver:
             if isinstance(e, FingerprintMismatch) and q.refused is not None:
                 # This side will never fetch from an instance of another KV format, and a
                 # release moves no KV: free its blocks now, not at its claim_timeout_s.
-                for key, _, num_tokens, _, engine in self._unsent.pop(q.address, []):
-                    self._release(q.refused, key, num_tokens, engine)
+                for key, _, num_tokens, _, engine, digest in self._unsent.pop(q.address, []):
+                    self._release(q.refused, key, num_tokens, engine, digest)
             return self._no_table(q, str(e))
         if table is None:
             return
@@ -382,12 +453,12 @@ class Receiver:
         except zmq.Again:
             return
         try:
-            msg = decode(payload, (TransferOutcome, Reply))
-        except MessageError as e:
+            msg = self.auth.unpack(payload, (TransferOutcome, Reply))
+        except MessageError as e:  # AuthError included: an answer that is not the rank's is no answer
             return self._lost(rank, f"malformed reply: {e}")
         if isinstance(msg, Reply):  # the rank could not read a message of ours at all (its protocol differs)
             return self._lost(rank, f"rejected: {msg.reason}")
-        rank.down = False  # a rank process answers on this link
+        rank.down, rank.used = False, time.monotonic()  # a rank process answers on this link
         where = (rank.address, msg.attempt_id)
         how, f, cp_rank = self.ledger.answered(*where)
         if how == "unknown":
@@ -420,7 +491,27 @@ class Receiver:
                 f"wrote {msg.num_tokens} tokens ({msg.num_pages} pages)")))
         f.outcomes[cp_rank] = msg
         if not f.inflight:
+            bad = self._check(f) if self.verify else None
+            if bad is not None:
+                return self._fail(f, bad)
             self._finish(f, None)
+
+    def _check(self, f: Fetch) -> FetchError | None:
+        """``verify``: the first CP rank whose checksum this rank's KV does not match, as
+        the fetch's error (None: every path's bytes are what its rank wrote)."""
+        pages = -(-f.num_tokens // self.fingerprint.page_size)
+        for cp_rank in f.senders:
+            try:
+                path = path_ranges(self.regions, f.block_ids, list(f.table.shard(cp_rank)[0]), self.dcp_size,
+                                   self.dcp_rank, f.first_page, pages)
+                got, sent = checksum(self.memory, path.dst, path.length, path.dst), f.outcomes[cp_rank].checksum
+            except ValueError as e:
+                return FetchError(f.transfer_key, cp_rank, f"{CORRUPT}: cannot read the KV to check it: {e}")
+            if got != sent:
+                return FetchError(f.transfer_key, cp_rank, (
+                    f"{CORRUPT}: the {path.nbytes} bytes cp rank {cp_rank} wrote hash to {got} here, it sent "
+                    f"{sent or 'no checksum'}: a page arrived wrong (or not at all)"))
+        return None
 
     def _lost(self, rank: Rank, why: str):
         """``rank``'s link failed, or it sent something we cannot read: fail the fetches
@@ -476,6 +567,9 @@ class Receiver:
 
     def _tick(self):
         now = time.monotonic()
+        if now >= self._collect_at:
+            self._collect_at = now + 1.0
+            self._collect()
         for bootstrap, waiting in list(self._waiting.items()):
             self._waiting[bootstrap] = [f for f in waiting if self.ledger.is_active(f)]
             if self._waiting[bootstrap]:

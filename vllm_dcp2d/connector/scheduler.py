@@ -31,9 +31,11 @@ Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
 ``kv_transfer_params={"do_remote_prefill": true, ...}`` from a producer:
   * ``get_num_new_matched_tokens`` claims the prompt tokens not cached
     locally, loaded asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
-  * ``update_state_after_alloc`` checks the params (``params.load_params``;
-    a bad one is prefilled locally, logged with the reason) and records the
-    load for the next step's ``loads``; each worker (DCP rank) fetches its
+  * ``update_state_after_alloc`` checks the params (``params.load_params``)
+    and records the load for the next step's ``loads``; refused params go there
+    too, with the reason, and every worker reports that load failed, so
+    ``kv_load_failure_policy`` ends or recomputes the request in that step (it
+    must not wait for a load that never starts); each worker (DCP rank) fetches its
     pages from every prefill CP rank and reports ``finished_recving``, or the
     blocks as load errors;
   * a fetch that ended while a prefill rank may still write into its blocks is
@@ -58,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from vllm_dcp2d.config import DCP2DConfig
+from vllm_dcp2d.connector.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
@@ -69,7 +72,6 @@ from vllm_dcp2d.vllm_compat import connector_api as compat
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.02  # engine steps with no tokens to compute: poll transfers at <= 50 Hz
-KEY_MAX_LEN = 256   # a client's transfer_id longer than this is not used as the transfer key
 
 __all__ = ["SchedulerSide", "transfer_params"]
 
@@ -89,6 +91,7 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.page_size = compat.page_size(vllm_config)
+        self.failure_policy = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_load_failure_policy", "fail")
         self.bootstrap_addr = f"tcp://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
         self.kv_cache_manager = None
         self._loads: dict[str, LoadSpec] = {}
@@ -99,6 +102,7 @@ class SchedulerSide:
         self._computed: dict[str, int] = {}  # producer: prompt completed (layer writes possible) -> prompt length
         self._quarantined: dict[tuple[str, int], list] = {}  # consumer: blocks per (request, tp rank)
         self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
+        self._digests: dict[str, str] = {}  # producer: prompt digest of each request it will send
         self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
         self._key_owner: dict[str, str] = {}  # transfer key -> request id
         self.bell = StepBell() if is_consumer else None  # ends an idle step when a fetch ends
@@ -125,6 +129,7 @@ class SchedulerSide:
         params = transfer_params(request.kv_transfer_params)
         if self.is_producer and params.get("do_remote_decode"):
             self._remote_decode[request.request_id] = request.num_prompt_tokens
+            self._digests[request.request_id] = prompt_digest(*compat.prompt_ids(request))
             self._bind_key(request.request_id, params.get("transfer_id"))
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
@@ -135,11 +140,15 @@ class SchedulerSide:
             self._release(request, params)
             return
         num_tokens = request.num_prompt_tokens
+        ids, first_page = compat.block_ids(blocks), (num_tokens - num_external_tokens) // self.page_size
         try:
-            spec, warning = load_params(params, self.cfg, block_ids=compat.block_ids(blocks), num_tokens=num_tokens,
-                                        first_page=(num_tokens - num_external_tokens) // self.page_size)
+            spec, warning = load_params(params, self.cfg, block_ids=ids, num_tokens=num_tokens, first_page=first_page,
+                                        prompt_digest=prompt_digest(*compat.prompt_ids(request)))
         except ValueError as e:
-            log.warning("request %s: %s; prefilling locally", request.request_id, e)
+            log.warning("request %s: %s; its load fails (kv_load_failure_policy %r applies)", request.request_id,
+                        clip(str(e), 400), self.failure_policy)
+            self._loads[request.request_id] = LoadSpec("", "", "", ids, first_page, num_tokens, None, 0.0,
+                                                       refused=f"kv_transfer_params refused: {e}")
             return
         if warning:
             log.warning("request %s: %s", request.request_id, warning)
@@ -160,17 +169,19 @@ class SchedulerSide:
         # stand-in of one token (``notify_kv_transfer_request_rejected``), and a release
         # naming another count than the producer's is ignored as a reused key.
         remote = params.get("remote_num_tokens")
-        num_tokens = remote if type(remote) is int and remote >= 0 else request.num_prompt_tokens
+        own = type(remote) is not int or remote == request.num_prompt_tokens
+        num_tokens = request.num_prompt_tokens if own or remote < 0 else remote
+        digest = prompt_digest(*compat.prompt_ids(request)) if own else params.get("remote_prompt_digest", "")
         engine = params.get("remote_engine_id")
-        engine = engine if isinstance(engine, str) and 0 < len(engine) <= 512 else None
-        if isinstance(key, str) and 0 < len(key) <= 512:
-            self._releases[request.request_id] = ReleaseSpec(key, addr, num_tokens, engine)
+        engine = engine if isinstance(engine, str) and 0 < len(engine) <= MAX_NAME else None
+        if isinstance(key, str) and 0 < len(key) <= MAX_NAME and isinstance(digest, str) and len(digest) <= 64:
+            self._releases[request.request_id] = ReleaseSpec(key, addr, num_tokens, engine, digest)
 
     # -- producer ----------------------------------------------------------------------------
 
     def _bind_key(self, req_id: str, transfer_id) -> None:
         key = req_id
-        if isinstance(transfer_id, str) and 0 < len(transfer_id) <= KEY_MAX_LEN:
+        if isinstance(transfer_id, str) and 0 < len(transfer_id) <= MAX_NAME:
             if self._key_owner.get(transfer_id, req_id) == req_id:
                 key = transfer_id
             else:
@@ -267,7 +278,8 @@ class SchedulerSide:
                     del self._remote_decode[req_id]
                     self._computed[req_id] = prompt_len
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
-                                                      self._keys.get(req_id, req_id))
+                                                      self._keys.get(req_id, req_id),
+                                                      prompt_digest=self._digests.get(req_id, ""))
         if self.timeline is not None:
             meta.first_run = self.timeline.scheduled(req_id for req_id, _ in compat.scheduled_tokens(scheduler_output))
         return meta
@@ -303,6 +315,7 @@ class SchedulerSide:
         that finished before it was admitted (its load never started) is released
         on the producer."""
         self._remote_decode.pop(request.request_id, None)
+        digest = self._digests.pop(request.request_id, None)
         if self.timeline is not None:
             self.timeline.forget(request.request_id)
         computed = self._computed.pop(request.request_id, None) is not None
@@ -322,8 +335,10 @@ class SchedulerSide:
             return False, None
         num_tokens = request.num_prompt_tokens
         key = self._keys.get(request.request_id, request.request_id)
+        if digest is None:
+            digest = prompt_digest(*compat.prompt_ids(request))
         self._ready[request.request_id] = SendSpec(self._pages(block_ids, num_tokens), num_tokens, key,
-                                                   time.monotonic())
+                                                   time.monotonic(), digest)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -331,5 +346,6 @@ class SchedulerSide:
             "remote_bootstrap_addr": self.bootstrap_addr,
             "remote_engine_id": self.engine_id,
             "remote_num_tokens": num_tokens,
+            "remote_prompt_digest": digest,
             "transfer_id": params.get("transfer_id", request.request_id),
         }

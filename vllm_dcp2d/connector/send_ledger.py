@@ -26,8 +26,16 @@ Invariants (each tested directly in ``tests/test_send_ledger.py``)
    until ``STALL_S`` after the answer.
 5. Releases free a request only once some consumer engine is *covered* (each of
    its ``consumer_size`` ranks served or released) and no attempt of another
-   engine is open; a release naming another token count is ignored (a reused key),
-   and does not claim the request either.
+   engine is open; a release naming another token count or prompt digest is
+   ignored (a reused key, or a peer that does not know the prompt), and does not
+   claim the request either.
+7. No write reads a request's blocks for an attempt whose prompt (token count and
+   ``prompt_digest``) is not the request's: a reused key or a prompt tokenized
+   otherwise fails before any byte moves. Without an authenticated peer
+   (``reveal`` False) the answer does not name the request's own length.
+8. Open attempts (waiting or being served, not answered) are bounded: at most
+   ``MAX_OPEN_PER_PEER`` per decode socket and ``MAX_OPEN`` in all, holding at most
+   ``MAX_OPEN_BYTES`` of requests; past that an attempt is refused at arrival.
 6. A request no decode rank has asked for (no attempt, no release) within
    ``claim_s`` of its ``add`` is freed then ("unclaimed"), like an expiry: no write
    can read its blocks, since none was ever asked for; the first attempt or counted
@@ -51,6 +59,9 @@ log = logging.getLogger(__name__)
 
 RELEASE_MEMORY_S = 30.0  # how long a release for a request not added yet (or just finished) is remembered
 MAX_EARLY_RELEASES = 4096  # releases remembered for requests not added yet (oldest dropped)
+MAX_OPEN_PER_PEER = 256  # attempts open at once from one decode socket (invariant 8)
+MAX_OPEN = 4096          # ... from all of them
+MAX_OPEN_BYTES = 256 << 20  # encoded bytes of the open attempts' requests
 
 
 @dataclass(eq=False)
@@ -61,6 +72,7 @@ class Attempt:
     identity: bytes
     req: TransferRequest
     deadline: float  # when waiting for the request's prefill ends
+    size: int = 0    # bytes of its encoded request (what it holds while open)
     lock: threading.Lock = field(default_factory=threading.Lock)
     sent: set = field(default_factory=set)  # layers written (of the current epoch)
     epoch: int = 0       # bumped by a preemption: writes of an older epoch count for nothing
@@ -76,6 +88,7 @@ class Attempt:
     result: tuple | None = None  # (request, error) of its final write: the answer once no write runs
     answered: bool = False
     settled: bool = True  # False once a write stalled, retried or not (bytes may still land)
+    checksum: str = ""    # of what was written, when the consumer asked (``TransferRequest.verify``)
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -96,6 +109,7 @@ class Request:
     sizes: dict = field(default_factory=dict)  # engine_id -> its consumer_size
     writes: int = 0     # writes reading block_ids in flight
     closing: str = ""   # "done" | "released" | "expired" | "unclaimed": reported by pop_finished once writes == 0
+    prompt_digest: str = ""  # messages.prompt_digest of its prompt ("" unknown: only "" matches)
 
     def claim(self) -> None:
         """A decode rank asked for it (an attempt or a release): the full expiry applies."""
@@ -114,11 +128,14 @@ class SendLedger:
     failed: builds a failed outcome ``(req, reason, num_pages=0, settled=True)``.
     ok:     builds the ok outcome of an attempt ``(attempt, request)``.
     name:   how log lines name this rank ("cp rank 1").
+    reveal: whether answers may name the request's own prompt length (peers are
+            authenticated); it is always logged here.
     """
 
     def __init__(self, reply: Callable[[bytes, TransferOutcome], None], failed: Failed,
-                 ok: Callable[[Attempt, Request], TransferOutcome], name: str):
+                 ok: Callable[[Attempt, Request], TransferOutcome], name: str, reveal: bool = False):
         self._reply_fn, self._failed, self._ok, self.name = reply, failed, ok, name
+        self.reveal = reveal
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}
         self._waiting: dict[str, list[Attempt]] = {}  # key -> attempts waiting for add()
@@ -129,19 +146,22 @@ class SendLedger:
         self._early: dict[str, tuple[float, list[ReleaseTransfer]]] = {}  # key not added yet -> releases
         self._gone: dict[str, float] = {}  # key -> until when releases for it are ignored (just finished)
         self._releasing: set[str] = set()  # covered keys waiting for another engine's open attempts
+        self._per_peer: dict[bytes, int] = {}  # decode socket -> its open attempts (invariant 8)
+        self._open_bytes = 0
         self._writes = 0
 
     # ---- requests: the owner's side ----
 
     def add(self, key: str, block_ids: tuple, num_tokens: int, num_pages: int, expiry_s: float,
-            claim_s: float = float("inf")) -> list[Attempt]:
+            claim_s: float = float("inf"), prompt_digest: str = "") -> list[Attempt]:
         """The KV of ``key`` is complete in ``block_ids``; returns the attempts that
         waited for it (the caller serves them). Freed after ``expiry_s``, or after
         ``claim_s`` if no decode rank asks for it by then (invariant 6)."""
         with self._lock:
             now = time.monotonic()
             state = self._requests[key] = Request(block_ids, num_tokens, num_pages, now + min(expiry_s, claim_s),
-                                                  now + expiry_s if claim_s < expiry_s else None)
+                                                  now + expiry_s if claim_s < expiry_s else None,
+                                                  prompt_digest=prompt_digest)
             waiting = self._waiting.pop(key, [])
             self._gone.pop(key, None)
             early = self._early.pop(key, (0.0, []))[1]
@@ -196,18 +216,33 @@ class SendLedger:
         with self._lock:
             return self._writes
 
+    def busy_reason(self, a: Attempt) -> str:
+        """Why ``arrive`` refused ``a`` ("busy")."""
+        with self._lock:
+            return (f"{self.name} refuses the transfer request: {self._per_peer.get(a.identity, 0)} open from this "
+                    f"decode rank (at most {MAX_OPEN_PER_PEER}), {len(self._open)} in all (at most {MAX_OPEN}), "
+                    f"{self._open_bytes >> 20} MiB held (at most {MAX_OPEN_BYTES >> 20})"
+                    + (" (its attempt id is already open)" if a.key in self._open else ""))
+
     # ---- attempts: the decode's side ----
 
     def arrive(self, a: Attempt) -> str:
         """A ``TransferRequest`` came in: "serve" (its request is added), "wait" (it
-        waits for the prefill), or "unknown" (the caller answers it failed)."""
+        waits for the prefill), "unknown" or "busy" (the caller answers it failed;
+        ``busy_reason`` says why a "busy" one was refused)."""
         with self._lock:
+            peer = self._per_peer.get(a.identity, 0)
+            if (peer >= MAX_OPEN_PER_PEER or len(self._open) >= MAX_OPEN
+                    or self._open_bytes + a.size > MAX_OPEN_BYTES or a.key in self._open):
+                return "busy"
             state = self._requests.get(a.req.transfer_key)
             known = state is not None
             if known:
                 state.claim()
             if known or a.req.wait_s > 0:
                 self._open[a.key] = a
+                self._per_peer[a.identity] = peer + 1
+                self._open_bytes += a.size
             if known:
                 return "serve"
             if a.req.wait_s > 0:
@@ -231,7 +266,8 @@ class SendLedger:
 
     # ---- writes: the workers' side ----
 
-    def begin_layer(self, a: Attempt, layer: int, num_tokens: int, epoch: int) -> tuple[Request | None] | None:
+    def begin_layer(self, a: Attempt, layer: int, num_tokens: int, epoch: int,
+                    prompt_digest: str = "") -> tuple[Request | None] | None:
         """Count an early write of ``layer`` for ``a`` if it is still wanted; returns
         ``(request or None,)`` to pass to ``end_layer``, or None (skip it)."""
         with self._lock:
@@ -239,7 +275,7 @@ class SendLedger:
             # Once added, a request's blocks stay with vLLM only while a write is counted
             # on it too: expiry or a release must not free blocks this write reads.
             if (epoch != a.epoch or layer in a.sent or a.error or a.req.num_tokens != num_tokens
-                    or not self._begin(a, state)):
+                    or a.req.prompt_digest != prompt_digest or not self._begin(a, state)):
                 return None
             return (state,)
 
@@ -263,13 +299,21 @@ class SendLedger:
             if state is None:
                 self._close(a, f"request {key!r} finished or expired on {self.name}")
                 return None
-            if a.req.num_tokens != state.num_tokens:
-                self._close(a, f"length mismatch on {self.name}: the decode claims {a.req.num_tokens} prompt "
-                               f"tokens, the prefill has {state.num_tokens}")
+            if (a.req.num_tokens, a.req.prompt_digest) != (state.num_tokens, state.prompt_digest):
+                self._close(a, self._mismatch(key, a.req, state))
                 return None
             if not self._begin(a, state):
                 return None
             return state, a.error, frozenset(a.sent)
+
+    def _mismatch(self, key: str, req: TransferRequest, state: Request) -> str:
+        what = "length" if req.num_tokens != state.num_tokens else "prompt"
+        log.warning("%s: %s mismatch for %r: the decode asks for %d prompt tokens (digest %s), the prefill holds %d "
+                    "(digest %s)", self.name, what, key[:80], req.num_tokens, req.prompt_digest[:12] or "none",
+                    state.num_tokens, state.prompt_digest[:12] or "none")
+        mine = f", the prefill has {state.num_tokens}" if self.reveal else " (not the prefill's request)"
+        return (f"{what} mismatch on {self.name}: the decode claims {req.num_tokens} prompt tokens"
+                + (f" with prompt digest {req.prompt_digest[:12] or 'none'}" if what == "prompt" else "") + mine)
 
     def end_answer(self, a: Attempt, state: Request, error: str) -> None:
         """The final write of ``a`` returned: answer it (ok counts its consumer rank
@@ -358,7 +402,11 @@ class SendLedger:
         if a.answered:
             return
         a.answered = True
-        self._open.pop(a.key, None)  # known until answered
+        if self._open.pop(a.key, None) is a:  # known until answered
+            left = self._per_peer.pop(a.identity) - 1
+            if left:
+                self._per_peer[a.identity] = left
+            self._open_bytes -= a.size
         if not outcome.settled:
             self._unsettled[a.key] = time.monotonic() + STALL_S
         self._reply_fn(a.identity, outcome)
@@ -387,9 +435,10 @@ class SendLedger:
                 self._finished[key] = state.closing
 
     def _count_release(self, state: Request, key: str, msg: ReleaseTransfer) -> None:
-        if msg.num_tokens != state.num_tokens:  # nor does it claim: claim_s still frees the request
-            log.debug("%s: release of %r for %d tokens ignored: the request has %d (key reused?)",
-                      self.name, key, msg.num_tokens, state.num_tokens)
+        if (msg.num_tokens, msg.prompt_digest) != (state.num_tokens, state.prompt_digest):
+            # nor does it claim: claim_s still frees the request
+            log.debug("%s: release of %r for %d tokens ignored: the request has %d, or another prompt "
+                      "(key reused?)", self.name, key[:80], msg.num_tokens, state.num_tokens)
             return
         state.claim()
         state.released.setdefault(msg.engine_id, set()).add(msg.consumer_rank)

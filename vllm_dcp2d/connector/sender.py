@@ -20,7 +20,8 @@ When blocks may be freed and when each attempt is answered is decided by the
 rank's ``SendLedger`` (``send_ledger.py``, with its invariants); this module
 moves the bytes: the owner API, the I/O loop and the plan + write workers.
 
-Threads: an I/O thread owns the socket; ``num_workers`` threads plan and write.
+Threads: an I/O thread owns the socket; a writer thread per decode rank writing
+(``writers.Writers``) plans and writes, so a frozen decode holds up only its own.
 Each message and each job runs in its own guard: one bad input fails only its
 attempt, with the reason in the answer. A thread that dies anyway sets
 ``failed``, which the owner turns into an engine error (never a hang).
@@ -28,10 +29,11 @@ attempt, with the reason in the answer. A thread that dies anyway sets
 Public API
 ----------
 ``Sender(transport, regions, fingerprint, *, engine_id, cp_rank, cp_size, host="127.0.0.1",
-         port=0, bootstrap=None, expiry_s=300.0, claim_s=inf, num_workers=2, register_timeout_s=10.0,
+         port=0, bootstrap=None, expiry_s=300.0, claim_s=inf, num_workers=4, register_timeout_s=10.0,
          staging_bytes=0)``
     ``staging_bytes``: host-memory KV only; > 0 gathers each path's pages into
-    ``num_workers`` registered slots of ``staging_bytes // num_workers`` bytes before
+    ``num_workers`` registered slots of ``staging_bytes // num_workers`` bytes (a writer
+    that finds none free writes in place) before
     writing them (``staging.py``: fewer, larger Mooncake descriptors).
     ``.address -> str``               this rank's side channel ("tcp://host:port").
     ``.layers -> range``              the layers this rank sends.
@@ -61,13 +63,16 @@ import numpy as np
 import zmq
 
 from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.connector.auth import Auth, AuthError, PeerLog
 from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
-                                           decode, encode)
+                                           clip, decode)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
+from vllm_dcp2d.connector.checksum import checksum
 from vllm_dcp2d.connector.send_ledger import Attempt, Request, SendLedger
 from vllm_dcp2d.connector.staging import StagingPool, write
 from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
+from vllm_dcp2d.connector.writers import Writers
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 
 __all__ = ["Sender"]
@@ -83,31 +88,45 @@ class Sender:
     regions:     this rank's KV (must hold ``cp_layer_range(num_layers, cp_size, cp_rank)``).
     fingerprint: this side's KV format; requests with another one fail.
     bootstrap:   the instance's ``BootstrapServer`` address to register with (or None).
+    layers, heads: the KV layers this rank sends and the KV heads it holds (default:
+                 ``cp_layer_range(num_layers, cp_size, cp_rank)`` and every head;
+                 ``layout.send_shard`` gives a worker's).
+    token:       the instance's registration token (``RegisterRank.token``).
+    auth:        seals and opens every frame (``auth.py``); a frame it refuses is dropped
+                 unanswered and counted (``auth.take_refused``).
+    max_wait_s:  the longest an attempt may wait for its request (a decode's ``wait_s``
+                 is cut to it).
+    host_kv:     the KV is in host memory (a checksum can read it: ``TransferRequest.verify``).
     staging_bytes: 0, or (KV in host memory) bytes of send staging (``staging.py``).
     """
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, cp_rank: int, cp_size: int, host: str = "127.0.0.1", port: int = 0,
                  bootstrap: str | None = None, expiry_s: float = 300.0, claim_s: float = float("inf"),
-                 num_workers: int = 2, register_timeout_s: float = 10.0, staging_bytes: int = 0):
+                 num_workers: int = 4, register_timeout_s: float = 10.0, staging_bytes: int = 0,
+                 layers: range | None = None, heads: range | None = None, token: str = "",
+                 auth: Auth = bs.NO_AUTH, max_wait_s: float = 60.0, host_kv: bool = True):
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
-        self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank)
+        self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank) if layers is None else layers
+        self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
+        self.auth, self.max_wait_s, self.host_kv = auth, max_wait_s, host_kv
+        self._peers = PeerLog(log)
         regions.rows(np.arange(self.layers.start, self.layers.stop), "producer")  # raises if not held
         if not transport.registered():
             raise ValueError("register this rank's KV memory on the transport before building its Sender")
         self._memory = Memory.of(transport.registered().items())  # what any write may read
-        # One slot per writer thread; registered after _memory, which must not hold them.
+        # Registered after _memory, which must not hold them.
         self._staging = (StagingPool(transport, staging_bytes // num_workers, num_workers)
                          if staging_bytes > 0 else None)
         self.expiry_s, self.claim_s = expiry_s, claim_s
         self.errors: deque[str] = deque(maxlen=100)
         self.malformed = 0
-        self.failed = ""
+        self._failed_why = ""
         self._out: queue.Queue = queue.Queue()  # (identity, message) for the I/O thread
         self.ledger = SendLedger(lambda ident, msg: self._out.put((ident, msg)), self._failed, self._ok,
-                                 f"cp rank {cp_rank}")
-        self._work: queue.Queue = queue.Queue()
+                                 f"cp rank {cp_rank}", reveal=auth.enabled)
+        self._writers = Writers(f"cp rank {cp_rank}", after=self._flush)
         self._stop = threading.Event()
         self._sock = bs.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not blocks
@@ -117,14 +136,13 @@ class Sender:
         self._waker = bs.Waker()
         self._threads = [threading.Thread(target=self._guarded, args=(self._io_loop,), name=f"dcp2d-send-io-{cp_rank}",
                                           daemon=True)]
-        self._threads += [threading.Thread(target=self._guarded, args=(self._work_loop,),
-                                           name=f"dcp2d-send-{cp_rank}.{i}", daemon=True) for i in range(num_workers)]
         for t in self._threads:
             t.start()
         if bootstrap is not None:
             try:
-                bs.register_rank(bootstrap, RegisterRank(engine_id, cp_rank, cp_size, self.address, fingerprint),
-                                 register_timeout_s)
+                bs.register_rank(bootstrap, RegisterRank(
+                    engine_id, cp_rank, cp_size, self.address, fingerprint, token, self.layers.start,
+                    self.layers.stop, self.heads.start, self.heads.stop), register_timeout_s, auth)
             except Exception:
                 self.close()
                 raise
@@ -137,17 +155,21 @@ class Sender:
 
     # ---- owner API (any thread) ----
 
-    def add_request(self, transfer_key: str, block_ids, num_tokens: int) -> None:
+    def add_request(self, transfer_key: str, block_ids, num_tokens: int, prompt_digest: str = "") -> None:
         """The KV of ``transfer_key``'s ``num_tokens`` prompt tokens is complete in
         ``block_ids`` (int ``[P]``, this rank's block of each sequence page,
         ``P >= cdiv(num_tokens, page_size)``; a tuple of them, one per KV cache
-        group, when ``regions`` has several); serves attempts already waiting."""
+        group, when ``regions`` has several); serves attempts already waiting.
+        ``prompt_digest``: ``messages.prompt_digest`` of its prompt; an attempt that
+        names another is refused before any write."""
         ids, pages = self._blocks(block_ids, num_tokens)
-        for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s, self.claim_s):
-            self._work.put(partial(self._answer, a))
+        for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s, self.claim_s,
+                                 prompt_digest):
+            self._writers.submit(a.req.session, partial(self._answer, a))
         self._flush()
 
-    def layer_ready(self, transfer_key: str, layer: int, block_ids, num_tokens: int, event=None) -> None:
+    def layer_ready(self, transfer_key: str, layer: int, block_ids, num_tokens: int, event=None,
+                    prompt_digest: str = "") -> None:
         """Layer ``layer`` of ``transfer_key`` is computed in ``block_ids`` (int ``[P]``)
         for its ``num_tokens`` prompt tokens: write it now to every attempt waiting for it.
 
@@ -166,7 +188,8 @@ class Sender:
             return
         ids, _ = self._blocks(block_ids, num_tokens)
         for a, epoch in waiting:
-            self._work.put(partial(self._write_layer, a, layer, ids, int(num_tokens), event, epoch))
+            self._writers.submit(a.req.session, partial(self._write_layer, a, layer, ids, int(num_tokens), event,
+                                                        epoch, prompt_digest))
 
     def restart(self, transfer_key: str) -> int:
         """vLLM preempted ``transfer_key`` after its prompt completed (its blocks are
@@ -204,12 +227,18 @@ class Sender:
     def writes_in_flight(self) -> int:
         return self.ledger.writes_in_flight()
 
+    @property
+    def failed(self) -> str:
+        """Why a thread of this rank died ("" while all run)."""
+        return self._failed_why or self._writers.failed
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout_s)
+        self._writers.close(timeout_s)
         self._waker.close()
-        if self._staging is not None and not any(t.is_alive() for t in self._threads):
+        if self._staging is not None and not any(t.is_alive() for t in self._threads) and not self._writers.alive():
             self._staging.close()
 
     def _blocks(self, block_ids, num_tokens: int) -> tuple[tuple, int]:
@@ -231,8 +260,8 @@ class Sender:
         try:
             loop()
         except Exception as e:
-            self.failed = f"{threading.current_thread().name} died: {type(e).__name__}: {e}"
-            log.exception("cp rank %d: %s", self.cp_rank, self.failed)
+            self._failed_why = f"{threading.current_thread().name} died: {type(e).__name__}: {e}"
+            log.exception("cp rank %d: %s", self.cp_rank, self._failed_why)
 
     # ---- I/O thread: owns the ROUTER socket ----
 
@@ -255,16 +284,20 @@ class Sender:
 
     def _send(self, identity: bytes, msg) -> None:
         try:
-            self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([identity, self.auth.pack(msg)], zmq.NOBLOCK)
         except (zmq.ZMQError, MessageError) as e:  # the consumer went away: nothing to tell it
-            log.warning("cp rank %d: reply to a consumer dropped: %s", self.cp_rank, e)
+            self._peers.warn("send", "cp rank %d: reply to a consumer dropped: %s", self.cp_rank, str(e))
 
     def _receive(self):
         """One message off the socket; whatever it holds, only its own attempt fails."""
         frames = self._sock.recv_multipart(zmq.NOBLOCK)
         if len(frames) != 2:
             return
-        identity, payload = frames
+        identity, frame = frames
+        try:
+            payload = self.auth.open(frame)
+        except AuthError as e:  # not from a peer that holds the secret: nothing to answer
+            return self._peers.warn("auth", "cp rank %d: %s", self.cp_rank, str(e))
         try:
             self._handle(identity, payload)
         except Exception as e:  # a bug, not bad input (decode names that): fail the attempt, keep serving
@@ -290,10 +323,17 @@ class Sender:
             self.fingerprint.check(req.fingerprint)
         except MessageError as e:
             return self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
-        a = Attempt(identity, req, time.monotonic() + req.wait_s)
+        if range(req.head_start, req.head_end) != self.heads:  # its pages hold other heads than ours
+            return self._send(identity, self._failed(req, (
+                f"cp rank {self.cp_rank} holds KV heads [{self.heads.start}, {self.heads.stop}) of "
+                f"{self.fingerprint.num_kv_heads}, the decode rank [{req.head_start}, {req.head_end}): moving a "
+                f"part of a rank's heads is not supported")))
+        a = Attempt(identity, req, time.monotonic() + min(req.wait_s, self.max_wait_s), len(payload))
         how = self.ledger.arrive(a)
+        if how == "busy":
+            return self._send(identity, self._failed(req, self.ledger.busy_reason(a)))
         if how == "serve":
-            self._work.put(partial(self._answer, a))
+            self._writers.submit(req.session, partial(self._answer, a))
         elif how == "unknown":
             self._send(identity, self._failed(req, f"unknown request id {req.transfer_key!r} on cp rank "
                                                    f"{self.cp_rank} (not added, or already finished/expired)"))
@@ -301,27 +341,15 @@ class Sender:
     def _reject(self, identity: bytes, payload: bytes, reason: str) -> None:
         """Answer a message this rank could not take: for its attempt if the attempt
         id can be read (the consumer fails only that fetch), else a ``Reply``."""
-        self.errors.append(reason)
-        log.warning("%s", reason)
+        self.errors.append(clip(reason, 400))
+        self._peers.warn("rejected", "%s", reason)
         which = attempt_of(payload)
         if which is None:
-            return self._send(identity, Reply(False, reason[:4096]))
+            return self._send(identity, Reply(False, reason))
         key, attempt_id = which
         self._send(identity, self._failed(CancelTransfer(key, attempt_id), reason))
 
     # ---- workers: plan + write ----
-
-    def _work_loop(self):
-        while not self._stop.is_set():
-            try:
-                job = self._work.get(timeout=bs.POLL_S)
-            except queue.Empty:
-                continue
-            try:
-                job()
-            except Exception:  # the jobs answer their own failures; this is a bug in one of them
-                log.exception("cp rank %d: a write job failed", self.cp_rank)
-            self._flush()
 
     def _reason(self, e: Exception) -> str:
         if isinstance(e, ValueError):
@@ -366,12 +394,13 @@ class Sender:
         a.plan_s += t1 - t0
         a.write_s += time.perf_counter() - t1
 
-    def _write_layer(self, a: Attempt, layer: int, block_ids, num_tokens: int, event, epoch: int) -> None:
+    def _write_layer(self, a: Attempt, layer: int, block_ids, num_tokens: int, event, epoch: int,
+                     prompt_digest: str) -> None:
         """One layer to one waiting attempt (a worker-thread job queued by ``layer_ready``)."""
         if event is not None:
             event.synchronize()
         with a.lock:
-            token = self.ledger.begin_layer(a, layer, num_tokens, epoch)
+            token = self.ledger.begin_layer(a, layer, num_tokens, epoch, prompt_digest)
             if token is None:
                 return
             error = ""
@@ -394,10 +423,22 @@ class Sender:
                 if not error:
                     todo = [layer for layer in self.layers if layer not in sent]
                     self._plan_write(a, state.block_ids, todo, state.num_pages)
+                    if a.req.verify:
+                        a.checksum = self._checksum(a, state)
             except Exception as e:
                 error = self._reason(e)
             finally:
                 self.ledger.end_answer(a, state, error)
+
+    def _checksum(self, a: Attempt, state: Request) -> str:
+        """``checksum.checksum`` of every byte this rank wrote for ``a`` (the whole path,
+        early layers included), read from its own KV in the consumer's address order."""
+        if not self.host_kv:
+            raise ValueError("verify_kv: this prefill's KV is not in host memory, which the checksum reads")
+        req = a.req
+        desc = plan_path(self.regions, state.block_ids, list(self.layers), req.regions(), req.tables(),
+                         req.dcp_size, req.dcp_rank, req.first_page, state.num_pages)
+        return checksum(self._memory, desc.src, desc.length, desc.dst)
 
     def _ok(self, a: Attempt, state: Request) -> TransferOutcome:
         naive = len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
@@ -406,14 +447,14 @@ class Sender:
             cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
             num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=a.nbytes, descriptors=a.descriptors,
             batches=a.batches, naive_bytes=naive, plan_s=a.plan_s, write_s=a.write_s,
-            early_layers=len(a.sent), settled=a.settled, replicated_bytes=a.replicated_bytes)
+            early_layers=len(a.sent), settled=a.settled, replicated_bytes=a.replicated_bytes, checksum=a.checksum)
 
     def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0,
                 settled: bool = True) -> TransferOutcome:
-        self.errors.append(reason)
-        log.warning("%s", reason)
+        self.errors.append(clip(reason, 400))
+        self._peers.warn("failed", "%s", reason)
         return TransferOutcome(
             transfer_key=req.transfer_key, attempt_id=req.attempt_id, cp_rank=self.cp_rank, cp_size=self.cp_size,
-            ok=False, reason=reason[:4096], layer_start=self.layers.start, layer_end=self.layers.stop,
+            ok=False, reason=clip(reason), layer_start=self.layers.start, layer_end=self.layers.stop,
             num_tokens=0, num_pages=num_pages, nbytes=0, descriptors=0, batches=0, naive_bytes=0, plan_s=0.0,
             write_s=0.0, early_layers=0, settled=settled)

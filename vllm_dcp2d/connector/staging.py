@@ -41,7 +41,6 @@ Public API
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_dcp2d.connector.hostmem import gather
 from vllm_dcp2d.connector.transport import RETIRED_KEPT, STALL_S
 from vllm_dcp2d.plan import Descriptors, Memory
 
@@ -122,17 +122,6 @@ def stage(desc: Descriptors, slot_bytes: int, dst_memory: Memory | None = None) 
     return chunks, in_place
 
 
-def _bytes_at(addr: int, nbytes: int) -> np.ndarray:
-    """uint8 ``[nbytes]`` over host memory at ``addr`` (no copy)."""
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
-
-
-def _rows(buf: np.ndarray, unit: int) -> np.ndarray:
-    """uint8 ``[len(buf) - unit + 1, unit]``: row ``i`` is ``buf[i:i + unit]`` (a view)."""
-    return np.lib.stride_tricks.as_strided(buf, shape=(buf.size - unit + 1, unit), strides=(1, 1),
-                                           writeable=False)
-
-
 class Slot:
     """One registered host buffer: ``addr``, ``nbytes``."""
 
@@ -147,24 +136,13 @@ class Slot:
         g = c.pages
         if not len(g):
             return
-        if not memory.holds(g.src, g.length).all():
-            raise ValueError("a staged read falls outside the memory this rank registered")
-        # Cut every descriptor into units of the lengths' common divisor, so one
-        # fancy-indexed copy per memory range moves them all.
-        unit = int(np.gcd.reduce(g.length))
-        count = g.length // unit
-        first = np.repeat(np.cumsum(count) - count, count)
-        k = np.repeat(np.arange(len(g)), count)
-        step = (np.arange(int(count.sum())) - first) * unit
-        src, off = g.src[k] + step, c.offset[k] + step
-        if off[0] < 0 or off[-1] + unit > self.nbytes or (off.size > 1 and (np.diff(off) != unit).any()):
+        off = c.offset
+        if off[0] < 0 or off[-1] + g.length[-1] > self.nbytes or (np.diff(off) != g.length[:-1]).any():
             raise ValueError("staged offsets must be consecutive and inside the slot")
-        out = self.buf[off[0]:off[-1] + unit].reshape(-1, unit)
-        where = np.searchsorted(memory.addr, src, side="right") - 1
-        for r in np.unique(where):  # one per registered range (a handful), not per page
-            sel = where == r
-            base, size = int(memory.addr[r]), int(memory.nbytes[r])
-            out[sel] = _rows(_bytes_at(base, size), unit)[src[sel] - base]
+        try:
+            gather(memory, g.src, g.length, self.buf[off[0]:off[-1] + g.length[-1]])
+        except ValueError as e:
+            raise ValueError(f"staging: {e}") from None
 
 
 class StagingPool:

@@ -8,7 +8,9 @@ the request was scheduled once that step's output was processed: 10 ms on averag
 20 ms at worst, added to every PD request.
 
 The scheduler side binds a ``StepBell`` (an ipc PULL socket in the engine-core
-process, in Linux's abstract namespace: nothing on disk) and sends its address to the workers in every step's metadata
+process, in a directory of its own with mode 0700, so only this user's processes
+can ring it: an abstract-namespace socket, which it was, could be rung by any local
+process, each ring cutting an idle step's sleep short) and sends its address to the workers in every step's metadata
 (``DCP2DMetadata.bell``); a worker's ``BellRope`` rings it whenever its receiver
 ends a fetch (or lifts a quarantine). The idle sleep waits on the bell, so it ends
 as soon as a worker has something to report.
@@ -30,37 +32,42 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
+import shutil
 import tempfile
 import threading
 import time
-import uuid
 
 import zmq
 
 from vllm_dcp2d.connector.bootstrap import socket
 
-__all__ = ["StepBell", "BellRope"]
+__all__ = ["StepBell", "BellRope", "PREFIX"]
 
 log = logging.getLogger(__name__)
+PREFIX = "dcp2d-bell-"
 
 
 class StepBell:
     """Scheduler side: ``sleep(timeout_s)`` returns early when a worker rings.
 
-    address: where to bind; default a fresh name in Linux's abstract socket namespace
-    (no file to leave behind, whatever kills the process), elsewhere a file in the
-    temporary directory. ``.address`` is ``""`` when it could not be bound (a name
-    too long for an ipc address, no file descriptors left); ``sleep`` then sleeps
-    the whole time.
+    address: where to bind; default a socket file in a fresh directory of mode 0700
+    (``PREFIX``-pid-random in the temporary directory; removed on close, and those of
+    processes that are gone are removed when the next bell starts). ``.address`` is
+    ``""`` when it could not be bound (a name too long for an ipc address, no file
+    descriptors left); ``sleep`` then sleeps the whole time.
     """
 
     def __init__(self, address: str | None = None):
+        self._dir = None
         if address is None:
-            name = f"dcp2d-bell-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            address = (f"ipc://@{name}" if sys.platform.startswith("linux")
-                       else f"ipc://{os.path.join(tempfile.gettempdir(), name)}")
-        self._sock = _open(zmq.PULL, address, "no step bell", "idle steps sleep their full time")
+            _remove_stale()
+            try:
+                self._dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")  # mode 0700
+                address = f"ipc://{os.path.join(self._dir, 'bell')}"
+            except OSError as e:
+                log.warning("DCP2D: no step bell (%s): idle steps sleep their full time", e)
+                address = ""
+        self._sock = _open(zmq.PULL, address, "no step bell", "idle steps sleep their full time") if address else None
         self.address = address if self._sock is not None else ""
 
     def sleep(self, timeout_s: float) -> bool:
@@ -85,6 +92,9 @@ class StepBell:
             if not path.startswith("@"):  # ZMQ removes the file too, but later, on its I/O thread
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
 
 class BellRope:
@@ -112,6 +122,34 @@ class BellRope:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+
+
+def _remove_stale() -> None:
+    """Remove the bell directories of this user's engine processes that are gone (killed:
+    nothing ran their ``close``). Another user's are not ours to touch, nor can we."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(root, name)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _open(kind: int, address: str, what: str, then: str) -> zmq.Socket | None:

@@ -1,11 +1,12 @@
 """Worker side of DCP2DConnector: one per TP rank, in vLLM's worker process.
 
-Producer (prefill) TP rank ``r`` is layer-split CP rank ``r`` of ``cp_size``:
-its ``Sender`` serves only ``cp_layer_range(L, cp_size, r)``, so path
-``(r, d)`` carries layers(r) x pages(d) and nothing else. That is only right
-when every TP rank holds the whole KV of each layer (MLA, or one KV head);
-otherwise start-up fails with a message saying so. TP rank 0 also runs the
-instance's bootstrap server, where every CP rank registers its side channel.
+Producer (prefill) TP ranks that hold the same KV heads split the layers among
+themselves (``layout.send_shard``): with one KV head (MQA, MLA) TP rank ``r`` is
+layer-split CP rank ``r`` and its ``Sender`` serves only ``cp_layer_range(L,
+cp_size, r)``; with KV heads sharded over TP every rank sends every layer of its
+heads. So path ``(r, d)`` carries layers(r) x pages(d) of the heads both hold,
+and nothing else. TP rank 0 also runs the instance's bootstrap server, where
+every CP rank registers its side channel with the token rank 0 handed out.
 
 Consumer (decode) TP rank = DCP rank ``d`` of ``dcp_size`` (vLLM's DCP group):
 its ``Receiver`` asks every producer CP rank for this rank's pages, written
@@ -37,10 +38,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import time
 
 import numpy as np
 
+from vllm_dcp2d.connector.auth import Auth, load_secret
 from vllm_dcp2d.connector.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.discovery import Registration, registration
 from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, start_http_bootstrap
@@ -53,7 +56,7 @@ from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
 from vllm_dcp2d.connector.transport import MooncakeTransport
 from vllm_dcp2d import page_format
-from vllm_dcp2d.layout import cp_layer_range
+from vllm_dcp2d.layout import cp_layer_range, kv_head_range, send_shard
 from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat import connector_api as compat
 from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
@@ -76,18 +79,15 @@ class WorkerSide:
         self.page_size = compat.page_size(vllm_config)
         self.tp_rank, self.tp_size = compat.tp_rank_size()
         self.dcp_rank, self.dcp_size = compat.dcp_rank_size()
-        self.cp_size = cfg.cp_size or self.tp_size
+        self.num_kv_heads = compat.num_kv_heads(vllm_config)
+        self.heads = kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
         self._one_host = compat.single_host(vllm_config)  # the handover is timed across processes
+        self.auth = Auth(load_secret(cfg.auth_secret_file))  # raises ConfigError for a bad secret file
         if is_producer:
-            if self.cp_size > self.tp_size:
-                raise ConfigError(f"kv_connector_extra_config['cp_size'] = {self.cp_size}: must be <= "
-                                  f"tensor_parallel_size={self.tp_size} (each CP rank is a TP rank)")
-            if self.cp_size > 1 and not compat.kv_replicated(vllm_config):
-                mc = vllm_config.model_config
-                raise ConfigError(
-                    f"layer-split prefill (cp_size={self.cp_size}) needs every TP rank to hold the whole KV of "
-                    f"each layer (MLA, or one KV head), but {mc.model} has {mc.get_total_num_kv_heads()} KV heads "
-                    f"sharded over TP={self.tp_size}. Use cp_size=1, or tensor_parallel_size=1 on prefill.")
+            try:  # the layer count does not matter for the check
+                send_shard(1, self.num_kv_heads, self.tp_size, self.tp_rank, cfg.cp_size)
+            except ValueError as e:
+                raise ConfigError(f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}: {e}") from None
         if is_consumer:
             compat.check_interleave(vllm_config)
         self.stats = DCP2DStats()
@@ -136,13 +136,21 @@ class WorkerSide:
             page_bytes=int(regions.page_bytes.sum()),
             layout=(f"{compat.page_layout(first, self.num_blocks)}:"
                     f"{compat.kv_element_order(self.vllm_config, name, first)}"),
-            model_config=compat.model_config_id(self.vllm_config))
+            model_config=compat.model_config_id(self.vllm_config), num_kv_heads=self.num_kv_heads)
         if self.is_producer:
             self._start_layer_split(kv_caches, int(layers.size))
-        # The gather reads KV through numpy: host memory only.
-        staging = self.cfg.send_staging_mib << 20 if first.device.type == "cpu" else 0
+            # a collective: every TP rank registers its KV caches at this point
+            token = compat.tp_broadcast(secrets.token_hex(16) if self.tp_rank == 0 else None)
+        else:
+            token = ""
+        # The gather and the checksum read KV through numpy: host memory only.
+        host_kv = first.device.type == "cpu"
+        if self.is_consumer and self.cfg.verify_kv and not host_kv:
+            raise ConfigError("kv_connector_extra_config['verify_kv'] = True: this decode's KV is in "
+                              f"{first.device.type} memory; verify_kv reads host memory only (set it false)")
+        staging = self.cfg.send_staging_mib << 20 if host_kv else 0
         with _unpinned():
-            self._start(regions, memory, fingerprint, int(layers.size), staging)
+            self._start(regions, memory, fingerprint, int(layers.size), staging, token, host_kv)
 
     def _start_layer_split(self, kv_caches: dict, num_layers: int) -> None:
         """With layer-split storage (``vllm_compat.kv_cache`` laid the memory out in
@@ -171,7 +179,8 @@ class WorkerSide:
                  "other %d (%d layer slots instead of %d)", self.tp_rank, r.start, r.stop, len(others),
                  len(owned) + 1, num_layers)
 
-    def _start(self, regions, memory, fingerprint, num_layers: int, staging_bytes: int) -> None:
+    def _start(self, regions, memory, fingerprint, num_layers: int, staging_bytes: int, token: str,
+               host_kv: bool) -> None:
         # A producer's engine only writes: it may be replaced after a failed write.
         self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol,
                                            renew_on_failure=self.is_producer and not self.is_consumer)
@@ -180,23 +189,29 @@ class WorkerSide:
         boot = f"tcp://{self.cfg.bootstrap_host}:{self.cfg.bootstrap_port}"
         if self.is_producer:
             if self.tp_rank == 0:
-                self.bootstrap = BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port)
+                self.bootstrap = BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port, token, self.auth)
                 self.http_bootstrap = start_http_bootstrap(self.cfg, self.bootstrap, self.engine_id)
-            if self.tp_rank < self.cp_size:
+            shard = send_shard(num_layers, self.num_kv_heads, self.tp_size, self.tp_rank, self.cfg.cp_size)
+            if shard is not None:
+                cp_rank, cp_size, layers, heads = shard
                 self.sender = Sender(self.transport, regions, fingerprint, engine_id=self.engine_id,
-                                     cp_rank=self.tp_rank, cp_size=self.cp_size, host=self.cfg.local_hostname,
+                                     cp_rank=cp_rank, cp_size=cp_size, host=self.cfg.local_hostname,
                                      bootstrap=boot, expiry_s=self.cfg.send_timeout_s,
-                                     claim_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes)
-                r = cp_layer_range(num_layers, self.cp_size, self.tp_rank)
-                log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) via %s",
-                         self.tp_rank, self.tp_rank, self.cp_size, r.start, r.stop, self.sender.address)
+                                     claim_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes,
+                                     layers=layers, heads=heads, token=token, auth=self.auth,
+                                     max_wait_s=self.cfg.max_prefill_wait_s, host_kv=host_kv)
+                log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) of KV heads [%d, %d) "
+                         "via %s", self.tp_rank, cp_rank, cp_size, layers.start, layers.stop, heads.start,
+                         heads.stop, self.sender.address)
         if self.is_consumer:
             self.receiver = Receiver(self.transport, regions, fingerprint, engine_id=self.engine_id,
                                      consumer_rank=self.tp_rank, consumer_size=self.tp_size,
                                      dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                                      timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
-                                     cancel_grace_s=self.cfg.cancel_grace_s, on_output=self._ring)
-            log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d", self.tp_rank, self.dcp_rank, self.dcp_size)
+                                     cancel_grace_s=self.cfg.cancel_grace_s, on_output=self._ring,
+                                     heads=self.heads, auth=self.auth, verify=self.cfg.verify_kv)
+            log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d, KV heads [%d, %d) of %d", self.tp_rank,
+                     self.dcp_rank, self.dcp_size, self.heads.start, self.heads.stop, self.num_kv_heads)
         if self.tp_rank == 0:  # last: the router may send requests from now on
             self.registration = registration(self.cfg, self.is_producer, self.is_consumer)
 
@@ -251,7 +266,7 @@ class WorkerSide:
             if self.sender is not None:
                 self.sender.drop(key)
         for req_id, key in meta.aborted.items():
-            if self.sender is None:  # TP rank beyond cp_size: owns no layers to send
+            if self.sender is None:  # a TP rank that sends nothing (layout.send_shard)
                 self._finished_sending.add(req_id)
             else:
                 self._sending[key] = req_id
@@ -269,13 +284,17 @@ class WorkerSide:
                 else:
                     self.stats.record_stage("handover_seconds", handover)
                 self._handed[spec.transfer_key] = (now, handover)
-                self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens)
+                self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens, spec.prompt_digest)
         for spec in meta.releases.values():
-            self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
+            self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id,
+                          spec.prompt_digest)
         for req_id, spec in meta.loads.items():
             if self.receiver is None:
                 raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
             key = spec.transfer_key
+            if spec.refused:  # nowhere to fetch from, or not what the wire takes: fail it now
+                self._refused.append((req_id, spec, spec.refused))
+                continue
             if key in self._loading:
                 why = (f"transfer key {key!r} is already being fetched by request {self._loading[key][0]} on "
                        f"this decode instance; each request needs its own (remote_request_id)")
@@ -286,18 +305,19 @@ class WorkerSide:
                 self._loading[key] = (req_id, spec.block_ids, spec.first_page)
                 self.receiver.start(key, spec.bootstrap_addr, spec.block_ids, spec.first_page,
                                     timeout_s=spec.timeout_s, num_tokens=spec.num_tokens,
-                                    remote_engine_id=spec.remote_engine_id)
+                                    remote_engine_id=spec.remote_engine_id, prompt_digest=spec.prompt_digest)
                 continue
             self._refused.append((req_id, spec, why))
             # no-op for the duplicate key
-            self._release(key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id)
+            self._release(key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id, spec.prompt_digest)
 
-    def _release(self, key: str, bootstrap: str, num_tokens: int, remote_engine_id: str | None) -> None:
+    def _release(self, key: str, bootstrap: str, num_tokens: int, remote_engine_id: str | None,
+                 prompt_digest: str) -> None:
         """Consumer: this rank will never fetch ``key``; the producer may free it
         (``Receiver.release``). Not while this instance fetches the same key for
         another request: that fetch still needs it."""
         if self.cfg.release_unfetched and self.receiver is not None and key not in self._loading:
-            self.receiver.release(key, bootstrap, num_tokens, remote_engine_id)
+            self.receiver.release(key, bootstrap, num_tokens, remote_engine_id, prompt_digest)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Called by the model runner after every step (``get_transfer_results``).
@@ -345,7 +365,7 @@ class WorkerSide:
                     self._record(f)
                 else:
                     self._fail(req_id, f.transfer_key, f, block_ids, first_page)
-                    self._release(f.transfer_key, f.bootstrap, f.num_tokens, f.remote_engine_id)
+                    self._release(f.transfer_key, f.bootstrap, f.num_tokens, f.remote_engine_id, f.prompt_digest)
             for f in lifted:
                 _, req_id, n = self._quarantines.pop(id(f))
                 self._meta.lifted.add((req_id, self.tp_rank))
@@ -388,6 +408,8 @@ class WorkerSide:
         fails or recomputes it (``kv_load_failure_policy``)."""
         expired = f is not None and f.error.timed_out
         self.stats.count("expired" if expired else "failed")
+        if f is not None and f.error.corrupt:
+            self.stats.count("corrupt")
         self._meta.failed_loads.add(req_id)
         # Undefined from the first fetched page on, in every group.
         blocks = [b for ids, sharded in zip(block_ids, self.group_sharded)
@@ -434,7 +456,8 @@ class WorkerSide:
         # On GPU the KV write is queued on the compute stream: the sender waits for it.
         event = compat.record_event(kv_layer)
         for spec in waiting:
-            self.sender.layer_ready(spec.transfer_key, layer, spec.block_ids, spec.num_tokens, event)
+            self.sender.layer_ready(spec.transfer_key, layer, spec.block_ids, spec.num_tokens, event,
+                                    spec.prompt_digest)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called by the model runner after ``get_finished``; returns and clears."""
@@ -447,6 +470,7 @@ class WorkerSide:
         if self.transport is not None:
             for name, n in self.transport.take_counts().items():
                 self.stats.count(name, n)
+        self.stats.count("unauthenticated", self.auth.take_refused())
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:

@@ -39,7 +39,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_dcp2d import page_format
 from vllm_dcp2d.plan import KVRegions
-from vllm_dcp2d.vllm_compat.instance import kv_replicated
+from vllm_dcp2d.vllm_compat.instance import kv_replicated, num_kv_heads
 
 __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",
            "KVConnectorStats", "KVConnectorPromMetrics",
@@ -49,7 +49,7 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
-           "preempted", "single_host"]
+           "preempted", "single_host", "num_kv_heads", "tp_broadcast", "prompt_ids"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -169,6 +169,13 @@ def single_host(vllm_config) -> bool:
     return getattr(pc, "nnodes", 1) <= 1 and pc.distributed_executor_backend != "ray"
 
 
+def prompt_ids(request) -> tuple[list[int] | None, list[str]]:
+    """What a vLLM ``Request``'s prompt KV is computed from: its prompt token ids (None
+    for prompt embeds) and the identifiers of its multimodal items (vLLM 0.32:
+    ``mm_features[i].identifier``), for ``messages.prompt_digest``."""
+    return request.prompt_token_ids, [f.identifier for f in getattr(request, "mm_features", None) or ()]
+
+
 def finished_normally(request) -> bool:
     """Stopped or length-capped: its prompt KV is complete (not aborted or failed)."""
     return request.status in _FINISHED_OK
@@ -177,6 +184,13 @@ def finished_normally(request) -> bool:
 def tp_rank_size() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def tp_broadcast(obj):
+    """``obj`` of TP rank 0 on every TP rank of this worker's group (a collective: every
+    TP rank calls it at the same point, as ``register_kv_caches`` is)."""
+    from vllm.distributed.parallel_state import get_tp_group
+    return get_tp_group().broadcast_object(obj, src=0)
 
 
 def tp_cp_group():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm_dcp2d.config import CONNECTOR_NAME, parse_extra_config
 
-__all__ = ["is_dcp2d", "kv_replicated", "layer_split_may_apply"]
+__all__ = ["is_dcp2d", "num_kv_heads", "kv_replicated", "layer_split_may_apply"]
 
 
 def is_dcp2d(vllm_config) -> bool:
@@ -19,10 +19,15 @@ def is_dcp2d(vllm_config) -> bool:
     return kv is not None and kv.kv_connector == CONNECTOR_NAME
 
 
+def num_kv_heads(vllm_config) -> int:
+    """The model's KV heads as the transfer counts them: MLA's one latent is one head."""
+    mc = vllm_config.model_config
+    return 1 if mc.use_mla else int(mc.get_total_num_kv_heads())
+
+
 def kv_replicated(vllm_config) -> bool:
     """Whether every TP rank holds the whole KV of each layer (MLA, or one KV head)."""
-    mc = vllm_config.model_config
-    return bool(mc.use_mla) or mc.get_total_num_kv_heads() == 1
+    return num_kv_heads(vllm_config) == 1
 
 
 def layer_split_may_apply(vllm_config) -> bool:

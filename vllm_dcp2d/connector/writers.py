@@ -1,0 +1,103 @@
+"""A prefill rank's write jobs, one thread per decode rank (issue 37, finding 5).
+
+A Mooncake write to a frozen or slow decode can take ``STALL_S`` per batch, and a
+cancel does not interrupt it. With a fixed pool of writer threads shared by every
+decode, two such writes held the whole pool and another decode's fetch never
+started. Here each peer (a decode rank's Mooncake session) gets its own thread,
+started when a job for it arrives and ended when its queue is empty, so a peer's
+writes run in order and only that peer's jobs wait behind them. At most
+``max_threads`` run at once; a peer past that waits for the first thread to free.
+
+Public API
+----------
+``Writers(name, max_threads=MAX_THREADS, after=None)``
+    ``.submit(peer: str, job: Callable[[], None])``  run ``job`` after ``peer``'s earlier jobs.
+    ``.close(timeout_s)``                              stop taking jobs; join the threads.
+    ``.failed -> str``                                 why a thread died ("" while all run).
+``after`` is called (no arguments) on the writer's thread after every job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["Writers", "MAX_THREADS"]
+
+log = logging.getLogger(__name__)
+MAX_THREADS = 64  # writer threads of one prefill rank at once (one per decode rank writing)
+
+
+class Writers:
+    """Jobs by peer, each peer's in order on its own thread (see the module doc)."""
+
+    def __init__(self, name: str, max_threads: int = MAX_THREADS, after: Callable[[], None] | None = None):
+        self.name, self.max_threads, self.after = name, max_threads, after
+        self.failed = ""
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque] = {}   # peer -> jobs not started
+        self._running: set[str] = set()       # peers with a thread
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+
+    def submit(self, peer: str, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._queues.setdefault(peer, deque()).append(job)
+            if peer in self._running or len(self._running) >= self.max_threads:
+                return  # its thread takes it, or the first thread to free does
+            self._start(peer)
+
+    def _start(self, peer: str) -> None:
+        """Under ``_lock``: a thread for ``peer``."""
+        self._running.add(peer)
+        t = threading.Thread(target=self._run, args=(peer,), name=f"dcp2d-write-{self.name}", daemon=True)
+        self._threads.add(t)
+        t.start()
+
+    def _next(self, peer: str):
+        """``(peer, job)`` this thread runs next: its peer's next job, else a waiting peer's
+        (one that found every thread busy), else ``(None, None)``: the thread ends."""
+        with self._lock:
+            q = self._queues.get(peer)
+            if q and not self._closed:
+                return peer, q.popleft()
+            self._queues.pop(peer, None)
+            self._running.discard(peer)
+            for other, jobs in self._queues.items():
+                if jobs and other not in self._running and not self._closed:
+                    self._running.add(other)
+                    return other, jobs.popleft()
+            self._threads.discard(threading.current_thread())
+            return None, None
+
+    def _run(self, peer: str) -> None:
+        try:
+            while True:
+                peer, job = self._next(peer)
+                if job is None:
+                    return
+                try:
+                    job()
+                except Exception:  # the jobs answer their own failures; this is a bug in one of them
+                    log.exception("%s: a write job failed", self.name)
+                if self.after is not None:
+                    self.after()
+        except Exception as e:  # outside every job: the owner fails the engine on it
+            self.failed = f"a writer of {self.name} died: {type(e).__name__}: {e}"
+            log.exception("%s", self.failed)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout_s)
+
+    def alive(self) -> bool:
+        """Whether a writer thread still runs (a write may still read a staging slot)."""
+        with self._lock:
+            return any(t.is_alive() for t in self._threads)
