@@ -30,6 +30,7 @@ import pytest
 from _pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
                          complete, expected_bytes, ids, pd_cluster, prompts, stalled, tokens)
 
+from _stranger import run as stranger
 from vllm_dcp2d.connector import bootstrap as bs
 from vllm_dcp2d.connector.messages import QueryRanks, RankTable
 from vllm_dcp2d.testing.harness import fetch_records, kv_cache_usage, kv_capacity, post_json, read_stats
@@ -349,6 +350,66 @@ def test_prefill_frees_blocks_the_decode_will_not_fetch(cluster):
     assert tokens(out) == tokens(ref)  # refused, recomputed on decode1
     freed = seconds_until(lambda: kv_cache_usage(url) == 0.0, 10, "prefill KV usage 0 after the release")
     print(f"refused fetch: prefill KV usage 0 after {freed:.2f}s (send_timeout_s=600)")
+
+
+# Refused kv_transfer_params (issue 37, finding 4): each sent straight to a decode. On
+# e478bf4 such a request waited for a load that never started, with no end.
+REFUSED = {
+    "malformed address": {"remote_bootstrap_addr": "tcp://127.0.0.1:notaport"},
+    "no key": {"remote_request_id": None},
+    "engine id not a string": {"remote_engine_id": 7},
+    "key too long": {"remote_request_id": "k" * 513},
+    "prompt length not a count": {"remote_num_tokens": "12"},
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("which", ["decode", "decode1"])
+def test_refused_kv_transfer_params_end_the_request_at_once(cluster, which):
+    """Every field a decode refuses ends the request within seconds: an error on
+    ``decode`` (kv_load_failure_policy "fail"), the colocated answer on ``decode1``
+    ("recompute"); its blocks are freed."""
+    c = cluster
+    prompt = ids(2 * PAGE + 3, 51 if which == "decode" else 52)
+    ref = complete(c["prefill"].url, c["model"], prompt)
+    for name, edit in REFUSED.items():
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": f"refused-{name}",
+                  "remote_bootstrap_addr": bootstrap_addr(c), "remote_engine_id": "prefill", **edit}
+        params = {k: v for k, v in params.items() if v is not None}
+        body = {"model": c["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params}
+        t0 = time.monotonic()
+        status, out = post_json(c[which].url + "/v1/completions", body, timeout_s=120)
+        took = time.monotonic() - t0
+        if which == "decode1":
+            assert status == 200 and tokens(out) == tokens(ref), (name, status, out)
+        else:
+            assert status >= 400, (name, status, out)
+        assert took < 10, f"{name}: the request took {took:.1f} s"
+    seconds_until(lambda: kv_cache_usage(c[which].url) == 0.0, 10, f"{which} KV usage back to 0")
+
+
+@pytest.mark.timeout(600)
+def test_a_stranger_on_the_side_channel_takes_nothing_and_stops_nothing(cluster):
+    """The hostile-peer suite without a secret (issue 37, item 7): a stranger process
+    tries, against the live prefill, to register itself as cp rank 0 (finding 1), to
+    send one over-long message to the bootstrap and to every rank (finding 2: it
+    killed the engine), a frame past the wire's limit, and 300 requests asking to wait
+    an hour (finding 6). Each is refused or harmless; then both decodes answer through
+    the proxies with the colocated answer, and every KV usage goes back to 0."""
+    c = cluster
+    got = stranger("all", bootstrap_addr(c))
+    assert "registration token" in got["register"]["reply"] and got["register"]["before"] == got["register"]["after"]
+    assert got["long"]["bootstrap"].startswith("Reply: rejected:")
+    assert all(v.startswith("TransferOutcome:") for k, v in got["long"].items() if k != "bootstrap"), got["long"]
+    assert all(v == "silence" for v in got["big"].values()), got["big"]
+    assert all(v["busy"] == 300 - 256 for v in got["flood"].values()), got["flood"]
+    for which, salt in (("proxy", 61), ("proxy1", 62)):
+        prompt = ids(3 * PAGE + 5, salt)
+        assert tokens(complete(c[which].url, c["model"], prompt)) == tokens(complete(c["prefill"].url, c["model"],
+                                                                                     prompt))
+    for name in ("prefill", "decode", "decode1"):
+        seconds_until(lambda: kv_cache_usage(c[name].url) == 0.0, 30, f"{name} KV usage back to 0")
 
 
 # Multi-host checks: prompts test_e2e's other tests do not send (seeds 31-34, and

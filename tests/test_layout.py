@@ -77,3 +77,43 @@ def test_pages_for_rank(num_pages, dcp_size, first_page, data):
 def test_invalid_input_names_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ---- KV heads over TP (issue 37, item 0) ----
+
+from vllm_dcp2d.layout import askers, head_replicas, kv_head_range, send_shard  # noqa: E402
+
+_SHAPES = st.sampled_from([(k, t) for k in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8, 16) if k % t == 0 or t % k == 0])
+
+
+@given(shape=_SHAPES)
+def test_tp_ranks_hold_every_head_and_replicas_hold_the_same(shape):
+    """vLLM's split: every head on head_replicas ranks, consecutive ranks sharing one."""
+    k, tp = shape
+    held = [kv_head_range(k, tp, r) for r in range(tp)]
+    assert sorted(h for r in held for h in r) == sorted(list(range(k)) * head_replicas(k, tp))
+    assert all(len(h) == max(1, k // tp) for h in held)
+
+
+@given(shape=_SHAPES, layers=st.integers(1, 80), cp=st.integers(0, 16))
+def test_the_senders_cover_every_layer_of_every_head_once(shape, layers, cp):
+    """``send_shard``: the ranks that send partition layers x heads, whatever the shape;
+    a cp_size above the replicas of a head is refused naming both."""
+    k, tp = shape
+    if cp > head_replicas(k, tp):
+        with pytest.raises(ValueError, match=f"cp_size={cp}: .* expected 1..{head_replicas(k, tp)}"):
+            send_shard(layers, k, tp, 0, cp)
+        return
+    cover = np.zeros((layers, k), dtype=int)
+    shards = [s for r in range(tp) if (s := send_shard(layers, k, tp, r, cp)) is not None]
+    assert sorted(s[0] for s in shards) == list(range(len(shards))) and {s[1] for s in shards} == {len(shards)}
+    for _, _, ls, hs in shards:
+        cover[ls.start:ls.stop, hs.start:hs.stop] += 1
+    assert (cover == 1).all()
+
+
+@given(shape=_SHAPES)
+def test_askers_count_the_consumer_ranks_holding_a_head(shape):
+    k, tp = shape
+    for h in range(k):
+        assert askers(k, tp, range(h, h + 1)) == [t for t in range(tp) if h in kv_head_range(k, tp, t)]

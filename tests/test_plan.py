@@ -204,3 +204,50 @@ def test_regions_validate():
         KVRegions.uniform([0, 0], [0, 10], 10)
     with pytest.raises(ValueError, match=r"need 0 < page_bytes <= page_stride"):
         KVRegions.uniform([0], [0], 10, 11)
+
+
+# ---- which prefill ranks a decode rank fetches from (issue 37, item 0) ----
+
+from vllm_dcp2d.layout import kv_head_range, send_shard  # noqa: E402
+from vllm_dcp2d.plan import ShardError, senders_for  # noqa: E402
+
+
+def _table(layers: int, k: int, tp: int, cp: int = 0):
+    shards = sorted(s for r in range(tp) if (s := send_shard(layers, k, tp, r, cp)) is not None)
+    return (np.array([(s[2].start, s[2].stop) for s in shards]).reshape(-1),
+            np.array([(s[3].start, s[3].stop) for s in shards]).reshape(-1))
+
+
+@given(k=st.sampled_from([1, 2, 4, 8]), tp=st.sampled_from([1, 2, 4, 8]), layers=st.integers(1, 40))
+def test_a_decode_with_the_prefills_head_split_fetches_each_layer_once(k, tp, layers):
+    """Prefill and decode split the KV heads alike (the same TP, or heads replicated on
+    both): each decode rank asks exactly the prefill ranks holding its heads."""
+    if k % tp and tp % k:
+        return
+    lay, heads = _table(layers, k, tp)
+    for t in range(tp):
+        want = kv_head_range(k, tp, t)
+        ask = senders_for(lay, heads, layers, k, want)
+        assert all(range(int(heads[2 * r]), int(heads[2 * r + 1])) == want for r in ask)
+        assert sum(int(lay[2 * r + 1] - lay[2 * r]) for r in ask) == layers
+
+
+@pytest.mark.parametrize("k,tp_prefill,tp_decode,rank,why", [
+    (2, 1, 2, 1, r"cp rank 0: heads 0-1 of 2; this decode rank holds head 1"),   # TP1 -> TP2: part of a rank
+    (2, 2, 1, 0, r"cp rank 0: head 0, cp rank 1: head 1 of 2; this decode rank holds heads 0-1"),  # TP2 -> TP1
+    (4, 2, 4, 3, r"cp rank 1: heads 2-3 of 4; this decode rank holds head 3"),
+])
+def test_a_decode_whose_heads_the_prefill_splits_otherwise_is_refused_naming_both(k, tp_prefill, tp_decode, rank,
+                                                                                  why):
+    """The GQA shapes that served wrong text with HTTP 200 or failed naming the layout:
+    refused, naming each side's heads and the fix (until a part of a rank's heads moves)."""
+    lay, heads = _table(4, k, tp_prefill)
+    with pytest.raises(ShardError, match=why + r".*tensor_parallel_size"):
+        senders_for(lay, heads, 4, k, kv_head_range(k, tp_decode, rank))
+
+
+def test_layers_covered_twice_or_not_at_all_are_refused():
+    with pytest.raises(ShardError, match=r"covering layer\(s\) \[2, 3\] 0 times"):
+        senders_for(np.array([0, 2]), np.array([0, 1]), 4, 1, range(0, 1))
+    with pytest.raises(ShardError, match=r"covering layer\(s\) \[1\] 2 times"):
+        senders_for(np.array([0, 2, 1, 4]), np.array([0, 1, 0, 1]), 4, 1, range(0, 1))

@@ -194,11 +194,11 @@ def send_shard(num_layers: int, num_kv_heads: int, tp_size: int, tp_rank: int,
     return (group * cp_size + i, (tp_size // replicas) * cp_size, cp_layer_range(num_layers, cp_size, i), heads)
 
 
-def askers(num_kv_heads: int, tp_size: int, heads: range) -> int:
-    """How many of a consumer's ``tp_size`` TP ranks hold any of ``heads`` (so fetch from
-    the producer rank that sends them): a producer rank frees a request once that many
-    ranks of one consumer got their pages or released them."""
-    return sum(1 for t in range(tp_size) if set(kv_head_range(num_kv_heads, tp_size, t)) & set(heads))
+def askers(num_kv_heads: int, tp_size: int, heads: range) -> list[int]:
+    """The TP ranks of a consumer's ``tp_size`` that hold any of ``heads`` (so fetch from
+    the producer rank that sends them), ascending: a producer rank frees a request once
+    each of them got its pages or released them."""
+    return [t for t in range(tp_size) if set(kv_head_range(num_kv_heads, tp_size, t)) & set(heads)]
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 
-from vllm_dcp2d.connector.messages import MessageError, clip, decode, encode
+from vllm_dcp2d.connector.messages import MessageError, Reply, clip, decode, encode
 
 __all__ = ["Auth", "AuthError", "PeerLog", "load_secret", "ENV", "MAX_SKEW_S", "MIN_SECRET_BYTES"]
 
@@ -122,7 +122,18 @@ class Auth:
         return self.seal(encode(msg))
 
     def unpack(self, frame: bytes, expect=None):
-        return decode(self.open(frame), expect)
+        """``decode(open(frame))``. An unsealed ``Reply`` that ``open`` refuses (a peer telling
+        us it refused ours: no secret there, or another one) is named in the error, as what
+        it is: unauthenticated text, for the operator's eyes only."""
+        try:
+            body = self.open(frame)
+        except AuthError as e:
+            try:
+                said = decode(bytes(frame), Reply).reason
+            except MessageError:
+                raise e from None
+            raise AuthError(f"{e}; the peer said, unauthenticated: {clip(said, 300)}") from None
+        return decode(body, expect)
 
     def take_refused(self) -> int:
         with self._lock:

@@ -290,11 +290,11 @@ class Receiver:
         q.used = time.monotonic()
         return q
 
-    def _collect(self, idle_s: float = IDLE_S) -> None:
+    def _collect(self, idle_s: float | None = None) -> None:
         """Close the table queries and rank links nothing has used for ``idle_s`` (inf: none
         in use now): no fetch, release or quarantined attempt needs them. Each holds
         sockets and a reconnect timer, and any request may name a new address."""
-        now = time.monotonic()
+        now, idle_s = time.monotonic(), IDLE_S if idle_s is None else idle_s
         active = {f.bootstrap for f in self.ledger.active()}
         for bootstrap, q in list(self._queries.items()):
             if (bootstrap in active or self._waiting.get(bootstrap) or bootstrap in self._unsent
@@ -363,15 +363,16 @@ class Receiver:
         for cp_rank, addr in enumerate(table.addresses):
             if not set(table.shard(cp_rank)[1]) & set(self.heads):
                 continue  # that rank holds none of this rank's heads: it never counts this rank
-            msg = ReleaseTransfer(key, self.engine_id, self.consumer_rank, self._askers(table, cp_rank), num_tokens,
-                                  digest)
+            msg = ReleaseTransfer(key, self.engine_id, *self._askers(table, cp_rank), num_tokens, digest)
             if not self._rank(addr).send(msg):
                 log.info("release of %r not sent to %s: its queue is full", key, addr)
 
-    def _askers(self, table: RankTable, cp_rank: int) -> int:
-        """How many TP ranks of this decode instance fetch from ``cp_rank`` (those holding
-        its heads): the prefill rank frees a request once that many are served."""
-        return askers(self.fingerprint.num_kv_heads, self.consumer_size, table.shard(cp_rank)[1])
+    def _askers(self, table: RankTable, cp_rank: int) -> tuple[int, int]:
+        """``(consumer_rank, consumer_size)`` this rank names to ``cp_rank``: its place among
+        the decode's TP ranks that fetch from it (those holding its heads), and how many
+        they are: the prefill rank frees a request once each of them is served."""
+        ranks = askers(self.fingerprint.num_kv_heads, self.consumer_size, table.shard(cp_rank)[1])
+        return (ranks.index(self.consumer_rank), len(ranks)) if self.consumer_rank in ranks else (0, 1)
 
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
@@ -387,8 +388,8 @@ class Receiver:
             attempt = next(self._attempts)
             msg = TransferRequest.build(
                 regions=self.regions, memory=self.memory, transfer_key=f.transfer_key, attempt_id=attempt,
-                engine_id=self.engine_id, consumer_rank=self.consumer_rank,
-                consumer_size=self._askers(table, cp_rank), session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
+                engine_id=self.engine_id, consumer_rank=self._askers(table, cp_rank)[0],
+                consumer_size=self._askers(table, cp_rank)[1], session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                 block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
                 num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s,
                 head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,

@@ -73,6 +73,7 @@ class Attempt:
     req: TransferRequest
     deadline: float  # when waiting for the request's prefill ends
     size: int = 0    # bytes of its encoded request (what it holds while open)
+    waited_s: float = float("inf")  # how long it may wait: its wait_s, cut to the rank's limit
     lock: threading.Lock = field(default_factory=threading.Lock)
     sent: set = field(default_factory=set)  # layers written (of the current epoch)
     epoch: int = 0       # bumped by a preemption: writes of an older epoch count for nothing
@@ -376,7 +377,8 @@ class SendLedger:
             for key, items in list(self._waiting.items()):
                 for a in [a for a in items if a.deadline <= now]:
                     items.remove(a)
-                    self._close(a, f"request {key!r} not ready on {self.name} after waiting {a.req.wait_s:.1f}s")
+                    self._close(a, f"request {key!r} not ready on {self.name} after waiting "
+                                   f"{min(a.req.wait_s, a.waited_s):.1f}s")
                 if not items:
                     del self._waiting[key]
 

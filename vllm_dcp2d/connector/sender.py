@@ -328,7 +328,8 @@ class Sender:
                 f"cp rank {self.cp_rank} holds KV heads [{self.heads.start}, {self.heads.stop}) of "
                 f"{self.fingerprint.num_kv_heads}, the decode rank [{req.head_start}, {req.head_end}): moving a "
                 f"part of a rank's heads is not supported")))
-        a = Attempt(identity, req, time.monotonic() + min(req.wait_s, self.max_wait_s), len(payload))
+        a = Attempt(identity, req, time.monotonic() + min(req.wait_s, self.max_wait_s), len(payload),
+                    min(req.wait_s, self.max_wait_s))
         how = self.ledger.arrive(a)
         if how == "busy":
             return self._send(identity, self._failed(req, self.ledger.busy_reason(a)))
