@@ -177,6 +177,10 @@ else:
                          "shrunk": [(c.num_blocks, place(c), [t.size for t in c.kv_cache_tensors]) for c in configs],
                          "shrunk_to": shrunk_to, "layers": layers}
 
+# Sparse MLA: the two caches vLLM's own layers give (bytes per page, DCP-sharded on a decode).
+from vllm_dcp2d.vllm_compat.kv_alloc import sparse_mla_specs  # noqa: E402
+
+out["sparse_mla"] = [(s.page_size_bytes, s.dcp_sharded) for s in sparse_mla_specs(1).values()]
 out["same"] = same
 # What a GPU host of this version would decide: the registry asked again with the platform
 # answering "not CPU" (CPU-only patches then do not apply; the others are installed above).

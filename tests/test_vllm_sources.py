@@ -254,6 +254,16 @@ def test_every_patch_fits_and_every_vllm_import_resolves(child):
 
 
 @pytest.mark.timeout(600)
+def test_both_sparse_mla_caches_are_dcp_sharded(child):
+    """DeepSeek-V3.2 / GLM-5.x: the latent cache (fp8_ds_mla, 656 B per token) and the
+    indexer's key cache (132 B), as this version's own layer classes give them: both
+    DCP-sharded on a decode, so both move like the rest of the KV (page i to DCP rank
+    i % dcp_size)."""
+    version, got = child
+    assert got["sparse_mla"] == [[64 * 656, True], [64 * 132, True]], got["sparse_mla"]
+
+
+@pytest.mark.timeout(600)
 def test_which_dcp2d_instances_start(child):
     """On a GPU host of every supported version every kind of DCP2D instance starts;
     on 0.34's CPU platform (not checked) every kind is refused, naming the version."""

@@ -76,6 +76,10 @@ def storage_plan(vllm_config, num_layers: int) -> StoragePlan | None:
 
     if cp <= 1:
         _fail_or_skip(mode, f"cp_size is {cp} (nothing to split)")
+    elif getattr(vllm_config.model_config.hf_text_config, "index_topk", None) is not None:
+        _fail_or_skip(mode, f"{vllm_config.model_config.model} uses sparse MLA: each layer keeps an indexer cache "
+                            f"beside its latent cache (two placements), and layer-split storage places one cache "
+                            f"per layer")
     elif not kv_replicated(vllm_config):
         _fail_or_skip(mode, f"{vllm_config.model_config.model} has "
                             f"{vllm_config.model_config.get_total_num_kv_heads()} KV heads sharded over TP={tp}; "
