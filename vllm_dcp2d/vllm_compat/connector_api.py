@@ -58,7 +58,7 @@ _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STO
 def base_init(self, vllm_config, role, kv_cache_config) -> None:
     """``KVConnectorBase_V1.__init__`` with whatever arguments this vLLM takes.
 
-    0.32 and 0.33 take ``(vllm_config, role, kv_cache_config)``; an older base without
+    0.32, 0.33 and 0.34 take ``(vllm_config, role, kv_cache_config)``; an older base without
     ``kv_cache_config`` gets two arguments. First raises ``RuntimeError`` if this
     instance needs a vLLM patch that does not fit the installed vLLM (``registry.require``),
     naming the version, the patch and the reason.
@@ -178,7 +178,7 @@ def scheduled_context(scheduler_output):
 def single_host(vllm_config) -> bool:
     """The engine core and every worker of this instance run on one host, so their
     ``time.monotonic()`` is one clock: not under Ray or multi-node TP (``nnodes``,
-    0.32 and 0.33)."""
+    0.32 to 0.34)."""
     pc = vllm_config.parallel_config
     return getattr(pc, "nnodes", 1) <= 1 and pc.distributed_executor_backend != "ray"
 
