@@ -181,6 +181,13 @@ else:
 from vllm_dcp2d.vllm_compat.kv_alloc import sparse_mla_specs  # noqa: E402
 
 out["sparse_mla"] = [(s.page_size_bytes, s.dcp_sharded) for s in sparse_mla_specs(1).values()]
+# The GPU check's allocation (its mooncake row), with this version's allocator, on CPU memory.
+from vllm_dcp2d.vllm_compat.connector_api import kv_regions  # noqa: E402
+from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, allocate_sparse_mla, kv_cache_layouts  # noqa: E402
+
+layout = kv_cache_layouts().BLNHC
+out["alloc"] = [kv_regions(allocate_kv(layout, False, 2, 5, 16, 8, 128, torch.bfloat16), 5)[0].page_bytes.tolist(),
+                kv_regions(allocate_sparse_mla(layout, 2, 5), 5)[0].page_bytes.tolist()]
 out["same"] = same
 # What a GPU host of this version would decide: the registry asked again with the platform
 # answering "not CPU" (CPU-only patches then do not apply; the others are installed above).

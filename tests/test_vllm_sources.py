@@ -264,6 +264,15 @@ def test_both_sparse_mla_caches_are_dcp_sharded(child):
 
 
 @pytest.mark.timeout(600)
+def test_the_gpu_checks_allocation_runs_on_this_version(child):
+    """``scripts/gpu-check.sh --vllm VERSION``'s mooncake row allocates KV through
+    ``kv_alloc`` with that version's allocator: dense (8 heads of 128, 16-token pages,
+    BLNHC: one run per page) and sparse MLA (the latent and the indexer's keys)."""
+    version, got = child
+    assert got["alloc"] == [[16 * 8 * 2 * 128 * 2], [64 * 656, 64 * 132]], got["alloc"]
+
+
+@pytest.mark.timeout(600)
 def test_which_dcp2d_instances_start(child):
     """On a GPU host of every supported version every kind of DCP2D instance starts;
     on 0.34's CPU platform (not checked) every kind is refused, naming the version."""
