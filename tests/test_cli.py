@@ -92,3 +92,20 @@ def test_plan_bad_input_names_the_value(args, msg):
 def test_unknown_command():
     p = run("bogus")
     assert p.returncode == 2 and "vllm-dcp2d plan" in p.stdout
+
+
+def test_compat_names_every_patch_and_every_dcp2d_instance():
+    """`vllm-dcp2d compat` on the installed vLLM (0.32.0, CPU): each patch with its state,
+    then each kind of DCP2D instance, all of which start here; exit 0."""
+    from vllm_dcp2d.vllm_compat.patches import PATCHES
+    from vllm_dcp2d.vllm_compat.registry import ROLES
+
+    p = run("compat")
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert p.stdout.startswith("vLLM 0.32.0 (CPU); vllm_dcp2d supports 0.32.0, 0.33.0, 0.34.0 (on CPU: 0.32.0, 0.33.0)")
+    for patch in PATCHES:
+        assert f"\n{patch.name} " in p.stdout
+    assert "draft_dcp_size          not needed on vLLM 0.32.0: the V1 runner has no draft DCP size" in p.stdout
+    roles = p.stdout.split("DCP2DConnector instances on this vLLM:\n", 1)[1].splitlines()
+    assert [line.split("  ")[1].strip() for line in roles] == list(ROLES)
+    assert all(line.endswith("  starts") for line in roles), roles

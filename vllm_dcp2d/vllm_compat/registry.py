@@ -26,7 +26,7 @@ from vllm_dcp2d.vllm_compat.patches import (CPU_SUPPORTED, CPU_UNCHECKED, PATCHE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["register_connector", "install_all", "status", "require", "check", "rows", "roles"]
+__all__ = ["register_connector", "install_all", "status", "unchecked", "require", "check", "rows", "roles"]
 
 
 def register_connector() -> None:
