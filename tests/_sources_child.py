@@ -105,7 +105,8 @@ def specs(n: int) -> dict:
 cfg = config()
 record_kv_cache_layout(cfg.cache_config, "LBHNC")  # what the engine core resolves on CPU first
 mem = [64 << 20]
-extra = [planning.get_global_kv_cache_groups(cfg, [specs(4)])] if hasattr(planning, "get_global_kv_cache_groups") else []
+extra = ([planning.get_global_kv_cache_groups(cfg, [specs(4)])]
+         if hasattr(planning, "get_global_kv_cache_groups") else [])
 same = {}
 got, want = both(core.get_kv_cache_configs, cfg, [specs(4)], mem, *extra)
 same["get_kv_cache_configs"] = repr(got) == repr(want)

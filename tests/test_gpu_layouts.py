@@ -252,7 +252,8 @@ def test_unsupported_backends_and_layouts_stop_start_up():
         with pytest.raises(ConfigError, match=f"does not support the {name} attention backend"):
             page_format.kv_content(name, t, "auto")
     for dtype in ("nvfp4", "fp8_per_token_head", "int8", "nvfp4_ds_mla"):
-        with pytest.raises(ConfigError, match=f"fp8_e5m2; fp8_ds_mla on FLASHMLA_SPARSE\\); got kv_cache_dtype='{dtype}'"):
+        with pytest.raises(ConfigError,
+                           match=f"fp8_e5m2; fp8_ds_mla on FLASHMLA_SPARSE\\); got kv_cache_dtype='{dtype}'"):
             page_format.kv_content("FLASH_ATTN", t, dtype)
     with pytest.raises(ConfigError, match="'fp8_ds_mla' is written by FLASHMLA_SPARSE only; FLASH_ATTN is not"):
         page_format.kv_content("FLASH_ATTN", t, "fp8_ds_mla")

@@ -95,7 +95,8 @@ SCRIPT = textwrap.dedent("""
     # layer-split prefill; between them every patch that is needed anywhere is needed.
     # Then every role and setting of ``cases``.
     def config(role, dcp=1, mla=False, draft=False, tp=2, layer_split="auto"):
-        kv = NS(kv_connector=plugin.CONNECTOR_NAME, kv_role=role, kv_connector_extra_config={"layer_split": layer_split})
+        kv = NS(kv_connector=plugin.CONNECTOR_NAME, kv_role=role,
+                kv_connector_extra_config={"layer_split": layer_split})
         spec = NS(uses_draft_kv_cache=lambda: True) if draft else None
         return NS(kv_transfer_config=kv, speculative_config=spec, model_config=NS(use_mla=mla),
                   parallel_config=NS(decode_context_parallel_size=dcp, tensor_parallel_size=tp))

@@ -38,8 +38,9 @@ def allocate_kv(layout, mla: bool, layers: int, blocks: int, block: int, heads: 
 
 def _vllm_config(layout, block: int = 16, cache_dtype: str = "auto", dtype: torch.dtype = torch.bfloat16):
     """What vLLM's KV planning reads of a ``VllmConfig``, for ``layout``."""
-    cache = NS(kv_cache_layout=getattr(layout, "name", None), num_gpu_blocks_override=None, prefix_cache_retention_interval=None,
-               get_resolved_kv_cache_layout=lambda: layout, block_size=block, cache_dtype=cache_dtype)
+    cache = NS(kv_cache_layout=getattr(layout, "name", None), num_gpu_blocks_override=None,
+               prefix_cache_retention_interval=None, get_resolved_kv_cache_layout=lambda: layout, block_size=block,
+               cache_dtype=cache_dtype)
     return NS(cache_config=cache, attention_config=NS(hisparse_config=None), model_config=NS(dtype=dtype),
               scheduler_config=NS(disable_hybrid_kv_cache_manager=False),
               parallel_config=NS(decode_context_parallel_size=1))
