@@ -5,7 +5,7 @@
 # Under 8 minutes in all (the rows share a 470 s budget); exits 0 iff no row failed,
 # 2 at once on a machine without a GPU.
 #
-#   bash scripts/gpu-check.sh [--vllm 0.32.0|0.33.0] [--rows ...] [--budget S]
+#   bash scripts/gpu-check.sh [--vllm 0.32.0|0.33.0|0.34.0] [--rows ...] [--budget S]
 #
 # --vllm VERSION installs that vLLM (CUDA build), Mooncake's CUDA wheel and this package
 # into .venv-gpu-VERSION first (once), and runs there; without it, the current Python
@@ -14,9 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version=""
 if [ "${1:-}" = "--vllm" ]; then
-  version=${2:?--vllm needs a version, e.g. 0.33.0}
+  version=${2:?--vllm needs a version, e.g. 0.34.0}
   shift 2
-  case "$version" in 0.32.0|0.33.0) ;; *) echo "--vllm $version: vllm_dcp2d supports 0.32.0 and 0.33.0" >&2; exit 2 ;; esac
+  case "$version" in 0.32.0|0.33.0|0.34.0) ;; *) echo "--vllm $version: vllm_dcp2d supports 0.32.0, 0.33.0 and 0.34.0" >&2; exit 2 ;; esac
 fi
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
@@ -37,5 +37,5 @@ if [ -n "$version" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MC_FORCE_TCP=1 MC_LOG_LEVEL="${MC_LOG_LEVEL:-WARNING}"
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
-"$PY" -m vllm_dcp2d.vllm_compat.registry || echo "[gpu-check] a patch some DCP2D instance needs does not fit this vLLM (above)"
+"$PY" -m vllm_dcp2d.vllm_compat.registry || echo "[gpu-check] some DCP2D instances are refused on this vLLM (above)"
 exec timeout 480 "$PY" -m vllm_dcp2d.testing.gpu_check "$@"

@@ -32,13 +32,13 @@ else
     echo "[setup] $VENV is up to date"
 fi
 
-# The Python sources of every other vLLM version vllm_compat supports (0.33.0 has no CPU
-# build), for tests/test_vllm_sources.py: the wheel is downloaded once (pip's cache, then
-# .venv/vllm-src/VERSION.whl), only its vllm/*.py files are kept; nothing is installed.
-for v in 0.33.0; do
+# The Python sources of every other vLLM version vllm_compat supports (0.33.0 and 0.34.0
+# have no CPU build), for tests/test_vllm_sources.py: each wheel is downloaded once (pip's
+# cache, then .venv/vllm-src/wheels), only its vllm/*.py files are kept; nothing is installed.
+for v in 0.33.0 0.34.0; do
     src=$VENV/vllm-src/$v
     if [ ! -f "$src/.complete" ]; then
-        echo "[setup] caching vLLM $v's Python sources in $src (a 340 MB wheel, once)"
+        echo "[setup] caching vLLM $v's Python sources in $src (a 240-340 MB wheel, once)"
         rm -rf "$src" && mkdir -p "$src"
         "$PY" -m pip download -q --no-deps "vllm==$v" -d "$VENV/vllm-src/wheels"
         "$PY" -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \

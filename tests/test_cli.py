@@ -45,6 +45,30 @@ def test_plan_with_the_mtp_layer():
     assert [p["bytes"] for p in m["paths"] if p["layers"][1] == 79] == [8 * 128 * 64 * 576 + layer] * 4  # layers [70, 79)
 
 
+def test_plan_of_glm_5_2_with_sparse_mla():
+    """GLM-5.2's DSA caches, both DCP-sharded on decode, each its own page format: the
+    fp8_ds_mla latent (656 B per token and layer) and the indexer's keys (132 B). Every
+    path moves both caches of its layers, one descriptor per (layer, cache, page); the
+    wire carries the KV once."""
+    p = run("plan", "--num-layers", "78", "--cp", "8", "--dcp", "4", "--tokens", "32768", "--page-size", "64",
+            "--cache", "latent:656", "--cache", "indexer:132", "--json")
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout)
+    assert m["caches"] == [{"name": "latent", "bytes_per_token_layer": 656, "page_bytes": 41984,
+                            "kv_bytes": 78 * 656 * 32768},
+                           {"name": "indexer", "bytes_per_token_layer": 132, "page_bytes": 8448,
+                            "kv_bytes": 78 * 132 * 32768}]
+    assert m["total_bytes"] == m["kv_bytes"] == 78 * (656 + 132) * 32768 and m["page_bytes"] == 64 * 788
+    p0 = m["paths"][0]
+    assert p0["bytes"] == 10 * 128 * 64 * (656 + 132) and p0["descriptors"] == 10 * 2 * 128
+    table = run("plan", "--num-layers", "78", "--cp", "8", "--dcp", "4", "--tokens", "32768", "--page-size", "64",
+                "--cache", "latent:656", "--cache", "indexer:132").stdout
+    assert "latent cache: 656 B per token and layer, its own page format (41984 B per page), DCP-sharded" in table
+    assert "indexer cache: 132 B per token and layer, its own page format (8448 B per page), DCP-sharded" in table
+    both = run("plan", "--cache", "latent:656", "--bytes-per-token-layer", "576")
+    assert both.returncode == 2 and "give --cache or --bytes-per-token-layer, not both" in both.stderr
+
+
 def test_plan_table_is_readable():
     p = run("plan", "--num-layers", "4", "--cp", "2", "--dcp", "2", "--tokens", "100", "--page-size", "16",
             "--bytes-per-token-layer", "64")
@@ -57,6 +81,8 @@ def test_plan_table_is_readable():
     (["--dcp", "0"], "dcp_size must be >= 1, got 0"),
     (["--tokens", "-5"], "need tokens >= 0"),
     (["--num-layers", "4", "--draft-layers", "5"], "0 <= draft_layers <= num_layers; got 32768, 64, 36864, 5 of 4"),
+    (["--cache", "latent:0"], "--cache 'latent:0': expected NAME:BYTES with BYTES >= 1"),
+    (["--cache", "656"], "--cache '656': expected NAME:BYTES"),
 ])
 def test_plan_bad_input_names_the_value(args, msg):
     p = run("plan", *args)
@@ -66,3 +92,20 @@ def test_plan_bad_input_names_the_value(args, msg):
 def test_unknown_command():
     p = run("bogus")
     assert p.returncode == 2 and "vllm-dcp2d plan" in p.stdout
+
+
+def test_compat_names_every_patch_and_every_dcp2d_instance():
+    """`vllm-dcp2d compat` on the installed vLLM (0.32.0, CPU): each patch with its state,
+    then each kind of DCP2D instance, all of which start here; exit 0."""
+    from vllm_dcp2d.vllm_compat.patches import PATCHES
+    from vllm_dcp2d.vllm_compat.registry import ROLES
+
+    p = run("compat")
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert p.stdout.startswith("vLLM 0.32.0 (CPU); vllm_dcp2d supports 0.32.0, 0.33.0, 0.34.0 (on CPU: 0.32.0, 0.33.0)")
+    for patch in PATCHES:
+        assert f"\n{patch.name} " in p.stdout
+    assert "draft_dcp_size          not needed on vLLM 0.32.0: the V1 runner has no draft DCP size" in p.stdout
+    roles = p.stdout.split("DCP2DConnector instances on this vLLM:\n", 1)[1].splitlines()
+    assert [line.split("  ")[1].strip() for line in roles] == list(ROLES)
+    assert all(line.endswith("  starts") for line in roles), roles

@@ -97,11 +97,11 @@ def transfer_exact(src_kv: list[dict], src_blocks: int, dst_kv: list[dict], dst_
     plans = plan_request(num_layers, len(src_kv), [compat.kv_regions(kv, src_blocks)[0] for kv in src_kv], src_ids,
                          [compat.kv_regions(kv, dst_blocks)[0] for kv in dst_kv], dst_ids)
     expect = [{n: logical_pages(t, dst_blocks).clone() for n, t in kv.items()} for kv in dst_kv]
-    names = list(dst_kv[0])
     for (r, d), desc in plans.items():
         for s, t, n in zip(desc.src, desc.dst, desc.length):
             ctypes.memmove(int(t), int(s), int(n))
-        for name in (names[i] for i in cp_layer_range(num_layers, len(src_kv), r)):
+        layers = cp_layer_range(num_layers, len(src_kv), r)
+        for name in (n for n in dst_kv[0] if compat.layer_index(n) in layers):  # every cache of those layers
             for i in range(d, num_pages, dcp):
                 expect[d][name][dst_ids[i // dcp]] = logical_pages(src_kv[r][name], src_blocks)[src_ids[i]]
     for d, kv in enumerate(dst_kv):
@@ -248,12 +248,17 @@ def test_block_count_is_not_part_of_the_fingerprint():
 
 def test_unsupported_backends_and_layouts_stop_start_up():
     t = allocate(KVCacheLayout.LBHNC, False, 1, 2, 16, 2, 8, torch.bfloat16)["model.layers.0.self_attn.attn"]
-    for name in ("FLASHMLA_SPARSE", "TURBOQUANT", "ROCM_ATTN", "FLASH_ATTN_DIFFKV"):
+    for name in ("FLASHMLA_SPARSE_DSV4", "TURBOQUANT", "ROCM_ATTN", "FLASH_ATTN_DIFFKV"):
         with pytest.raises(ConfigError, match=f"does not support the {name} attention backend"):
             page_format.kv_content(name, t, "auto")
-    for dtype in ("fp8_ds_mla", "nvfp4", "fp8_per_token_head", "int8"):
-        with pytest.raises(ConfigError, match=f"auto, fp8, fp8_e4m3, fp8_e5m2\\); got kv_cache_dtype='{dtype}'"):
+    for dtype in ("nvfp4", "fp8_per_token_head", "int8", "nvfp4_ds_mla"):
+        with pytest.raises(ConfigError,
+                           match=f"fp8_e5m2; fp8_ds_mla on FLASHMLA_SPARSE\\); got kv_cache_dtype='{dtype}'"):
             page_format.kv_content("FLASH_ATTN", t, dtype)
+    with pytest.raises(ConfigError, match="'fp8_ds_mla' is written by FLASHMLA_SPARSE only; FLASH_ATTN is not"):
+        page_format.kv_content("FLASH_ATTN", t, "fp8_ds_mla")
+    with pytest.raises(ConfigError, match="FLASHMLA_SPARSE caches unquantized or as fp8_ds_mla.*'nvfp4_ds_mla'"):
+        page_format.kv_content("FLASHMLA_SPARSE", t, "nvfp4_ds_mla")
     with pytest.raises(ConfigError, match="fp8_e5m2.*FLASH_ATTN is not one of them"):
         page_format.kv_content("FLASH_ATTN", t, "fp8_e5m2")
     with pytest.raises(ValueError, match=r"layers.0.attn has shape \(2, 6, 16, 2, 8\)"):  # pre-0.32 [2, blocks, ...]
@@ -275,5 +280,5 @@ def test_worker_start_up_names_an_unsupported_backend():
                   cache_config=NS(cache_dtype="auto"))
 
     assert compat.kv_element_order(config("FLASH_ATTN"), "model.layers.0.self_attn.attn", t) == "k|v"
-    with pytest.raises(ConfigError, match="does not support the FLASHMLA_SPARSE attention backend"):
-        compat.kv_element_order(config("FLASHMLA_SPARSE"), "model.layers.0.self_attn.attn", t)
+    with pytest.raises(ConfigError, match="does not support the TURBOQUANT attention backend"):
+        compat.kv_element_order(config("TURBOQUANT"), "model.layers.0.self_attn.attn", t)

@@ -98,7 +98,7 @@ def test_decode_asks_first_through_the_http_address_and_gets_every_byte(prefill)
 def test_an_http_address_that_does_not_answer_fails_only_its_fetch(prefill):
     recv = prefill["recv"]
     port = free_port()  # nobody listens
-    recv.start("lost", f"http://127.0.0.1:{port}", DST_IDS, timeout_s=1.5, num_tokens=NUM_TOKENS)
+    recv.start("lost", f"http://127.0.0.1:{port}", DST_IDS, timeout_s=5.0, num_tokens=NUM_TOKENS)
     f = recv.wait("lost", 20)
     assert not f.ok and f.error.timed_out and f"GET http://127.0.0.1:{port}/query" in f.error.reason
     # the receiver serves the next fetch through the working address

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     import dataclasses, importlib, inspect, json, sys
     import vllm
     from types import SimpleNamespace as NS
-    version, broken = sys.argv[1], sys.argv[2]
+    version, broken, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     from vllm_dcp2d.vllm_compat import patches, registry
     if version != "installed":
         registry.installed_vllm_version = lambda: version
@@ -60,9 +60,11 @@ SCRIPT = textwrap.dedent("""
                     pass  # a target of the other supported version
     importlib.import_module("vllm.distributed.kv_transfer.kv_connector.factory")
     # broken: "none", "all", or "even"/"odd": those patches broken, the others as they are
+    # (a patch the installed vLLM does not need has nothing to break)
     parity = {"even": 0, "odd": 1}.get(broken)
-    hit = [broken == "all" or (parity is not None and i % 2 == parity) for i in range(len(patches.PATCHES))]
     version_targets = [p.targets.get(vllm.__version__.split("+")[0], ()) for p in patches.PATCHES]
+    hit = [bool(version_targets[i]) and (broken == "all" or (parity is not None and i % 2 == parity))
+           for i in range(len(patches.PATCHES))]
     own = {t.path: raw(t.path) for ts in version_targets for t in ts}
     broken_paths = [t.path for i, ts in enumerate(version_targets) if hit[i] for t in ts]
     if any(hit):  # the registry reads this same list
@@ -91,19 +93,21 @@ SCRIPT = textwrap.dedent("""
 
     # DCP2D instances: a decode with DCP=2 serving an MLA model with a draft, and a
     # layer-split prefill; between them every patch that is needed anywhere is needed.
-    def config(role, dcp, mla, draft, tp=2):
-        kv = NS(kv_connector=plugin.CONNECTOR_NAME, kv_role=role, kv_connector_extra_config={})
+    # Then every role and setting of ``cases``.
+    def config(role, dcp=1, mla=False, draft=False, tp=2, layer_split="auto"):
+        kv = NS(kv_connector=plugin.CONNECTOR_NAME, kv_role=role,
+                kv_connector_extra_config={"layer_split": layer_split})
         spec = NS(uses_draft_kv_cache=lambda: True) if draft else None
         return NS(kv_transfer_config=kv, speculative_config=spec, model_config=NS(use_mla=mla),
                   parallel_config=NS(decode_context_parallel_size=dcp, tensor_parallel_size=tp))
+    decode, prefill = dict(role="kv_consumer", dcp=2, mla=True, draft=True), dict(role="kv_producer", mla=True)
     refusals = {}
-    for name, cfg in (("decode", config("kv_consumer", 2, True, True)), ("prefill", config("kv_producer", 1, True, False))):
+    for name, kw in [("decode", decode), ("prefill", prefill)] + [(json.dumps(c), c) for c in cases]:
         try:
-            registry.require(cfg)
+            registry.require(config(**kw))
         except RuntimeError as e:
             refusals[name] = str(e)
-    needed = sorted(p.name for p in patches.PATCHES
-                    if p.needed(config("kv_consumer", 2, True, True)) or p.needed(config("kv_producer", 1, True, False)))
+    needed = sorted(p.name for p in patches.PATCHES if p.needed(config(**decode)) or p.needed(config(**prefill)))
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     print(json.dumps({"changed": changed, "status": registry.status(), "refusals": refusals, "needed": needed,
                       "registered": plugin.CONNECTOR_NAME in KVConnectorFactory._registry, "hit": hit,
@@ -111,15 +115,25 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run(version: str = "installed", broken: str = "none") -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, version, broken], capture_output=True, text=True,
-                         timeout=300)
+# Every role and setting a DCP2D instance can have that the plugin's start-up check tells apart.
+CASES = [dict(role="kv_producer", tp=tp, layer_split=ls, mla=mla)
+         for tp in (1, 2) for ls in ("auto", "on", "off") for mla in (False, True)] + \
+        [dict(role="kv_consumer", dcp=dcp, draft=draft, mla=mla)
+         for dcp in (1, 2) for draft in (False, True) for mla in (False, True)] + \
+        [dict(role="kv_both", dcp=dcp) for dcp in (1, 2)]
+UNKNOWN = "99.0.0"  # a vLLM version that does not exist
+
+
+def run(version: str = "installed", broken: str = "none", cases: list | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, version, broken, json.dumps(cases or [])],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_nothing_patched_and_refused(got: dict, version: str, why) -> None:
-    """``why``: what every refusal and status names, or ``why(patch_index)``."""
+def _check_nothing_patched_and_refused(got: dict, version: str, why, unchecked: bool = False) -> None:
+    """``why``: what every refusal and status names, or ``why(patch_index)``; unchecked:
+    the version is not one the plugin supports, so every refusal says that instead."""
     assert got["changed"] == []  # every vLLM object is the one vLLM made
     assert got["registered"]  # the name resolves, so a DCP2D instance reaches the refusal
     assert set(got["needed"]) >= {"cpu_attention_backends", "cp_slot_mapping", "draft_dcp_disabled",
@@ -127,18 +141,41 @@ def _check_nothing_patched_and_refused(got: dict, version: str, why) -> None:
     reason = why if callable(why) else (lambda i: why)
     order = list(got["status"])
     for name, refusal in got["refusals"].items():
-        assert refusal.startswith(f"vllm_dcp2d cannot serve this DCP2DConnector instance on vLLM {version}: "
-                                  f"it needs the patch "), (name, refusal)
+        head = f"vllm_dcp2d cannot serve this DCP2DConnector instance on vLLM {version}: "
+        if unchecked:
+            assert refusal.startswith(head + f"vllm_dcp2d was not checked against vLLM {version} "), (name, refusal)
+            continue
+        assert refusal.startswith(head + "it needs the patch "), (name, refusal)
         patch = refusal.split("the patch '", 1)[1].split("'", 1)[0]
         assert reason(order.index(patch)) in refusal, (name, refusal)
-    assert set(got["refusals"]) == {"decode", "prefill"}, got["refusals"]
+    assert {"decode", "prefill"} <= set(got["refusals"]), got["refusals"]
     for i, (name, state) in enumerate(got["status"].items()):
+        if not unchecked and state.startswith(f"not needed on vLLM {version}"):
+            continue  # nothing of it to break on this vLLM
         assert state is not None and reason(i) in state, (name, state)
 
 
-@pytest.mark.parametrize("version", ["0.31.1", "0.34.0"])
-def test_another_vllm_is_left_as_vllm_made_it(version):
-    _check_nothing_patched_and_refused(run(version), version, f"not {version}")
+@pytest.fixture(scope="module")
+def unknown():
+    return run(UNKNOWN, cases=CASES)
+
+
+@pytest.mark.parametrize("version", ["0.31.1", UNKNOWN])
+def test_another_vllm_is_left_as_vllm_made_it(version, unknown):
+    got = unknown if version == UNKNOWN else run(version)
+    _check_nothing_patched_and_refused(got, version, f"not {version}", unchecked=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_every_dcp2d_instance_refuses_on_an_unchecked_vllm(case, unknown):
+    """Every role and setting, including the ones that need no patch (a DCP=1 decode, a
+    producer with layer_split off): refused at start-up naming the version; the vLLM
+    objects stay vLLM's (checked once for the interpreter, above)."""
+    refusal = unknown["refusals"].get(json.dumps(case))
+    assert refusal == (f"vllm_dcp2d cannot serve this DCP2DConnector instance on vLLM {UNKNOWN}: vllm_dcp2d was "
+                       f"not checked against vLLM {UNKNOWN} (it supports 0.32.0, 0.33.0, 0.34.0); no "
+                       f"DCP2DConnector instance starts on it, whatever its role and settings. Install a supported "
+                       f"vLLM (pip install 'vllm-dcp2d[gpu]')."), refusal
 
 
 def test_every_patch_made_unavailable_leaves_vllm_as_it_was():
@@ -166,14 +203,16 @@ def test_a_patch_whose_target_does_not_fit_is_left_out_and_the_others_install(ha
         if hit[i]:
             assert state is not None and _why(i) in state, (name, state)
         else:
-            assert state is None or state.startswith("CPU only"), (name, state)
+            assert state is None or state.startswith(("CPU only", "not needed on vLLM")), (name, state)
     for who, refusal in got["refusals"].items():
         patch = refusal.split("the patch '", 1)[1].split("'", 1)[0]
         assert hit[list(status).index(patch)], (who, refusal)
 
 
 def test_the_installed_vllm_is_patched():
-    got = run()
+    """The control: on the installed vLLM every role and setting starts."""
+    got = run(cases=CASES)
     assert "vllm.v1.engine.core.get_kv_cache_configs" in got["changed"], got["changed"]
     assert got["refusals"] == {} and got["registered"]
-    assert {k: v for k, v in got["status"].items() if v is not None} == {}, got["status"]
+    assert {k: v for k, v in got["status"].items() if v is not None and not v.startswith("not needed")} == {}, \
+        got["status"]

@@ -85,3 +85,20 @@ def test_no_figure_without_a_record_that_moved_pages():
     for r in old:
         del r["draft_layers"]
     assert matrix_from_records(old, 100) is None
+
+
+@given(layers=st.integers(1, 6), cp=st.integers(1, 3), dcp=st.integers(1, 4), page=st.sampled_from([16, 64]),
+       planes=st.lists(st.integers(1, 700), min_size=1, max_size=3), pages=st.integers(0, 9), seed=st.integers(0, 9))
+def test_layers_with_several_caches_move_each_once(layers, cp, dcp, page, planes, pages, seed):
+    """Every layer holding several caches (sparse MLA: latent and indexer), each its own
+    region and page size: every path moves its layers' pages of every cache, and the wire
+    carries the KV once, however the block ids are shuffled."""
+    cp, tokens = min(cp, layers), pages * page
+    caches = [(f"c{i}", b) for i, b in enumerate(planes)]
+    m = reshard_matrix(layers, cp, dcp, tokens, page, 0, seed, caches=caches)
+    assert m["total_bytes"] == m["kv_bytes"] == layers * pages * page * sum(planes)
+    for path in m["paths"]:
+        held = path["layers"][1] - path["layers"][0]
+        assert path["bytes"] == held * path["pages"] * page * sum(planes)
+    assert [c["kv_bytes"] for c in m.get("caches", [{"kv_bytes": m["kv_bytes"]}])] == \
+        [layers * pages * page * b for b in planes]

@@ -124,3 +124,37 @@ def test_rejection_sampler_output_is_cut_to_the_agreed_count(data, n, b, k):
     mins = np.array(accepted, dtype=np.int64).reshape(n, b).min(0) if b else []
     for res in results:
         assert torch.equal(res, sampled(list(mins)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(1, 4), st.integers(0, 6), st.integers(1, 4))
+def test_model_runner_v2_counts_are_cut_to_the_agreed_min(data, n, b, k):
+    """``agree_num_sampled`` on vLLM 0.34's per-request counts (Model Runner V2): with
+    ``k`` drafts a verified request has ``k + 1`` logits, ``num_sampled`` of them kept and
+    the rest rejected; a chunked prefill has 0 and 0 on every rank. Every rank ends with
+    the MIN of ``num_sampled`` and the same total per request, in one collective."""
+    from vllm_dcp2d.spec_decode.verify import agree_num_sampled
+
+    prefill = data.draw(st.lists(st.booleans(), min_size=b, max_size=b))
+    sampled = [[0 if p else data.draw(st.integers(1, k + 1)) for p in prefill] for _ in range(n)]
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+
+    def body(counts, group):
+        num_sampled = torch.tensor(counts, dtype=dtype)
+        num_rejected = torch.tensor([0 if p else k + 1 - c for p, c in zip(prefill, counts)], dtype=dtype)
+        agree_num_sampled(num_sampled, num_rejected, group)
+        return num_sampled.tolist(), num_rejected.tolist(), num_sampled.dtype
+
+    results, errors, calls = run_ranks(body, sampled)
+    assert errors == [None] * n and calls == [1] * n
+    want = np.array(sampled, dtype=np.int64).reshape(n, b).min(0).tolist() if b else []
+    for got_sampled, got_rejected, got_dtype in results:
+        assert got_sampled == want and got_dtype == dtype
+        assert got_rejected == [0 if p else k + 1 - w for p, w in zip(prefill, want)]
+
+
+def test_model_runner_v2_counts_must_be_one_per_request():
+    from vllm_dcp2d.spec_decode.verify import agree_num_sampled
+
+    with pytest.raises(ValueError, match=r"both be \[B\], got \(2,\) and \(3,\)"):
+        agree_num_sampled(torch.zeros(2), torch.zeros(3), None)

@@ -25,12 +25,13 @@ def _cc(mode="NONE", splitting=None, partition=False, **passes):
 
 
 def _vc(role="kv_consumer", dcp=1, tp=2, mla=True, backend=None, extra=None, connector="DCP2DConnector",
-        heads=1, interleave=1, auto=True, draft=None, cc=None):
+        heads=1, interleave=1, auto=True, draft=None, cc=None, sparse=False):
     spec = None if draft is None else NS(method=draft, uses_draft_kv_cache=lambda: draft != "ngram")
     return NS(compilation_config=cc or _cc(),
               kv_transfer_config=NS(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {}),
               speculative_config=spec,
-              model_config=NS(use_mla=mla, model="m", get_total_num_kv_heads=lambda: heads),
+              model_config=NS(use_mla=mla, model="m", get_total_num_kv_heads=lambda: heads,
+                              hf_text_config=NS(index_topk=2048 if sparse else None)),
               attention_config=NS(backend=backend),
               parallel_config=NS(decode_context_parallel_size=dcp, tensor_parallel_size=tp, pipeline_parallel_size=1,
                                  cp_kv_cache_interleave_size=interleave,
@@ -91,6 +92,10 @@ def test_storage_plan_decisions(monkeypatch):
     assert storage_plan(_vc(role="kv_consumer"), 8) is None
     assert storage_plan(_vc(role="kv_producer", extra={"layer_split": "off"}), 8) is None
     assert storage_plan(_vc(role="kv_producer", mla=False, heads=2), 8) is None  # sharded KV: "auto" skips
+    # Sparse MLA (DSA): an indexer cache beside each layer's latent, two placements per layer.
+    assert storage_plan(_vc(role="kv_producer", sparse=True), 8) is None
+    with pytest.raises(ConfigError, match="uses sparse MLA: each layer keeps an indexer cache"):
+        storage_plan(_vc(role="kv_producer", sparse=True, extra={"layer_split": "on"}), 8)
     with pytest.raises(ConfigError, match="2 KV heads sharded over TP=2"):
         storage_plan(_vc(role="kv_producer", mla=False, heads=2, extra={"layer_split": "on"}), 8)
     with pytest.raises(ConfigError, match="kv_role is 'kv_consumer'"):

@@ -1,19 +1,29 @@
-"""vllm_compat against the sources of every vLLM version it supports (issue 26, item 3).
+"""vllm_compat against the sources of every vLLM version it supports (issues 26 and 40).
 
-0.32.0 is installed; 0.33.0 has no CPU build, so ``scripts/setup.sh`` caches its
-wheel's Python sources (``.venv/vllm-src/0.33.0``), which import on this venv in
-front of the installed package (``PYTHONPATH``). For each version, in a fresh
-interpreter that imports that version:
+0.32.0 is installed; 0.33.0 and 0.34.0 have no CPU build, so ``scripts/setup.sh``
+caches their wheels' Python sources (``.venv/vllm-src/VERSION``), which import on
+this venv in front of the installed package (``PYTHONPATH``). For each version, in
+a fresh interpreter that imports that version (``tests/_sources_child.py``; 0.34
+has no V1 model runner, so its child checks Model Runner V2's targets):
 
 * every patch of ``vllm_compat/patches.py`` resolves: its targets exist and take
   the parameters the patch was written for (the registry's own check), so the
-  patch is installed;
+  patch is installed, unless the table says that version does not need it (or it
+  is CPU-only on a version whose CPU platform was not checked);
 * every vLLM import anywhere in the package (read from its source, lazy imports
   included) resolves;
 * ``register()`` leaves an engine without the connector with vLLM's own results:
   each wrapped function that can be called without an engine is called the way
   that version's callers call it, for a configuration without the connector, and
-  gives what vLLM's own function gives.
+  gives what vLLM's own function gives;
+* which DCP2D instances start (``registry.roles``): all of them on a GPU host.
+
+On 0.34 also: a DCP=2 decode with a draft gets vLLM's
+``draft_decode_context_parallel_size=1`` (the user's own value kept; vLLM's
+default without the connector), the connector's ``kv_cache_access`` is vLLM's
+``REGISTERS``, and layer-split placements keep their strides and offsets through
+vLLM's extensible KV cache (``pad_kv_cache_segments``, its segments,
+``shrink_kv_cache_configs``).
 
 And without running that version: every call vLLM makes of a function the plugin
 wraps or overrides (found in that version's sources) binds to the plugin's
@@ -24,9 +34,9 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -51,7 +61,8 @@ def sources(version: str) -> Path | None:
     return src if (src / ".complete").exists() else None
 
 
-VERSIONS = ["0.32.0", "0.33.0"]
+VERSIONS = ["0.32.0", "0.33.0", "0.34.0"]
+V2 = {"0.34.0"}  # versions with Model Runner V2 only
 
 
 def _need(version: str) -> Path:
@@ -62,9 +73,19 @@ def _need(version: str) -> Path:
     return src
 
 
-def _imports_of(nodes) -> list[tuple[str, str | None]]:
+_ONLY = re.compile(r"#.*\bonly vLLM ((?:\d+\.\d+\.\d+)(?:, \d+\.\d+\.\d+)*)")
+
+
+def _imports_of(nodes, lines: list[str] | None = None, version: str | None = None) -> list[tuple[str, str | None]]:
+    """The vLLM imports of ``nodes``; with ``version``, leaving out those whose line says
+    "# ... only vLLM X, Y" (code reached on those versions only: the V1 runner's patches)
+    for another version."""
     out = []
     for node in nodes:
+        if version is not None and lines is not None and hasattr(node, "lineno"):
+            only = _ONLY.search(lines[node.lineno - 1])
+            if only and version not in only.group(1).split(", "):
+                continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
                 (node.module == "vllm" or node.module.startswith("vllm.")):
             out += [(node.module, a.name) for a in node.names]
@@ -73,14 +94,16 @@ def _imports_of(nodes) -> list[tuple[str, str | None]]:
     return out
 
 
-def vllm_imports() -> list[list[tuple[str, str | None]]]:
+def vllm_imports(version: str | None = None) -> dict[str, list[str]]:
     """Every ``from vllm... import name`` / ``import vllm...`` in the package, as groups
     of alternatives: the imports of one ``try: ... except ImportError:`` (a module that
     moved between versions) form one group, of which one must resolve; any other
-    import is a group of its own."""
-    groups = []
+    import is a group of its own. A try whose fallback imports nothing from vLLM (an
+    API only newer versions have) is "optional"; the rest are "required"."""
+    groups, optional = [], []
     for path in PACKAGE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+        text = path.read_text()
+        tree, lines = ast.parse(text), text.splitlines()
         alternatives = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Try) and any(
@@ -89,112 +112,49 @@ def vllm_imports() -> list[list[tuple[str, str | None]]]:
                 body = list(node.body) + [n for h in node.handlers for n in h.body]
                 group = _imports_of(body)
                 if group:
-                    groups.append(sorted(group, key=str))
+                    fallback = [n for h in node.handlers for n in h.body]
+                    (groups if _imports_of(fallback) else optional).append(sorted(group, key=str))
                     alternatives |= {id(n) for n in body}
-        groups += [[imp] for node in ast.walk(tree) if id(node) not in alternatives for imp in _imports_of([node])]
-    return sorted({json.dumps(g) for g in groups})
+        groups += [[imp] for node in ast.walk(tree) if id(node) not in alternatives
+                   for imp in _imports_of([node], lines, version)]
+    return {"required": sorted({json.dumps(g) for g in groups}), "optional": sorted({json.dumps(g) for g in optional})}
 
 
-CHILD = textwrap.dedent("""
-    import importlib, inspect, json, sys
-    imports, impls = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-    import vllm
-    from vllm_dcp2d.vllm_compat import registry
-    registry.install_all()
-    def why_not(module, name):
-        try:
-            m = importlib.import_module(module)
-        except Exception as e:
-            return f"{module}: {type(e).__name__}: {e}"
-        if name is not None and not hasattr(m, name):
-            try:
-                importlib.import_module(f"{module}.{name}")
-            except Exception:
-                return f"{module} has no {name}"
-
-    missing = []
-    for group in map(json.loads, imports):
-        whys = [why_not(module, name) for module, name in group]
-        if all(whys):
-            missing.append(" / ".join(whys))
-
-    def params(path):
-        module, _, qual = path.partition(":")
-        obj = importlib.import_module(module)
-        for part in qual.split("."):
-            obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
-        if isinstance(obj, (classmethod, staticmethod)):
-            obj = obj.__func__
-        return [(p.name, p.kind.name, p.default is not inspect.Parameter.empty)
-                for p in inspect.signature(obj).parameters.values()]
-
-    # An engine without the connector: every wrapped function called as this version's
-    # callers call it gives what vLLM's own function (``_dcp2d_stock``) gives.
-    import copy
-    import torch
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
-    from vllm.v1.engine import core
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.worker import gpu_model_runner
-    try:
-        from vllm.v1.core import kv_cache_planning as planning  # 0.33
-    except ImportError:
-        from vllm.v1.core import kv_cache_utils as planning  # 0.32
-    cfg = EngineArgs(model=sys.argv[3], enforce_eager=True, dtype="float32", block_size=32,
-                     kv_cache_memory_bytes=64 << 20).create_engine_config()
-    from vllm.v1.attention.backends.utils import record_kv_cache_layout
-    record_kv_cache_layout(cfg.cache_config, "LBHNC")  # what the engine core resolves on CPU first
-    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=32,
-                                                                   dtype=torch.float32) for i in range(4)}
-    mem = [64 << 20]
-    extra = [planning.get_global_kv_cache_groups(cfg, [specs])] if hasattr(planning, "get_global_kv_cache_groups") else []
-
-    def both(fn, *args):
-        stock = getattr(fn, "_dcp2d_stock", None)
-        assert stock is not None, f"{fn} is not wrapped"
-        return fn(*args), stock(*args)
-
-    same = {}
-    got, want = both(core.get_kv_cache_configs, cfg, [specs], mem, *extra)
-    same["get_kv_cache_configs"] = repr(got) == repr(want)
-    got, want = both(planning.get_kv_cache_groups, cfg, specs)
-    same["get_kv_cache_groups"] = repr(got) == repr(want)
-    arg = extra[0] if extra else core.get_kv_cache_configs(cfg, [specs], mem)[0]
-    a, b = copy.deepcopy(cfg), copy.deepcopy(cfg)
-    wrapped = type(cfg).adjust_dcp_kv_cache_interleave_size
-    wrapped(a, arg), wrapped._dcp2d_stock(b, arg)
-    same["adjust_dcp_kv_cache_interleave_size"] = repr(a.parallel_config) == repr(b.parallel_config)
-    a, b = copy.deepcopy(cfg), copy.deepcopy(cfg)
-    cls = type(current_platform)
-    cls.check_and_update_config(a), cls.check_and_update_config.__func__._dcp2d_stock(cls, b)
-    same["check_and_update_config"] = (repr(a.attention_config), a.cache_config.block_size) == \
-        (repr(b.attention_config), b.cache_config.block_size)
-    got, want = both(gpu_model_runner.check_attention_cp_compatibility, cfg)
-    same["check_attention_cp_compatibility"] = got is None and want is None
-    print(json.dumps({"version": vllm.__version__, "status": registry.status(), "missing": missing,
-                      "impls": {name: params(path) for name, path in impls.items()}, "same": same}))
-""")
-
-# Functions vLLM calls that the plugin wraps or overrides: the name vLLM calls, the
-# plugin's function that receives the call, whether vLLM calls it on an object (so
-# ``self`` comes first), and the files whose calls reach it (None: every call of
-# that name in the sources).
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 CALLS = {
     "get_kv_cache_configs": ("vllm.v1.engine.core:get_kv_cache_configs", False, ["v1/engine/core.py"]),
     "adjust_dcp_kv_cache_interleave_size": ("vllm.config:VllmConfig.adjust_dcp_kv_cache_interleave_size", True,
                                             None),
     "get_kv_cache_groups": ({"0.32.0": "vllm.v1.core.kv_cache_utils:get_kv_cache_groups",
                              "0.33.0": "vllm.v1.core.kv_cache_planning:get_kv_cache_groups"}, False, None),
-    "check_attention_cp_compatibility": ("vllm.v1.worker.gpu_model_runner:check_attention_cp_compatibility",
-                                         False, None),
-    "may_reinitialize_input_batch": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.may_reinitialize_input_batch",
-                                     True, None),
-    "_sample": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", True, ["v1/worker/gpu_model_runner.py"]),
-    "_init_combine": ("vllm.v1.attention.ops.dcp:MLADCPManager._init_combine", True, None),
-    "check_and_update_config": ("vllm.platforms.cpu:CpuPlatform.check_and_update_config", True,
-                                ["config/vllm.py"]),
+    "check_attention_cp_compatibility": ({v: f"{V1_RUNNER}:check_attention_cp_compatibility"
+                                          for v in ("0.32.0", "0.33.0")}, False, None),
+    "may_reinitialize_input_batch": ({v: f"{V1_RUNNER}:GPUModelRunner.may_reinitialize_input_batch"
+                                      for v in ("0.32.0", "0.33.0")}, True, None),
+    "_sample": ({v: f"{V1_RUNNER}:GPUModelRunner._sample" for v in ("0.32.0", "0.33.0")}, True,
+                ["v1/worker/gpu_model_runner.py"]),
+    "sample": ({"0.34.0": "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample"}, True,
+               ["v1/worker/gpu/model_runner.py"]),
+    "create_speculative_config": ({"0.34.0": "vllm.engine.arg_utils:EngineArgs.create_speculative_config"}, True,
+                                  ["engine/arg_utils.py"]),
+    "_init_combine": ({v: "vllm.v1.attention.ops.dcp:MLADCPManager._init_combine" for v in ("0.32.0", "0.33.0")},
+                      True, None),
+    "check_and_update_config": ({v: "vllm.platforms.cpu:CpuPlatform.check_and_update_config"
+                                 for v in ("0.32.0", "0.33.0")}, True, ["config/vllm.py"]),
 }
+"""Functions vLLM calls that the plugin wraps or overrides: the name vLLM calls, the plugin's
+function that receives the call (per version: only where the plugin installs it), whether
+vLLM calls it on an object (so ``self`` comes first), and the files whose calls reach it
+(None: every call of that name in the sources)."""
+
+
+def _calls(version: str) -> dict[str, tuple[str, bool, list[str] | None]]:
+    out = {}
+    for name, (path, method, files) in CALLS.items():
+        path = path if isinstance(path, str) else path.get(version)
+        if path is not None:
+            out[name] = (path, method, files)
+    return out
 
 
 def _key(name: str) -> str:
@@ -207,11 +167,12 @@ def run_child(version: str, tmp: Path) -> dict:
     env.pop("TRITON_INTERPRET", None)
     if version != "0.32.0":
         env["PYTHONPATH"] = f"{src}:{ROOT}"
-    impls = {_key(name): path if isinstance(path, str) else path[version] for name, (path, _, _) in CALLS.items()}
+    impls = {_key(name): path for name, (path, _, _) in _calls(version).items()}
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", Path(tmp) / "model")
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(vllm_imports()), json.dumps(impls), str(model)],
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "_sources_child.py"), json.dumps(vllm_imports(version)),
+                          json.dumps(impls), str(model), "v2" if version in V2 else "v1"],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -258,13 +219,70 @@ def child(request, tmp_path_factory):
     return request.param, run_child(request.param, tmp_path_factory.mktemp("model"))
 
 
+def _expected(version: str, status: dict, cpu: bool) -> dict:
+    """Each patch's status that is not what the table promises for ``version``: installed,
+    or not needed there (naming vLLM's file), or, if CPU-only, not applicable on a GPU
+    host or unchecked on a CPU platform the plugin was not checked on."""
+    from vllm_dcp2d.vllm_compat.patches import CPU_SUPPORTED, CPU_UNCHECKED, PATCHES
+
+    bad = {}
+    for p in PATCHES:
+        state = status[p.name]
+        if version in p.not_needed:
+            ok = state == f"not needed on vLLM {version}: {p.not_needed[version]}"
+        elif p.cpu_only and not cpu:
+            ok = state is not None and state.startswith("CPU only")
+        elif p.cpu_only and version not in CPU_SUPPORTED:
+            ok = state == CPU_UNCHECKED.format(version=version)
+        else:
+            ok = state is None
+        if not ok:
+            bad[p.name] = state
+    return bad
+
+
 @pytest.mark.timeout(600)
 def test_every_patch_fits_and_every_vllm_import_resolves(child):
     version, got = child
     assert got["version"].split("+")[0] == version
-    assert got["status"] == {name: None for name in got["status"]} or \
-        {k: v for k, v in got["status"].items() if v and not v.startswith("CPU only")} == {}, got["status"]
+    assert _expected(version, got["status"], cpu=True) == {}, got["status"]
+    assert _expected(version, got["status_gpu"], cpu=False) == {}, got["status_gpu"]
     assert got["missing"] == [], got["missing"]
+    # An API only newer versions have: it must resolve on the newest at least.
+    if version == VERSIONS[-1]:
+        assert all(got["optional"].values()), got["optional"]
+
+
+@pytest.mark.timeout(600)
+def test_both_sparse_mla_caches_are_dcp_sharded(child):
+    """DeepSeek-V3.2 / GLM-5.x: the latent cache (fp8_ds_mla, 656 B per token) and the
+    indexer's key cache (132 B), as this version's own layer classes give them: both
+    DCP-sharded on a decode, so both move like the rest of the KV (page i to DCP rank
+    i % dcp_size)."""
+    version, got = child
+    assert got["sparse_mla"] == [[64 * 656, True], [64 * 132, True]], got["sparse_mla"]
+
+
+@pytest.mark.timeout(600)
+def test_the_gpu_checks_allocation_runs_on_this_version(child):
+    """``scripts/gpu-check.sh --vllm VERSION``'s mooncake row allocates KV through
+    ``kv_alloc`` with that version's allocator: dense (8 heads of 128, 16-token pages,
+    BLNHC: one run per page) and sparse MLA (the latent and the indexer's keys)."""
+    version, got = child
+    assert got["alloc"] == [[16 * 8 * 2 * 128 * 2], [64 * 656, 64 * 132]], got["alloc"]
+
+
+@pytest.mark.timeout(600)
+def test_which_dcp2d_instances_start(child):
+    """On a GPU host of every supported version every kind of DCP2D instance starts;
+    on 0.34's CPU platform (not checked) every kind is refused, naming the version."""
+    from vllm_dcp2d.vllm_compat.patches import CPU_SUPPORTED, CPU_UNCHECKED
+
+    version, got = child
+    assert [why for _, why in got["roles_gpu"]] == [None] * len(got["roles_gpu"]), got["roles_gpu"]
+    want = None if version in CPU_SUPPORTED else CPU_UNCHECKED.format(version=version)
+    for name, why in got["roles"]:
+        assert why is None if want is None else why.startswith(want), (name, why)
 
 
 @pytest.mark.timeout(600)
@@ -272,7 +290,7 @@ def test_every_vllm_call_of_a_wrapped_function_binds(child):
     version, got = child
     src = _need(version)
     bad, seen = [], 0
-    for name, (_, method, files) in CALLS.items():
+    for name, (_, method, files) in _calls(version).items():
         key = _key(name)
         for file, line, n, kw in calls_in(src, name, files):
             seen += 1
@@ -280,14 +298,17 @@ def test_every_vllm_call_of_a_wrapped_function_binds(child):
                 bad.append(f"vllm/{file}:{line} calls {name} with {n} positional and {kw} keyword "
                            f"arguments; the plugin's takes {[p[0] for p in got['impls'][key]]}")
     assert not bad, "\n".join(bad)
-    assert seen >= len(CALLS), seen  # every wrapped function is called somewhere we looked
+    assert seen >= len(_calls(version)), seen  # every wrapped function is called somewhere we looked
 
 
 def test_the_import_scan_sees_the_package():
-    found = [json.loads(g) for g in vllm_imports()]
+    found = [json.loads(g) for g in vllm_imports()["required"]]
     assert [["vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend"]] in found
     assert any(len(g) == 2 for g in found), found  # a try/except ImportError pair (kv_alloc.py)
     assert len(found) > 40, found
+    v1 = ["vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer"]  # marked "only vLLM 0.32.0, 0.33.0"
+    assert [v1] in [json.loads(g) for g in vllm_imports("0.32.0")["required"]]
+    assert [v1] not in [json.loads(g) for g in vllm_imports("0.34.0")["required"]]
 
 
 @pytest.mark.timeout(600)
@@ -295,7 +316,47 @@ def test_an_engine_without_the_connector_gets_vllms_own_results(child):
     """Each wrapped function that runs without an engine, called for a configuration
     without the connector as this version's callers call it: vLLM's own result."""
     version, got = child
-    assert got["same"] == dict.fromkeys(got["same"], True) and len(got["same"]) == 5, got["same"]
+    assert got["same"] == dict.fromkeys(got["same"], True) and len(got["same"]) == (3 if version in V2 else 5), \
+        got["same"]
+
+
+@pytest.mark.timeout(600)
+def test_a_dcp2d_decode_runs_its_draft_at_dcp_1_on_vllm_0_34(child):
+    """vLLM 0.34's own ``draft_decode_context_parallel_size`` (its speculative config code)
+    for a TP=2, DCP=2 engine with a draft model: 1 with DCP2DConnector, the user's own
+    value kept, vLLM's default (the target's DCP) without the connector."""
+    version, got = child
+    if version not in V2:
+        pytest.skip(f"vLLM {version} has no draft DCP size (its V1 runner: draft_dcp_disabled)")
+    assert got["draft_dcp"] == {"dcp2d": 1, "dcp2d, user's 2": 2, "no connector": 2}, got["draft_dcp"]
+
+
+@pytest.mark.timeout(600)
+def test_layer_split_placements_survive_vllms_extensible_kv_cache(child):
+    """vLLM 0.34 asks the connector how it reaches the KV cache: REGISTERS (so each
+    segment is one physical allocation). Layer-split placements (TP=2, 5 layers: 3 + 2
+    owned, each rank one transient slot) through vLLM's own ``pad_kv_cache_segments``
+    (each layer region padded to a 2 MiB granule), the segments its extensible cache
+    makes of them, and ``shrink_kv_cache_configs`` after measuring: owned layers and
+    the shared transient slot keep their own regions, strides and offsets never change
+    in shrinking, and only the sizes follow the block count."""
+    version, got = child
+    if version not in V2:
+        pytest.skip(f"vLLM {version} has no extensible KV cache")
+    assert got["kv_cache_access"] == [1, 1, True]  # KVCacheAccess.REGISTERS
+    ext = got["extensible"]
+    for rank, (blocks, place, sizes) in enumerate(ext["before"]):
+        owned, stride = place[0][0], place[0][1]  # split_tensors: the owned layers' placement first
+        assert stride >= blocks * place[0][2]
+        assert [off for *_, off in place] == [0] + [len(owned) * stride] * (len(place) - 1), place
+        assert sorted(n for layers, *_ in place for n in layers) == \
+            sorted(f"model.layers.{i}.self_attn.attn" for i in range(ext["layers"]))
+        assert set(sizes) == {(len(owned) + 1) * stride}
+        offsets, strides = ext["segments"][rank]
+        assert offsets == [i * ext["padded"][rank][0][1] for i in range(len(owned) + 1)] and len(set(strides)) == 1
+        s_blocks, s_place, s_sizes = ext["shrunk"][rank]
+        assert s_blocks == ext["shrunk_to"] and s_place == place
+        assert s_sizes == [size * ext["shrunk_to"] // blocks for size in sizes]
 
 
 @pytest.mark.parametrize("version", VERSIONS)

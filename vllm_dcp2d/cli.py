@@ -1,10 +1,12 @@
 """``vllm-dcp2d`` command line.
 
   vllm-dcp2d plan   --num-layers 78 --cp 8 --dcp 4 --tokens 32768 --page-size 64 \\
-                    --bytes-per-token-layer 576 [--shuffle SEED] [--json]
+                    (--bytes-per-token-layer 576 | --cache latent:656 --cache indexer:132)
+                    [--draft-layers N] [--shuffle SEED] [--json]
   vllm-dcp2d proxy  ...   (PD proxy, see ``vllm-dcp2d proxy --help``)
   vllm-dcp2d demo   ...   (end-to-end demo, see ``vllm-dcp2d demo --help``)
-  vllm-dcp2d compat       (the vLLM patches and whether each fits the installed vLLM)
+  vllm-dcp2d compat       (the vLLM patches, whether each fits the installed vLLM, and which DCP2D
+                           instances start on it)
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ def _plan(argv: list[str]) -> int:
     ap.add_argument("--dcp", type=int, default=4, help="decode DCP ranks")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--bytes-per-token-layer", type=int, default=576,
-                    help="KV bytes per token per layer (GLM-5.2 FP8 MLA latent: 512 + 64)")
+    ap.add_argument("--bytes-per-token-layer", type=int, default=None,
+                    help="KV bytes per token per layer (default 576: GLM-5.2's MLA latent, 512 + 64)")
+    ap.add_argument("--cache", action="append", default=None, metavar="NAME:BYTES",
+                    help="a cache every layer holds, with its bytes per token (repeat it; instead of "
+                         "--bytes-per-token-layer): GLM-5.2 with sparse MLA: --cache latent:656 --cache indexer:132")
     ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                     help="use shuffled block ids drawn with this seed")
     ap.add_argument("--draft-layers", type=int, default=0,
@@ -37,18 +42,29 @@ def _plan(argv: list[str]) -> int:
                          "all their pages")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    if args.cache and args.bytes_per_token_layer is not None:
+        ap.error("give --cache or --bytes-per-token-layer, not both")
     try:
+        caches = [_cache(c) for c in args.cache] if args.cache else None
         m = reshard_matrix(args.num_layers, args.cp, args.dcp, args.tokens, args.page_size,
-                           args.bytes_per_token_layer, args.shuffle, args.draft_layers)
+                           args.bytes_per_token_layer or 576, args.shuffle, args.draft_layers, caches)
     except ValueError as e:
         ap.error(str(e))
     if args.json:
         keys = ("paths", "total_bytes", "naive_bytes", "kv_bytes", "num_layers", "cp_size", "dcp_size",
-                "tokens", "page_size", "pages", "page_bytes", "draft_layers", "draft_kv_bytes")
-        print(json.dumps({k: m[k] for k in keys}))
+                "tokens", "page_size", "pages", "page_bytes", "draft_layers", "draft_kv_bytes", "caches")
+        print(json.dumps({k: m[k] for k in keys if k in m}))
     else:
         print(format_matrix(m))
     return 0
+
+
+def _cache(text: str) -> tuple[str, int]:
+    """``--cache NAME:BYTES`` -> (name, bytes per token and layer); ValueError naming it."""
+    name, _, value = text.rpartition(":")
+    if not name or not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--cache {text!r}: expected NAME:BYTES with BYTES >= 1 (e.g. latent:656)")
+    return name, int(value)
 
 
 def main(argv: list[str] | None = None) -> int:

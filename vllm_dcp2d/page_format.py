@@ -16,32 +16,43 @@ they pack into ``C``:
 * MLA (CPU_MLA, TRITON_MLA, FLASHMLA, FLASH_ATTN_MLA, CUTLASS_MLA, FLASHINFER_MLA):
   one head, per token the latent ``kv_c`` then ``k_pe`` (576 values for DeepSeek);
 * CPU_ATTN: per (page, head) all K then all V, packed per ISA
-  (``vllm_compat.attention.cpu_kv_layout``), so it pairs with CPU_ATTN only.
+  (``vllm_compat.attention.cpu_kv_layout``), so it pairs with CPU_ATTN only;
+* sparse MLA (FLASHMLA_SPARSE, DeepSeek-V3.2 and GLM-5.x): the MLA row, or as
+  ``fp8_ds_mla`` 656 B per token with its scales inside; beside it in every
+  layer the indexer's key cache (DEEPSEEK_V32_INDEXER: 128 fp8 values and a
+  float32 scale per token, 132 B). vLLM puts both in one KV cache group with two
+  page sizes; here they are two planes of one KV layer, each with its format.
 
 Two instances exchange pages byte for byte iff their :func:`page_format` strings
 are equal. An fp8 KV cache (``fp8``/``fp8_e4m3``, ``fp8_e5m2``) has the same
 format with one byte per element and one scale per layer and K/V held outside
 the page, so both sides must also agree on the fp8 encoding (:func:`kv_dtype_name`)
-and the scales (the fingerprint's ``kv_scales``). Other backends and caches (sparse
-MLA and its indexer, ``fp8_ds_mla``, per-token-head or NVFP4 scales, ``DIFFKV``,
-ROCm) are refused at start-up: nothing here checks them.
+and the scales (the fingerprint's ``kv_scales``). Other backends and caches (``nvfp4_ds_mla``,
+per-token-head or NVFP4 scales, ``DIFFKV``, ROCm) are refused at start-up:
+nothing here checks them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 import torch
 
 from vllm_dcp2d.plan import KVRegions
 
-__all__ = ["kv_regions", "page_format", "kv_content", "kv_dtype_name", "order_digest", "FP8_DTYPES", "FP8_BACKENDS",
-           "MHA_BACKENDS", "MLA_BACKENDS"]
+__all__ = ["kv_regions", "page_format", "kv_content", "kv_dtype_name", "order_digest", "plane_key", "layer_planes",
+           "FP8_DTYPES", "FP8_BACKENDS", "MHA_BACKENDS", "MLA_BACKENDS", "SPARSE_MLA_BACKENDS", "INDEXER_BACKENDS"]
 
 MHA_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
 MLA_BACKENDS = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA", "FLASHINFER_MLA")
 _OWN_FORMAT = ("CPU_ATTN", "AMX_MLA", "unknown")  # pages readable by the same backend only
+# Sparse MLA (DSA: DeepSeek-V3.2, GLM-5.x): the latent cache of FLASHMLA_SPARSE, and the
+# lightning indexer's key cache beside it in every layer (vLLM's DeepseekV32IndexerCache).
+SPARSE_MLA_BACKENDS = ("FLASHMLA_SPARSE",)
+INDEXER_BACKENDS = ("DEEPSEEK_V32_INDEXER",)
+_LAYER_NUMBER = re.compile(r"(^|\.)\d+(\.|$)")
 # vLLM's per-tensor-scaled fp8 caches: a uint8 tensor holding one of these encodings ("fp8" is
 # e4m3: vLLM's MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP). The page stores x / scale.
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -101,6 +112,21 @@ def page_format(t: torch.Tensor, num_blocks: int, name: str = "KV cache") -> str
     return "/".join(n for n in names if n)
 
 
+def plane_key(name: str) -> str:
+    """A cache's place within its layer: the name without the layer number
+    ("model.layers.*.self_attn.indexer.k_cache"). A layer's caches are its planes in this
+    order, on both sides of a transfer."""
+    return _LAYER_NUMBER.sub(r"\1*\2", name, count=1)
+
+
+def layer_planes(kv_caches: dict, layer_ids: dict[str, int] | None, layer_index) -> dict[int, list[str]]:
+    """KV layer id -> the names of its caches (planes), in :func:`plane_key` order."""
+    planes: dict[int, list[str]] = {}
+    for name in kv_caches:
+        planes.setdefault(layer_ids[name] if layer_ids else layer_index(name), []).append(name)
+    return {lid: sorted(names, key=plane_key) for lid, names in planes.items()}
+
+
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: dict[str, int] | None = None,
                groups: dict[str, int] | None = None, sharded: list[bool] | None = None,
                layer_index=None) -> tuple[KVRegions, list[tuple[int, int]]]:
@@ -109,36 +135,49 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: d
     kv_caches:  layer name -> vLLM 0.32 KV view ``[num_blocks (* kernel blocks per
                 block), H, N, C]`` in any ``KVCacheLayout``. Each dense run of a page
                 is one region: one per layer in the layer- or block-outer layouts,
-                one per head in ``LHBNC`` / ``BHLNC``.
+                one per head in ``LHBNC`` / ``BHLNC``. Caches with the same KV layer
+                id are that layer's planes (sparse MLA: the latent cache and the
+                indexer's key cache of one layer), each with its own page format;
+                their regions follow one another in :func:`plane_key` order.
     num_blocks: blocks per layer (``kv_cache_config.num_blocks``).
     layer_ids:  layer name -> KV layer id; default ``layer_index(name)``.
     groups, sharded: layer name -> KV cache group, and each group's sharding;
-                default one sharded group.
+                default one sharded group. A layer's planes share one group.
     Returns (regions over KV layer ids, [(addr, nbytes)] of distinct storages).
+    Raises ValueError where layers differ in their planes or page formats.
     """
     layers, bases, fmt, mem, group_of = [], [], None, {}, []
-    for name, t in kv_caches.items():
-        block_stride, dims = _page_dims(t, num_blocks, name)
-        run, outer = _split_runs(dims, name)
-        offsets = np.zeros(1, dtype=np.int64)
-        for _, size, stride in outer:  # outermost first: regions in address order
-            offsets = (offsets[:, None] + stride * np.arange(size, dtype=np.int64)).reshape(-1)
-        this = (block_stride, run, dims)
+    for lid, names in layer_planes(kv_caches, layer_ids, layer_index).items():
+        this, base = [], []
+        for name in names:
+            t = kv_caches[name]
+            block_stride, dims = _page_dims(t, num_blocks, name)
+            run, outer = _split_runs(dims, name)
+            offsets = np.zeros(1, dtype=np.int64)
+            for _, size, stride in outer:  # outermost first: regions in address order
+                offsets = (offsets[:, None] + stride * np.arange(size, dtype=np.int64)).reshape(-1)
+            this.append((block_stride, run, dims, offsets.size))
+            base.append(t.data_ptr() + offsets)
+            storage = t.untyped_storage()
+            mem[storage.data_ptr()] = storage.nbytes()
         if fmt is None:
             fmt = this
         elif this != fmt:
-            raise ValueError(f"KV cache of {name}: page (block stride, run bytes, axes) {this} differs from other "
-                             f"layers' {fmt}; DCP2DConnector needs one format for all layers")
-        layers.append(layer_ids[name] if layer_ids else layer_index(name))
-        group_of.append(groups.get(name, 0) if groups else 0)
-        bases.append(t.data_ptr() + offsets)
-        storage = t.untyped_storage()
-        mem[storage.data_ptr()] = storage.nbytes()
+            raise ValueError(f"KV caches {names}: pages (block stride, run bytes, axes, runs) per cache {this} differ "
+                             f"from other layers' {fmt}; DCP2DConnector needs every layer to hold the same caches "
+                             f"in the same formats")
+        owners = {groups.get(name, 0) if groups else 0 for name in names}
+        if len(owners) != 1:
+            raise ValueError(f"KV caches {names} of one layer are in different KV cache groups {sorted(owners)}")
+        layers.append(lid)
+        group_of.append(owners.pop())
+        bases.append(np.concatenate(base))
     if not layers:
         raise ValueError("register_kv_caches got no KV cache tensors")
-    n = bases[0].size
-    regions = KVRegions(np.array(layers), np.array(bases), np.full(n, fmt[0]), np.full(n, fmt[1]),
-                        np.array(group_of), np.array(sharded if sharded else [True]))
+    stride = np.concatenate([np.full(n, block_stride) for block_stride, _, _, n in fmt])
+    run = np.concatenate([np.full(n, run) for _, run, _, n in fmt])
+    regions = KVRegions(np.array(layers), np.array(bases), stride, run, np.array(group_of),
+                        np.array(sharded if sharded else [True]))
     return regions, sorted(mem.items())
 
 
@@ -151,7 +190,14 @@ def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) 
     """
     from vllm_dcp2d.config import ConfigError
 
+    if backend in SPARSE_MLA_BACKENDS:
+        return _sparse_mla_content(backend, cache_dtype)
+    if backend in INDEXER_BACKENDS:  # its own fp8 keys and scales, whatever --kv-cache-dtype says
+        return "idx_k:fp8|scale:f32"
     name = kv_dtype_name(cache_dtype, t.dtype)
+    if name == "fp8_ds_mla":
+        raise ConfigError(f"kv_cache_dtype='fp8_ds_mla' is written by {', '.join(SPARSE_MLA_BACKENDS)} only; "
+                          f"{backend} is not one of them")
     if name in FP8_BACKENDS and backend not in FP8_BACKENDS[name] + ("unknown",):
         raise ConfigError(f"DCP2DConnector moves an fp8 KV cache ({cache_dtype}) of the backends "
                           f"{', '.join(FP8_BACKENDS[name])}; {backend} is not one of them")
@@ -164,26 +210,45 @@ def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) 
     if backend in _OWN_FORMAT:
         return backend
     raise ConfigError(f"DCP2DConnector does not support the {backend} attention backend: its KV page format is "
-                      f"not verified (supported: {', '.join(MHA_BACKENDS + MLA_BACKENDS + _OWN_FORMAT[:2])}). "
+                      f"not verified (supported: "
+                      f"{', '.join(MHA_BACKENDS + MLA_BACKENDS + SPARSE_MLA_BACKENDS + _OWN_FORMAT[:2])}). "
                       f"Pick one with --attention-backend.")
+
+
+def _sparse_mla_content(backend: str, cache_dtype: str) -> str:
+    """FLASHMLA_SPARSE's latent page content: unquantized, the dense MLA row; quantized
+    (vLLM serves "fp8", "fp8_e4m3" and "fp8_ds_mla" all as fp8_ds_mla), 656 B per token:
+    512 B fp8 ``kv_c``, its 4 float32 tile scales, 128 B bf16 ``k_pe``: the scales travel
+    in the page."""
+    from vllm_dcp2d.config import ConfigError
+
+    if cache_dtype in ("auto", "bfloat16", "float16"):
+        return "kv_c|k_pe"
+    if cache_dtype in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
+        return "fp8_ds_mla:kv_c|scales|k_pe"
+    raise ConfigError(f"DCP2DConnector moves {backend} caches unquantized or as fp8_ds_mla (--kv-cache-dtype auto, "
+                      f"fp8, fp8_ds_mla); got kv_cache_dtype={cache_dtype!r}, whose page format it does not check")
 
 
 def kv_dtype_name(cache_dtype: str, dtype: torch.dtype) -> str:
     """The KV cache element type two instances must share: the tensor's dtype for an
     unquantized cache ("bfloat16"), the fp8 encoding for an fp8 one ("fp8_e4m3",
-    "fp8_e5m2"; vLLM's "fp8" is e4m3). Raises ``ConfigError`` for any other
-    ``--kv-cache-dtype`` (its scales or format live outside the page)."""
+    "fp8_e5m2"; vLLM's "fp8" is e4m3), "fp8_ds_mla" for sparse MLA's packed rows.
+    Raises ``ConfigError`` for any other ``--kv-cache-dtype`` (its scales or format
+    live outside the page)."""
     from vllm_dcp2d.config import ConfigError
 
     plain = str(dtype).removeprefix("torch.")
     if cache_dtype in ("auto", plain):
         return plain
+    if cache_dtype == "fp8_ds_mla":  # sparse MLA's packed rows: their scales are in the page
+        return cache_dtype
     name = _FP8_ALIASES.get(cache_dtype, cache_dtype)
     if name in FP8_DTYPES:
         return name
     raise ConfigError(f"DCP2DConnector moves unquantized KV or an fp8 KV cache with one scale per layer "
-                      f"(--kv-cache-dtype auto, fp8, {', '.join(FP8_DTYPES)}); got kv_cache_dtype={cache_dtype!r}, "
-                      f"whose scales or format live outside the page")
+                      f"(--kv-cache-dtype auto, fp8, {', '.join(FP8_DTYPES)}; fp8_ds_mla on FLASHMLA_SPARSE); got "
+                      f"kv_cache_dtype={cache_dtype!r}, whose scales or format live outside the page")
 
 
 def order_digest(k: torch.Tensor, v: torch.Tensor) -> str:

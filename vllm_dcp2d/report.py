@@ -18,18 +18,22 @@ _SPACE = 1 << 40  # each synthetic rank gets its own 1 TiB of address space
 
 
 def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int, page_size: int,
-                      page_bytes: int, shuffle_seed: int | None = None, draft_layers: int = 0):
+                      page_bytes, shuffle_seed: int | None = None, draft_layers: int = 0):
     """Regions and block tables of one request on synthetic addresses.
 
+    page_bytes: bytes of one page of one layer, or a sequence of them, one per cache a
+    layer holds (its planes: sparse MLA's latent and indexer caches), each its own region.
     Returns ``(src_regions[cp_size], src_block_ids[P], dst_regions[dcp_size], dst_block_ids)``
     with ``P = cdiv(tokens, page_size)``. ``dst_block_ids`` is ``[M]``, ``M = cdiv(P, dcp_size)``,
     or with ``draft_layers`` (the last layers: a speculative draft's, a replicated group on
     decode, every page on every DCP rank) the pair ``([M], [P])``. Block ids are ``arange``
     or, with ``shuffle_seed``, a random permutation of a 2x larger pool.
     """
-    if tokens < 0 or page_size < 1 or page_bytes < 1 or not 0 <= draft_layers <= num_layers:
+    planes = np.atleast_1d(np.asarray(page_bytes, dtype=np.int64))
+    if tokens < 0 or page_size < 1 or planes.size < 1 or planes.min() < 1 or not 0 <= draft_layers <= num_layers:
         raise ValueError(f"need tokens >= 0, page_size >= 1, page_bytes >= 1, 0 <= draft_layers <= num_layers; "
-                         f"got {tokens}, {page_size}, {page_bytes}, {draft_layers} of {num_layers}")
+                         f"got {tokens}, {page_size}, {planes.tolist() if planes.size > 1 else int(planes[0])}, "
+                         f"{draft_layers} of {num_layers}")
     cp_size, dcp_size = _check_size("cp_size", cp_size), _check_size("dcp_size", dcp_size)
     pages = cdiv(tokens, page_size)
     local = cdiv(pages, dcp_size)
@@ -44,31 +48,42 @@ def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int,
     src = []
     for r in range(cp_size):
         layers = np.array(cp_layer_range(num_layers, cp_size, r), dtype=np.int64)
-        base = (r + 1) * _SPACE + np.arange(layers.size) * src_pool * page_bytes
-        src.append(KVRegions.uniform(layers, base, page_bytes))
-    # Decode: the target's layers, then the draft's, each layer a pool of its group's size.
+        base = (r + 1) * _SPACE + _offsets(np.full(layers.size, src_pool), planes)
+        src.append(KVRegions(layers, base, planes, planes))
+    # Decode: the target's layers, then the draft's, each (layer, plane) a pool of its group's size.
     group = (np.arange(num_layers) >= num_layers - draft_layers).astype(np.int64)
-    pool = np.where(group == 1, draft_pool, dst_pool)
-    offsets = np.concatenate([[0], np.cumsum(pool[:-1])]) * page_bytes
+    offsets = _offsets(np.where(group == 1, draft_pool, dst_pool), planes)
     dst = []
     for d in range(dcp_size):
-        base = (cp_size + d + 1) * _SPACE + offsets
-        dst.append(KVRegions(np.arange(num_layers), base.reshape(-1, 1), np.array([page_bytes]),
-                             np.array([page_bytes]), group, np.array([True, False][: 2 if draft_layers else 1])))
+        dst.append(KVRegions(np.arange(num_layers), (cp_size + d + 1) * _SPACE + offsets, planes, planes, group,
+                             np.array([True, False][: 2 if draft_layers else 1])))
     return src, src_ids, dst, ((dst_ids, draft_ids) if draft_layers else dst_ids)
 
 
+def _offsets(pool: np.ndarray, planes: np.ndarray) -> np.ndarray:
+    """int64 ``[L, R]``: where each (layer, plane) pool of ``pool[l]`` pages of
+    ``planes[p]`` bytes starts, one after another, layer-major."""
+    sizes = (pool[:, None] * planes[None, :]).reshape(-1)
+    return (np.cumsum(sizes) - sizes).reshape(pool.size, planes.size)
+
+
 def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, page_size: int,
-                   bytes_per_token_layer: int, shuffle_seed: int | None = None, draft_layers: int = 0) -> dict:
+                   bytes_per_token_layer: int, shuffle_seed: int | None = None, draft_layers: int = 0,
+                   caches: list[tuple[str, int]] | None = None) -> dict:
     """Plan every path of one request and summarize it as a JSON-ready dict.
 
     ``{"paths": [{"cp_rank", "dcp_rank", "layers": [start, end], "pages", "bytes",
     "descriptors"}, ...], "total_bytes", "naive_bytes", "kv_bytes", "draft_kv_bytes", ...}``;
-    ``draft_layers``: the last layers, a draft's, sent whole to every DCP rank.
+    ``draft_layers``: the last layers, a draft's, sent whole to every DCP rank; ``caches``:
+    ``[(name, bytes per token and layer)]`` of the caches every layer holds (sparse MLA:
+    the latent and the indexer's keys, both DCP-sharded on decode), instead of one cache of
+    ``bytes_per_token_layer``; each one's KV comes back in ``"caches"``.
     """
-    page_bytes = page_size * bytes_per_token_layer
+    caches = caches or [("kv", bytes_per_token_layer)]
+    per_token = [b for _, b in caches]
+    page_bytes = page_size * sum(per_token)
     src, src_ids, dst, dst_ids = synthetic_request(num_layers, cp_size, dcp_size, tokens, page_size,
-                                                   page_bytes, shuffle_seed, draft_layers)
+                                                   [page_size * b for b in per_token], shuffle_seed, draft_layers)
     plans: dict[tuple[int, int], Descriptors] = plan_request(num_layers, cp_size, src, src_ids, dst, dst_ids)
     pages = len(src_ids)
     paths = []
@@ -78,11 +93,15 @@ def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, pa
                       "pages": len(range(d, pages, dcp_size)), "bytes": desc.nbytes,
                       "descriptors": len(desc)})
     kv_bytes = num_layers * pages * page_bytes
-    return {"num_layers": num_layers, "cp_size": cp_size, "dcp_size": dcp_size, "tokens": tokens,
-            "page_size": page_size, "pages": pages, "page_bytes": page_bytes, "paths": paths,
-            "kv_bytes": kv_bytes, "total_bytes": sum(p["bytes"] for p in paths),
-            "naive_bytes": kv_bytes * dcp_size, "draft_layers": draft_layers,
-            "draft_kv_bytes": draft_layers * pages * page_bytes}
+    out = {"num_layers": num_layers, "cp_size": cp_size, "dcp_size": dcp_size, "tokens": tokens,
+           "page_size": page_size, "pages": pages, "page_bytes": page_bytes, "paths": paths,
+           "kv_bytes": kv_bytes, "total_bytes": sum(p["bytes"] for p in paths),
+           "naive_bytes": kv_bytes * dcp_size, "draft_layers": draft_layers,
+           "draft_kv_bytes": draft_layers * pages * page_bytes}
+    if len(caches) > 1:
+        out["caches"] = [{"name": n, "bytes_per_token_layer": b, "page_bytes": page_size * b,
+                          "kv_bytes": num_layers * pages * page_size * b} for n, b in caches]
+    return out
 
 
 def matrix_from_records(records: list[dict], tokens: int) -> dict | None:
@@ -171,5 +190,8 @@ def format_matrix(m: dict) -> str:
                      f"{(total - draft * m['dcp_size']) / target if target else 0.0:.2f}x their KV; the draft's "
                      f"{m['draft_layers']} (not sharded on decode): {_human(draft * m['dcp_size'])} = "
                      f"{m['dcp_size']:.2f}x their KV")
+    for c in m.get("caches", ()):
+        lines.append(f"  {c['name']} cache: {c['bytes_per_token_layer']} B per token and layer, its own page format "
+                     f"({c['page_bytes']} B per page), DCP-sharded on decode: {_human(c['kv_bytes'])} of the KV")
     lines.append(f"naive (full KV to every DCP rank): {_human(naive)} = {m['dcp_size']:.2f}x the KV")
     return "\n".join(lines)

@@ -57,6 +57,15 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         KV. vLLM refuses ``--enable-sleep-mode`` with this connector, naming it."""
         return False
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """Called by vLLM 0.34 at config time (0.32 and 0.33 have no such hook): the
+        workers register the KV cache with Mooncake (RDMA), so vLLM's extensible KV
+        cache backs each segment with one physical allocation. The registration stays
+        valid: vLLM builds the worker connector only after the cache's final commit
+        (docs/connector.md, "Resizable KV cache")."""
+        return compat.kv_cache_registers()
+
     def __init__(self, vllm_config, role, kv_cache_config=None):
         compat.base_init(self, vllm_config, role, kv_cache_config)
         kv = vllm_config.kv_transfer_config

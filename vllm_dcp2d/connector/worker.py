@@ -126,16 +126,15 @@ class WorkerSide:
         layers = np.sort(regions.layer_ids)
         if not np.array_equal(layers, np.arange(layers.size)):
             raise ValueError(f"KV layers must be 0..L-1, got {layers.tolist()}")
-        name, first = next(iter(kv_caches.items()))
+        first = next(iter(kv_caches.values()))
         fingerprint = Fingerprint(
-            draft_layers=sum(compat.is_draft_layer(self.vllm_config, n) for n in kv_caches),
+            draft_layers=len({self.layer_ids[n] for n in kv_caches if compat.is_draft_layer(self.vllm_config, n)}),
             model=str(self.vllm_config.model_config.model), num_layers=int(layers.size),
             page_size=self.page_size,
             kv_dtype=page_format.kv_dtype_name(self.vllm_config.cache_config.cache_dtype, first.dtype),
             kv_scales=compat.kv_scales(self.vllm_config, self.layer_ids),
             page_bytes=int(regions.page_bytes.sum()),
-            layout=(f"{compat.page_layout(first, self.num_blocks)}:"
-                    f"{compat.kv_element_order(self.vllm_config, name, first)}"),
+            layout=compat.kv_layout(self.vllm_config, kv_caches, self.num_blocks, self.layer_ids),
             model_config=compat.model_config_id(self.vllm_config), num_kv_heads=self.num_kv_heads)
         if self.is_producer:
             self._start_layer_split(kv_caches, int(layers.size))

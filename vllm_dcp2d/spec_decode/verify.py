@@ -24,7 +24,8 @@ import torch
 
 from vllm_dcp2d.attention.dcp import Group
 
-__all__ = ["accept_greedy", "agree_accepted_prefix", "agree_sampled", "verify_greedy", "kv_commit_mask"]
+__all__ = ["accept_greedy", "agree_accepted_prefix", "agree_sampled", "agree_num_sampled", "verify_greedy",
+           "kv_commit_mask"]
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID (0.32, 0.33): a rejected position in sampled_token_ids
 
@@ -155,3 +156,25 @@ def agree_sampled(sampled: torch.Tensor, group) -> torch.Tensor:
     agreed = agree_accepted_prefix(accepted, group)
     cut = torch.arange(sampled.shape[1], device=sampled.device)[None, :] > agreed[:, None]
     return sampled.masked_fill_(cut | ~valid, PLACEHOLDER)
+
+
+def agree_num_sampled(num_sampled: torch.Tensor, num_rejected: torch.Tensor, group) -> None:
+    """Model Runner V2's form of :func:`agree_sampled` (vLLM 0.34): in place, every rank
+    keeps the MIN over ``group`` of each request's sampled count, and counts what it cut
+    as rejected.
+
+    num_sampled, num_rejected: int ``[B]`` on the device, vLLM's per-request counts
+    after rejection sampling (``num_rejected = logits - num_sampled``; both 0 for a
+    chunked prefill, which the MIN keeps at 0 since every rank has the same batch).
+    group: ``all_gather(tensor, dim)`` over ranks that hold the same batch (vLLM's TP
+    ``GroupCoordinator``). One all-gather, on the device: no host sync, so it keeps V2's
+    asynchronous scheduling. The committed tokens are ``sampled[b, :num_sampled[b]]``,
+    so cutting the count cuts the tokens (:func:`agree_sampled`'s docstring says why the
+    MIN keeps them equal).
+    """
+    if num_sampled.shape != num_rejected.shape or num_sampled.dim() != 1:
+        raise ValueError(f"num_sampled and num_rejected must both be [B], got {tuple(num_sampled.shape)} and "
+                         f"{tuple(num_rejected.shape)}")
+    agreed = group.all_gather(num_sampled[None], dim=0).amin(dim=0)
+    num_rejected.add_(num_sampled - agreed)
+    num_sampled.copy_(agreed)

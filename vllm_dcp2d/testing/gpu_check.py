@@ -9,16 +9,18 @@ row, not a lost run):
   (MLA: K 576, V its first 512, one KV head), one empty DCP shard among the requests.
 * ``mooncake``: KV allocated on the GPU by vLLM's own allocator in two layouts with
   equal page formats, the plan of a CP=2 x DCP=2 reshard, each path written by the
-  project's Mooncake transport over TCP between two engines (GPU -> GPU), and a CPU
-  MLA prefill into GPU pages (CPU -> GPU); every decode page compared byte for byte.
+  project's Mooncake transport over TCP between two engines (GPU -> GPU), a CPU MLA
+  prefill into GPU pages (CPU -> GPU), and sparse MLA (fp8_ds_mla latent and indexer
+  keys per layer, GPU -> GPU); every decode page compared byte for byte.
 * ``vllm-pd``: ``vllm serve`` prefill (kv_producer) and decode (kv_consumer) on the
   one GPU with DCP2DConnector, the PD proxy in front, for the tiny Llama (MQA, fp32)
   and the tiny DeepSeek MLA (576, bf16, 64-token pages, FLASHMLA): every request
   answered, KV moved over the connector, and the Llama's greedy tokens through PD
   equal the prefill instance's own (MLA's count is reported: bf16 and a different
   kernel path for the last prompt token on decode, docs/connector.md "MLA").
-* ``vllm-dcp``: SKIP: DCP>1 runs one rank per GPU (vLLM's device groups refuse two
-  ranks on one device); run the demo with ``--decode-dcp 2`` on a 2-GPU host.
+* ``vllm-layer-split``, ``vllm-dcp``: SKIP: layer-split prefill (TP>=2) and DCP>1 run
+  one rank per GPU (vLLM's device groups refuse two ranks on one device); run the demo
+  with ``--prefill-tp 2`` or ``--decode-dcp 2`` on a 2-GPU host.
 
 Usage: ``python -m vllm_dcp2d.testing.gpu_check [--rows a,b] [--budget S]``; exit 0
 iff no row failed. Without a CUDA device it prints one FAIL row and exits 2 at once.
@@ -34,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROWS = ("triton-merge", "triton-paged", "mooncake", "vllm-pd", "vllm-dcp")
+ROWS = ("triton-merge", "triton-paged", "mooncake", "vllm-pd", "vllm-layer-split", "vllm-dcp")
 DEVICE_ROWS = ("triton-merge", "triton-paged", "mooncake")  # take the device; triton on cpu: TRITON_INTERPRET=1
 ROW_S = {"triton-merge": 100.0, "triton-paged": 100.0, "mooncake": 120.0}  # vllm-pd: what is left
 DTYPES = ("bfloat16", "float16")
@@ -130,16 +132,15 @@ def check_mooncake(device: str = "cuda") -> str:
     from vllm_dcp2d.plan import plan_request
     from vllm_dcp2d.connector.transport import MooncakeTransport
     from vllm_dcp2d.layout import cp_layer_range
-    from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, kv_cache_layouts, logical_pages
-    from vllm_dcp2d.vllm_compat.connector_api import kv_regions, page_layout
+    from vllm_dcp2d.vllm_compat.connector_api import kv_regions, layer_index, page_layout
+    from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, allocate_sparse_mla, kv_cache_layouts, logical_pages
 
-    def run(src_dev, src_layout, dst_layout, mla, heads, head, block):
+    def run(src_dev, dst_dev, src_layout, dst_layout, alloc):
+        """alloc(layout, blocks, device) -> {layer name: KV view}, every layer the same caches."""
         cp, dcp, layers, nsrc, ndst = 2, 2, 4, 40, 24
-        src = [allocate_kv(src_layout, mla, layers, nsrc, block, heads, head, torch.bfloat16, src_dev)
-               for _ in range(cp)]
-        dst = [allocate_kv(dst_layout, mla, layers, ndst, block, heads, head, torch.bfloat16, device)
-               for _ in range(dcp)]
-        f = {page_layout(next(iter(kv.values())), n) for kv, n in ((src[0], nsrc), (dst[0], ndst))}
+        src = [alloc(src_layout, nsrc, src_dev) for _ in range(cp)]
+        dst = [alloc(dst_layout, ndst, dst_dev) for _ in range(dcp)]
+        f = {tuple(page_layout(t, n) for t in kv.values()) for kv, n in ((src[0], nsrc), (dst[0], ndst))}
         if len(f) != 1:
             raise AssertionError(f"page formats differ: {f}")
         for kv in src:
@@ -166,20 +167,26 @@ def check_mooncake(device: str = "cuda") -> str:
         finally:
             for e in engines:
                 e.close()
-        names = list(dst[0])
         for (r, d) in plans:
-            for layer in cp_layer_range(layers, cp, r):
-                got = logical_pages(dst[d][names[layer]], ndst)[torch.as_tensor(dst_ids[np.arange(d, pages, dcp) // dcp])]
-                want = logical_pages(src[r][names[layer]], nsrc)[torch.as_tensor(src_ids[d::dcp])]
+            held = cp_layer_range(layers, cp, r)
+            for name in (n for n in dst[d] if layer_index(n) in held):  # every cache of those layers
+                got = logical_pages(dst[d][name], ndst)[torch.as_tensor(dst_ids[np.arange(d, pages, dcp) // dcp])]
+                want = logical_pages(src[r][name], nsrc)[torch.as_tensor(src_ids[d::dcp])]
                 if not torch.equal(got.cpu(), want.cpu()):
-                    raise AssertionError(f"{src_dev}->{device} {src_layout.name}->{dst_layout.name}: layer {layer}, "
+                    raise AssertionError(f"{src_dev}->{dst_dev} {src_layout.name}->{dst_layout.name}: {name}, "
                                          f"DCP rank {d} pages differ")
         return f"{moved >> 20} MiB in {dt * 1e3:.0f} ms"
 
+    def dense(mla, heads, head):
+        return lambda layout, blocks, dev: allocate_kv(layout, mla, 4, blocks, 16, heads, head, torch.bfloat16, dev)
+
     KVCacheLayout = kv_cache_layouts()
-    a = run(device, KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, False, 8, 128, 16)
-    b = run("cpu", KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, True, 1, 576, 16)
-    return f"{device}->{device} {a}; cpu(MLA)->{device} {b}"
+    a = run(device, device, KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, dense(False, 8, 128))
+    b = run("cpu", device, KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, dense(True, 1, 576))
+    # Sparse MLA as GLM-5.x / DeepSeek-V3.2 run it: fp8_ds_mla latent + indexer keys per layer.
+    c = run(device, device, KVCacheLayout.LBNHC, KVCacheLayout.BLNHC,
+            lambda layout, blocks, dev: allocate_sparse_mla(layout, 4, blocks, device=dev))
+    return f"{device}->{device} {a}; cpu(MLA)->{device} {b}; sparse MLA {device}->{device} {c}"
 
 
 def check_vllm_pd() -> str:
@@ -236,7 +243,9 @@ def check_vllm_pd() -> str:
 
 CHECKS = {"triton-merge": check_triton_merge, "triton-paged": check_triton_paged, "mooncake": check_mooncake,
           "vllm-pd": check_vllm_pd}
-SKIPS = {"vllm-dcp": "DCP>1 needs one GPU per DCP rank; run `vllm-dcp2d demo --model PATH --decode-tp 2 "
+SKIPS = {"vllm-layer-split": "layer-split prefill needs TP>=2, one GPU per TP rank; run `vllm-dcp2d demo --model "
+                             "PATH --prefill-tp 2` on 2 GPUs",
+         "vllm-dcp": "DCP>1 needs one GPU per DCP rank; run `vllm-dcp2d demo --model PATH --decode-tp 2 "
                      "--decode-dcp 2` on 2 GPUs"}
 
 

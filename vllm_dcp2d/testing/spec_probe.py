@@ -11,6 +11,9 @@ Every method runs on every worker and returns plain data:
 - ``probe_groups()``: each KV cache group's layers, sharding, block table and
   page bytes;
 - ``probe_report()``: what was recorded.
+
+It reads vLLM's V1 model runner (0.32, 0.33: the CPU tests); 0.34 has Model Runner V2
+only, whose agreement ``tests/test_spec_verify.py`` checks apart from an engine.
 """
 
 from __future__ import annotations

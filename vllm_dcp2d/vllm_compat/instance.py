@@ -1,4 +1,4 @@
-"""What a ``VllmConfig`` says about this instance, as the plugin reads it (vLLM 0.32.0, 0.33.0).
+"""What a ``VllmConfig`` says about this instance, as the plugin reads it (vLLM 0.32.0-0.34.0).
 
 A leaf of ``vllm_compat`` (it imports no other module of it, and nothing of
 vLLM's), so the patch table, the start-up choices and the KV layout can all ask

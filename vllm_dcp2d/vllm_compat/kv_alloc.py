@@ -12,7 +12,7 @@ from types import SimpleNamespace as NS
 
 import torch
 
-__all__ = ["allocate_kv", "logical_pages", "kv_cache_layouts"]
+__all__ = ["allocate_kv", "allocate_sparse_mla", "sparse_mla_specs", "logical_pages", "kv_cache_layouts"]
 
 
 def kv_cache_layouts():
@@ -27,23 +27,78 @@ def allocate_kv(layout, mla: bool, layers: int, blocks: int, block: int, heads: 
     """Layer name -> KV view ``[blocks (* kernel blocks), H, N, C]`` in ``layout``
     (a ``KVCacheLayout``): MLA ``head`` is the latent width (one head), else
     ``heads`` KV heads of ``head`` dims, K and V; names ``model.layers.{i}.self_attn.attn``."""
-    try:
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # 0.33
-    except ImportError:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # 0.32
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
-    from vllm.v1.worker.utils import allocate_kv_cache
 
     spec = (MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=head, dtype=dtype, cache_dtype_str="auto")
             if mla else FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head, dtype=dtype))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    cache = NS(kv_cache_layout=layout.name, num_gpu_blocks_override=None, prefix_cache_retention_interval=None,
-               get_resolved_kv_cache_layout=lambda: layout)
-    vc = NS(cache_config=cache, attention_config=NS(hisparse_config=None))
-    cfg = get_kv_cache_config_from_groups(vc, [KVCacheGroupSpec(names, spec)], spec.page_size_bytes * layers * blocks)
+    return _allocate(layout, [KVCacheGroupSpec(names, spec)], spec.page_size_bytes * layers, blocks, device,
+                     kernel_block)
+
+
+def _vllm_config(layout, block: int = 16, cache_dtype: str = "auto", dtype: torch.dtype = torch.bfloat16):
+    """What vLLM's KV planning reads of a ``VllmConfig``, for ``layout``."""
+    cache = NS(kv_cache_layout=getattr(layout, "name", None), num_gpu_blocks_override=None,
+               prefix_cache_retention_interval=None, get_resolved_kv_cache_layout=lambda: layout, block_size=block,
+               cache_dtype=cache_dtype)
+    return NS(cache_config=cache, attention_config=NS(hisparse_config=None), model_config=NS(dtype=dtype),
+              scheduler_config=NS(disable_hybrid_kv_cache_manager=False),
+              parallel_config=NS(decode_context_parallel_size=1))
+
+
+def _allocate(layout, groups, bytes_per_block: int, blocks: int, device, kernel_block: int | None):
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # 0.33
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # 0.32
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    cfg = get_kv_cache_config_from_groups(_vllm_config(layout), groups, bytes_per_block * blocks)
     if cfg.num_blocks != blocks:
         raise AssertionError(f"vLLM made {cfg.num_blocks} blocks of the memory for {blocks}")
     return allocate_kv_cache(cfg, torch.device(device), layout, [kernel_block] if kernel_block else None)
+
+
+def sparse_mla_specs(layers: int, block: int = 64, cache_dtype: str = "fp8_ds_mla") -> dict:
+    """Layer name -> the ``KVCacheSpec`` vLLM's own sparse-MLA layers give (DeepSeek-V3.2,
+    GLM-5.x): ``MLAAttention.get_kv_cache_spec`` for the latent cache (576 values; as
+    ``fp8_ds_mla`` 656 B per token) and ``DeepseekV32IndexerCache.get_kv_cache_spec``
+    for the indexer's key cache (128 fp8 + one float32 scale, 132 B), called on the
+    attributes those layers set in ``__init__`` (no model is built)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+    from vllm.v1.attention.backend import MLAAttentionImpl
+
+    vc = _vllm_config(None, block, cache_dtype)
+    # 0.34 asks the impl for the fp8_ds_mla row (FLASHMLA_SPARSE keeps MLAAttentionImpl's) and
+    # reads the top-k buffer's width (DeepSeek-V3.2's index_topk); 0.32 reads neither.
+    row = getattr(MLAAttentionImpl, "get_fp8_ds_mla_row_bytes", None)
+    latent = NS(kv_cache_dtype=cache_dtype, head_size=576, sliding_window=None, indexer=object(),
+                non_causal_multi_token_decode=False, topk_buffer_width=2048,
+                impl=NS(get_fp8_ds_mla_row_bytes=lambda: row(None)))
+    indexer = NS(cache_config=vc.cache_config, head_dim=128 + 128 // 128 * 4, dtype=torch.uint8)
+    specs = {}
+    for i in range(layers):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttention.get_kv_cache_spec(latent, vc)
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = DeepseekV32IndexerCache.get_kv_cache_spec(indexer, vc)
+    return specs
+
+
+def allocate_sparse_mla(layout, layers: int, blocks: int, block: int = 64, cache_dtype: str = "fp8_ds_mla",
+                        device="cpu") -> dict[str, torch.Tensor]:
+    """Layer name -> KV view of a sparse-MLA model's two caches per layer, as vLLM's
+    planning groups them (``get_kv_cache_groups``: one group, two page sizes) and its
+    model runner allocates them: latent ``[blocks, 1, block, 656]`` uint8 (fp8_ds_mla)
+    or ``[..., 576]`` bf16, indexer ``[blocks, 1, block, 132]`` uint8. Raises vLLM's own
+    ``ValueError`` for a layout that cannot hold two page sizes (LHBNC, BHLNC)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.33
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
+
+    specs = sparse_mla_specs(layers, block, cache_dtype)
+    groups = getattr(get_kv_cache_groups, "_dcp2d_stock", get_kv_cache_groups)(_vllm_config(layout), specs)
+    return _allocate(layout, groups, sum(s.page_size_bytes for s in specs.values()), blocks, device, None)
 
 
 def logical_pages(t: torch.Tensor, blocks: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Layer-split KV storage on a prefill instance: vLLM's KV cache config (0.32.0, 0.33.0).
+"""Layer-split KV storage on a prefill instance: vLLM's KV cache config (0.32.0, 0.33.0, 0.34.0).
 
 vLLM sizes and lays out every worker's KV memory in the engine core
 (``get_kv_cache_configs``, imported by name into ``vllm.v1.engine.core``) and
@@ -76,6 +76,10 @@ def storage_plan(vllm_config, num_layers: int) -> StoragePlan | None:
 
     if cp <= 1:
         _fail_or_skip(mode, f"cp_size is {cp} (nothing to split)")
+    elif getattr(vllm_config.model_config.hf_text_config, "index_topk", None) is not None:
+        _fail_or_skip(mode, f"{vllm_config.model_config.model} uses sparse MLA: each layer keeps an indexer cache "
+                            f"beside its latent cache (two placements), and layer-split storage places one cache "
+                            f"per layer")
     elif not kv_replicated(vllm_config):
         _fail_or_skip(mode, f"{vllm_config.model_config.model} has "
                             f"{vllm_config.model_config.get_total_num_kv_heads()} KV heads sharded over TP={tp}; "
@@ -130,10 +134,10 @@ def split_tensors(config, plan: StoragePlan, rank: int, layer_index) -> object:
 # ---- 2. The transient-slot fill: a hook on each layer's KV-cache write (workers) ----
 
 # Where vLLM passes the KV cache tensor about to be written to ``impl.do_kv_cache_update``
-# (0.32 and 0.33): ``Attention``'s ``unified_kv_cache_update`` calls it with (layer, key,
+# (0.32, 0.33 and 0.34): ``Attention``'s ``unified_kv_cache_update`` calls it with (layer, key,
 # value, kv_cache, slot_mapping), ``MLAAttention.update_kv_cache`` with (kv_c_normed, k_pe,
 # kv_cache, slot_mapping, kv_cache_dtype, k_scale[, skip_scale]). tests/test_vllm_sources.py
-# checks every such call in both versions' sources.
+# checks every such call in each supported version's sources.
 KV_CACHE_ARG = {"attention": 3, "mla": 2}
 
 

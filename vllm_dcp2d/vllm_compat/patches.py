@@ -6,11 +6,16 @@ installs it, why it exists, and which DCP2DConnector instances cannot work
 without it. ``registry.py`` installs what fits the installed vLLM and refuses an
 instance that needs what does not; ``vllm-dcp2d compat`` prints the table.
 
-Adding a vLLM version: add its targets to each patch (what moved, what changed
-its parameters), branch inside the install function where the wrapping itself
-differs, and run ``tests/test_vllm_sources.py`` against that version's wheel
-(it resolves every target and every vLLM import of the package in the wheel's
-sources, without installing it).
+A patch that a vLLM version made unnecessary (vLLM does it itself there) says so
+in ``not_needed``, naming the upstream file: it is neither installed nor required
+on that version, which is another thing than a patch whose targets do not fit.
+
+Adding a vLLM version: add it to ``SUPPORTED``, add its targets to each patch
+(what moved, what changed its parameters) or say why it is not needed there,
+branch inside the install function where the wrapping itself differs, and run
+``tests/test_vllm_sources.py`` against that version's wheel (it resolves every
+target and every vLLM import of the package in the wheel's sources, without
+installing it).
 """
 
 from __future__ import annotations
@@ -18,13 +23,25 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_dcp2d.vllm_compat.instance import layer_split_may_apply
 
-__all__ = ["Target", "Patch", "PATCHES", "SUPPORTED", "Unavailable", "installed_vllm_version"]
+__all__ = ["Target", "Patch", "PATCHES", "SUPPORTED", "CPU_SUPPORTED", "CPU_UNCHECKED", "Unavailable",
+           "installed_vllm_version"]
 
-SUPPORTED = ("0.32.0", "0.33.0")
+# The vLLM versions every DCP2D instance was checked against (0.32.0 run on CPU; 0.33.0 and
+# 0.34.0 read from their wheels' sources, tests/test_vllm_sources.py). On any other version a
+# DCP2D instance refuses at start-up (registry.require), whatever its role and settings.
+SUPPORTED = ("0.32.0", "0.33.0", "0.34.0")
+# Of those, the ones whose CPU platform the plugin was checked on. 0.34's CPU platform runs
+# Model Runner V2 on triton-cpu (platforms/cpu.py refuses x86 without it), which no registry
+# serves and nothing here has run; the plugin's CPU attention backends were written against
+# the V1 runner's metadata.
+CPU_SUPPORTED = ("0.32.0", "0.33.0")
+CPU_UNCHECKED = ("vLLM {version} on CPU was not checked: its CPU platform runs Model Runner V2 on triton-cpu, "
+                 "which the plugin's CPU attention backends were not written against (CPU: vLLM "
+                 + ", ".join(CPU_SUPPORTED) + ")")
 
 
 def installed_vllm_version() -> str:
@@ -79,7 +96,9 @@ class Patch:
     called with the vLLM version (None: the code that needs it installs it later, after
     ``registry.check``); needed: whether a DCP2DConnector instance with this
     ``VllmConfig`` cannot work without it (False for a patch that only makes it
-    faster); needed_for: the same in words; cpu_only: installed on CPU platforms only."""
+    faster); needed_for: the same in words; cpu_only: installed on CPU platforms only;
+    not_needed: per vLLM version where vLLM itself does what the patch did, the
+    upstream file(s) that do it (nothing is installed or required there)."""
 
     name: str
     reason: str
@@ -88,10 +107,12 @@ class Patch:
     needed_for: str
     needed: Callable
     cpu_only: bool = False
+    not_needed: dict[str, str] = field(default_factory=dict)
 
 
-def _both(*targets: Target) -> dict[str, tuple[Target, ...]]:
-    return {v: targets for v in SUPPORTED}
+def _v1(*targets: Target) -> dict[str, tuple[Target, ...]]:
+    """The same targets on the versions that run vLLM's V1 model runner (0.32.0, 0.33.0)."""
+    return {v: targets for v in ("0.32.0", "0.33.0")}
 
 
 def _dcp(vllm_config) -> int:
@@ -134,7 +155,7 @@ def _draft_under_dcp(vllm_config) -> bool:
 
 
 _COMPAT = "vllm_dcp2d.vllm_compat"
-_MP = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_MP = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # the V1 runner (0.32, 0.33; gone in 0.34)
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 _PROPOSE = ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
             "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
@@ -143,6 +164,12 @@ _SLOTS = ("num_tokens", "max_num_tokens", "query_start_loc", "positions", "block
           "slot_mapping", "KV_CACHE_BLOCK_SIZE", "TOTAL_CP_WORLD_SIZE", "TOTAL_CP_RANK",
           "CP_KV_CACHE_INTERLEAVE_SIZE", "PAD_ID", "BLOCK_SIZE")
 _MLA_UPDATE = ("self", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping", "kv_cache_dtype", "k_scale")
+# What vLLM 0.34 does itself that V1-runner patches did (paths under vllm/).
+_V2_DRAFT = ("config/speculative.py (draft_decode_context_parallel_size: the draft's own DCP size, set to 1 for "
+             "DCP2D by draft_dcp_size), v1/worker/gpu/spec_decode/speculator.py (DraftModelSpeculator builds the "
+             "draft at that size), v1/worker/gpu/model_runner.py (get_kv_cache_spec: a DCP=1 draft keeps "
+             "dcp_sharded=False; check_attention_cp_compatibility gets the target's layers), "
+             "model_executor/layers/attention/mla_attention.py (the MLA builder reads dcp_sharded)")
 
 PATCHES: list[Patch] = [
     Patch("cpu_attention_backends",
@@ -163,22 +190,24 @@ PATCHES: list[Patch] = [
           cpu_only=True),
     Patch("cp_slot_mapping",
           "the DCP slot mapping on CPU (vLLM's C++ fallback asserts 'Context Parallelism is not supported')",
-          _both(Target("vllm.utils.cpu_triton_utils:_compute_slot_mapping_kernel_impl", _SLOTS)),
-          f"{_COMPAT}.attention:install_slot_mapping", "DCP > 1 on CPU", _dcp_on_cpu, cpu_only=True),
+          _v1(Target("vllm.utils.cpu_triton_utils:_compute_slot_mapping_kernel_impl", _SLOTS)),
+          f"{_COMPAT}.attention:install_slot_mapping", "DCP > 1 on CPU", _dcp_on_cpu, cpu_only=True,
+          not_needed={"0.34.0": "v1/worker/gpu/block_table.py (_compute_slot_mappings_kernel computes the DCP "
+                                "slot mapping for every platform; vllm.utils.cpu_triton_utils is gone)"}),
     Patch("dcp_shm_collectives",
           "the DCP group's all-gathers over vLLM's shared-memory CPU collectives instead of gloo (speed only)",
-          _both(Target("vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__",
+          _v1(Target("vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__",
                        ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all"))),
           f"{_COMPAT}.attention:install_dcp_shm", "nothing (a DCP group on CPU is faster with it)", _never,
           cpu_only=True),
     Patch("mla_dcp_combine",
           "MLA's DCP merge in torch (vLLM's is a Triton kernel, and Triton has no CPU backend)",
-          _both(Target("vllm.v1.attention.ops.dcp:MLADCPManager._init_combine",
+          _v1(Target("vllm.v1.attention.ops.dcp:MLADCPManager._init_combine",
                        ("self", "num_heads", "head_dim", "dtype", "is_lse_base_on_e", "use_pcp"))),
           None, "MLA with DCP > 1 on CPU", _mla_dcp_on_cpu, cpu_only=True),
     Patch("mla_backend_choice",
           "CPU_MLA for DCP2D MLA instances on AMX CPUs (vLLM picks AMX_MLA: no LSE, its own page format, no fp32)",
-          _both(Target("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("cls", "vllm_config"))),
+          _v1(Target("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("cls", "vllm_config"))),
           f"{_COMPAT}.startup:install_mla_backend", "MLA on CPU", _mla_on_cpu, cpu_only=True),
     Patch("dcp_interleave",
           "the DCP interleave set to the block size, as vLLM does for NIXL only: the connector writes whole "
@@ -186,6 +215,9 @@ PATCHES: list[Patch] = [
           {"0.32.0": (Target("vllm.config:VllmConfig.adjust_dcp_kv_cache_interleave_size",
                              ("self", "kv_cache_config")),),
            "0.33.0": (Target("vllm.config:VllmConfig.adjust_dcp_kv_cache_interleave_size",
+                             ("self", "kv_cache_groups")),),
+           # 0.34 still resolves the interleave for NixlConnector only (config/vllm.py).
+           "0.34.0": (Target("vllm.config:VllmConfig.adjust_dcp_kv_cache_interleave_size",
                              ("self", "kv_cache_groups")),)},
           f"{_COMPAT}.startup:install_interleave", "DCP > 1", lambda c: _dcp(c) > 1),
     Patch("layer_split_kv_configs",
@@ -193,6 +225,8 @@ PATCHES: list[Patch] = [
           {"0.32.0": (Target("vllm.v1.engine.core:get_kv_cache_configs",
                              ("vllm_config", "kv_cache_specs", "available_memory")),),
            "0.33.0": (Target("vllm.v1.engine.core:get_kv_cache_configs",
+                             ("vllm_config", "kv_cache_specs", "available_memory", "global_kv_cache_groups")),),
+           "0.34.0": (Target("vllm.v1.engine.core:get_kv_cache_configs",
                              ("vllm_config", "kv_cache_specs", "available_memory", "global_kv_cache_groups")),)},
           f"{_COMPAT}.kv_cache:install", "layer-split storage (a kv_producer with cp_size > 1)", _layer_split),
     Patch("draft_group_order",
@@ -200,11 +234,21 @@ PATCHES: list[Patch] = [
           {"0.32.0": (Target("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", ("vllm_config", "kv_cache_spec")),),
            "0.33.0": (Target("vllm.v1.core.kv_cache_planning:get_kv_cache_groups",
                              ("vllm_config", "kv_cache_spec")),)},
-          f"{_COMPAT}.spec_decode:install_group_order", "a speculative draft with DCP > 1", _draft_under_dcp),
+          f"{_COMPAT}.spec_decode:install_group_order", "a speculative draft with DCP > 1", _draft_under_dcp,
+          not_needed={"0.34.0": "v1/worker/gpu/spec_decode/speculator.py (set_attn: Model Runner V2's draft builds "
+                                "its attention metadata from its own layers' groups)"}),
+    Patch("draft_dcp_size",
+          "a DCP2D instance with DCP > 1 runs its draft at vLLM's draft_decode_context_parallel_size=1 unless the "
+          "user set it (design §8: the draft runs unsharded; vLLM 0.34 defaults it to the target's DCP size), logged",
+          {"0.34.0": (Target("vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+                             ("self", "target_model_config", "target_parallel_config")),)},
+          f"{_COMPAT}.spec_decode_v2:install_draft_dcp", "a speculative draft with DCP > 1", _draft_under_dcp,
+          not_needed={v: "the V1 runner has no draft DCP size; draft_dcp_disabled runs its draft at DCP 1"
+                      for v in ("0.32.0", "0.33.0")}),
     Patch("draft_dcp_disabled",
-          "the draft runs with DCP disabled over an unsharded pool (vLLM shards an EAGLE/MTP draft like "
-          "the target: 21 of 522 drafts accepted)",
-          _both(Target(f"{_PROPOSER}.load_model", ("self", "target_model")),
+          "the draft runs with DCP disabled over an unsharded pool (vLLM's V1 runner shards an EAGLE/MTP draft "
+          "like the target: 21 of 522 drafts accepted)",
+          _v1(Target(f"{_PROPOSER}.load_model", ("self", "target_model")),
                 Target(f"{_PROPOSER}.dummy_run", ("self", "num_tokens", "use_cudagraphs", "is_graph_capturing",
                                                   "slot_mappings")),
                 Target(f"{_PROPOSER}.propose", _PROPOSE),
@@ -216,14 +260,19 @@ PATCHES: list[Patch] = [
                 Target("vllm.model_executor.layers.attention.mla_attention:MLACommonMetadataBuilder.__init__",
                        ("self", "kv_cache_spec", "layer_names", "vllm_config", "device", "metadata_cls",
                         "supports_dcp_with_varlen"))),
-          f"{_COMPAT}.spec_decode:install_draft", "a speculative draft with DCP > 1", _draft_under_dcp),
+          f"{_COMPAT}.spec_decode:install_draft", "a speculative draft with DCP > 1", _draft_under_dcp,
+          not_needed={"0.34.0": _V2_DRAFT}),
     Patch("agreed_acceptance",
-          "every DCP rank commits the MIN accepted count over the group, so no rank commits a different token",
-          _both(Target(f"{_MP}._sample", ("self", "logits", "spec_decode_metadata"))),
+          "every DCP rank commits the MIN accepted count over the group, so a rank whose draft or logits differ "
+          "can make no rank commit a different token or wait in another collective; vLLM (0.32, 0.33: V1 "
+          "_sample; 0.34: Model Runner V2's sample) leaves each rank its own count",
+          {**_v1(Target(f"{_MP}._sample", ("self", "logits", "spec_decode_metadata"))),
+           "0.34.0": (Target("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
+                             ("self", "hidden_states", "input_batch", "grammar_output")),)},
           f"{_COMPAT}.spec_decode:install_agreement", "a speculative draft with DCP > 1", _draft_under_dcp),
     Patch("shm_poll_sleep",
           "vLLM's shared-memory queue readers sleep cpu_poll_sleep_us between polls instead of spinning "
           "(on a small CPU host the spin starved the connector's threads)",
-          _both(Target("vllm.distributed.device_communicators.shm_broadcast:sched_yield", ())),
+          _v1(Target("vllm.distributed.device_communicators.shm_broadcast:sched_yield", ())),
           None, "nothing (cpu_poll_sleep_us > 0 on CPU: installed by the connector)", _never, cpu_only=True),
 ]

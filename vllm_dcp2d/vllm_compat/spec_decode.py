@@ -1,5 +1,7 @@
 """Speculative decoding on a DCP instance: vLLM's V1 model runner (0.32.0, 0.33.0).
 
+(vLLM 0.34 has no V1 runner: ``spec_decode_v2.py`` says what it does there.)
+
 The CPU platform runs vLLM's V1 runner (Model Runner V2 needs Triton); GPU
 instances run it unless Model Runner V2 is chosen. Under
 DCP that runner shards the draft's KV like the target's: the draft's parallel
@@ -112,7 +114,7 @@ def install_group_order(version: str) -> None:
 # ---- 1. the drafter runs with DCP disabled (SpecDecodeBaseProposer and its subclasses) ----
 
 def _proposer_classes():
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer  # only vLLM 0.32.0, 0.33.0
     importlib.import_module("vllm.v1.worker.gpu_model_runner")  # imports every proposer subclass
 
     seen, todo = [], [SpecDecodeBaseProposer]
@@ -165,7 +167,7 @@ def _install_drafter() -> None:  # part of install_draft
 # ---- 2, 3, 5. GPUModelRunner and check_attention_cp_compatibility (V1; CPUModelRunner inherits them) ----
 
 def _install_runner() -> None:  # part of install_draft
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # only vLLM 0.32.0, 0.33.0
 
     stock_spec = GPUModelRunner.get_kv_cache_spec
     if getattr(stock_spec, "_dcp2d", False):
@@ -198,7 +200,7 @@ def _install_runner() -> None:  # part of install_draft
 
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker import gpu_model_runner  # only vLLM 0.32.0, 0.33.0
 
     stock_check = gpu_model_runner.check_attention_cp_compatibility
 
@@ -220,8 +222,12 @@ def _install_runner() -> None:  # part of install_draft
 # ---- 6. GPUModelRunner._sample: the ranks agree on what was accepted ----
 
 def install_agreement(version: str) -> None:
+    if version not in ("0.32.0", "0.33.0"):  # 0.34 has Model Runner V2 only
+        from vllm_dcp2d.vllm_compat import spec_decode_v2
+
+        return spec_decode_v2.install_agreement(version)
     from vllm.distributed import get_tp_group
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # only vLLM 0.32.0, 0.33.0
 
     stock_sample = GPUModelRunner._sample
     if getattr(stock_sample, "_dcp2d", False):

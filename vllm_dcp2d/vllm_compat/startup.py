@@ -1,4 +1,4 @@
-"""Start-up settings a DCP2D instance needs, chosen for the user (vLLM 0.32.0, 0.33.0).
+"""Start-up settings a DCP2D instance needs, chosen for the user (vLLM 0.32.0, 0.33.0, 0.34.0).
 
 Without these, serving an MLA model through the connector took three flags
 that nothing pointed to (``--attention-backend CPU_MLA``, ``--block-size 16``,
