@@ -19,6 +19,7 @@ whole KV of its heads for the layers it sends.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,8 @@ __all__ = [
     "head_replicas",
     "send_shard",
     "askers",
+    "per_head_layout",
+    "default_cp_size",
     "cdiv",
 ]
 
@@ -216,3 +219,31 @@ class StoragePlan:
 
     def owner(self, layer: int) -> int:
         return cp_layer_owner(layer, self.num_layers, self.cp_size)
+
+
+_HEAD_AXIS = re.compile(r"(?<![A-Za-z0-9])H\d+[,/]?")
+
+
+def per_head_layout(layout: str) -> str:
+    """A page format (``page_format.page_format`` + content, planes joined by " + ") with its
+    head axis left out: the layout of one KV head's bytes, which two ranks holding different
+    head counts must share. "H2,N16,C256:x" and "N16,H2,C256:k|v" -> "N16,C256:x", "N16,C256:k|v"
+    (where a head sits among the tokens is the plan's business: ``KVRegions.head_runs``)."""
+    return _HEAD_AXIS.sub("", layout).replace(",:", ":").replace("/:", ":")
+
+
+def default_cp_size(num_kv_heads: int, tp_size: int) -> tuple[int, str]:
+    """The layer-split size a prefill gets when ``cp_size`` is not set, and why: the TP ranks
+    holding each KV head (``head_replicas``) split its layers. Every rank holds the whole KV
+    (MQA, MLA, or fewer heads than TP ranks): layer split over them; KV heads sharded over
+    TP: none (each rank sends every layer of its heads)."""
+    replicas = head_replicas(num_kv_heads, tp_size)
+    if tp_size == 1:
+        return 1, "tensor_parallel_size=1: one rank sends every layer"
+    if replicas == 1:
+        return 1, (f"{num_kv_heads} KV heads sharded over tensor_parallel_size={tp_size}: each rank sends every "
+                   f"layer of its {num_kv_heads // tp_size} head(s), no layer split")
+    if num_kv_heads == 1:
+        return replicas, f"every TP rank holds the whole KV (one KV head): layer split over {replicas} rank(s)"
+    return replicas, (f"{num_kv_heads} KV heads over tensor_parallel_size={tp_size}: each head on {replicas} "
+                      f"ranks, which split its layers")

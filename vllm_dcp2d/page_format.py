@@ -101,6 +101,18 @@ def _split_runs(dims: list[tuple[str, int, int]], name: str) -> tuple[int, list[
     return run, dims[:inner]
 
 
+def _head_geometry(run_dims: list[tuple[str, int, int]]) -> tuple[int, int]:
+    """(heads, runs per head) of a page's dense run (``KVRegions.head_count/head_runs``):
+    the head axis's size, and how many runs the axes outside it (tokens in NHD, none
+    in HND and vLLM's CPU page) cut each head into; (1, 1) where the run holds one head
+    (the page has one, or each head is its own region: ``LHBNC``/``BHLNC``)."""
+    names = [d[0] for d in run_dims]
+    if "H" not in names:
+        return 1, 1
+    at = names.index("H")
+    return run_dims[at][1], int(np.prod([d[1] for d in run_dims[:at]], dtype=np.int64))
+
+
 def page_format(t: torch.Tensor, num_blocks: int, name: str = "KV cache") -> str:
     """The physical page format of KV view ``t``, without the block count or device:
     the axes that split a page into runs, then the dense run, outermost first, sizes
@@ -156,7 +168,7 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: d
             offsets = np.zeros(1, dtype=np.int64)
             for _, size, stride in outer:  # outermost first: regions in address order
                 offsets = (offsets[:, None] + stride * np.arange(size, dtype=np.int64)).reshape(-1)
-            this.append((block_stride, run, dims, offsets.size))
+            this.append((block_stride, run, dims, offsets.size, *_head_geometry(dims[len(outer):])))
             base.append(t.data_ptr() + offsets)
             storage = t.untyped_storage()
             mem[storage.data_ptr()] = storage.nbytes()
@@ -174,10 +186,12 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: d
         bases.append(np.concatenate(base))
     if not layers:
         raise ValueError("register_kv_caches got no KV cache tensors")
-    stride = np.concatenate([np.full(n, block_stride) for block_stride, _, _, n in fmt])
-    run = np.concatenate([np.full(n, run) for _, run, _, n in fmt])
+    stride = np.concatenate([np.full(n, f[0]) for f in fmt for n in [f[3]]])
+    run = np.concatenate([np.full(f[3], f[1]) for f in fmt])
+    heads = np.concatenate([np.full(f[3], f[4]) for f in fmt])
+    runs = np.concatenate([np.full(f[3], f[5]) for f in fmt])
     regions = KVRegions(np.array(layers), np.array(bases), stride, run, np.array(group_of),
-                        np.array(sharded if sharded else [True]))
+                        np.array(sharded if sharded else [True]), heads, runs)
     return regions, sorted(mem.items())
 
 

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_dcp2d.head_split import PageSlice, head_slices, page_slice
 from vllm_dcp2d.layout import _check_rank, _check_size, cdiv, cp_layer_range, dcp_pages_for_rank
 
-__all__ = ["KVRegions", "Descriptors", "plan_path", "plan_request", "block_tables", "Memory", "region_ends",
+__all__ = ["KVRegions", "Descriptors", "PageSlice", "page_slice", "head_slices", "plan_path", "plan_request", "block_tables", "Memory", "region_ends",
            "blocks_within", "senders_for", "ShardError"]
 
 MAX_ADDR = (1 << 63) - 1
@@ -52,6 +53,15 @@ class KVRegions:
     layer_group:   int64 ``[Lh]``    KV cache group of each layer (default: all 0).
     group_sharded: bool ``[G]``      whether each group's pages are DCP-sharded on this
                                      rank's instance (default: one sharded group).
+    head_count:    int64 ``[R]``     KV heads inside one page of each region (default 1): the
+                                     rank's head count where heads lie inside the page's dense
+                                     run, 1 where the page holds one head or each head is a region.
+    head_runs:     int64 ``[R]``     dense runs one head occupies in a page (default 1): 1 where
+                                     heads are outside the tokens (HND, vLLM's CPU page
+                                     ``[H, N, C]``), the token count where heads are inside
+                                     them (NHD ``[N, H, C]``). A page of region ``j`` is
+                                     ``head_runs`` runs, each ``head_count`` heads of
+                                     ``page_bytes / (head_count * head_runs)`` bytes.
     """
 
     layer_ids: np.ndarray
@@ -60,6 +70,8 @@ class KVRegions:
     page_bytes: np.ndarray
     layer_group: np.ndarray | None = None
     group_sharded: np.ndarray | None = None
+    head_count: np.ndarray | None = None
+    head_runs: np.ndarray | None = None
 
     def __post_init__(self):
         ids = np.asarray(self.layer_ids, dtype=np.int64).reshape(-1)
@@ -90,10 +102,19 @@ class KVRegions:
         if group.size and (group.min() < 0 or group.max() >= sharded.size):
             raise ValueError(f"layer_group must be in [0, {sharded.size}) (one entry of group_sharded per "
                              f"group), got {group.tolist()}")
+        heads, runs = (np.ones(stride.size, dtype=np.int64) if v is None else np.asarray(v, dtype=np.int64).reshape(-1)
+                       for v in (self.head_count, self.head_runs))
+        if heads.size != stride.size or runs.size != stride.size:
+            raise ValueError(f"head_count has {heads.size} and head_runs {runs.size} entries, expected one per "
+                             f"region ({stride.size})")
+        if (heads < 1).any() or (runs < 1).any() or (nbytes % (heads * runs)).any():
+            raise ValueError(f"need head_count >= 1 and head_runs >= 1 dividing page_bytes, got head_count "
+                             f"{heads.tolist()} head_runs {runs.tolist()} page_bytes {nbytes.tolist()}")
         row_of = np.full(int(ids.max()) + 1 if ids.size else 0, -1, dtype=np.int64)
         row_of[ids] = np.arange(ids.size)
         for name, val in (("layer_ids", ids), ("base", base), ("page_stride", stride), ("page_bytes", nbytes),
-                          ("layer_group", group), ("group_sharded", sharded), ("_row_of", row_of)):
+                          ("layer_group", group), ("group_sharded", sharded), ("head_count", heads),
+                          ("head_runs", runs), ("_row_of", row_of)):
             object.__setattr__(self, name, val)
 
     @classmethod
@@ -109,6 +130,21 @@ class KVRegions:
     @property
     def num_groups(self) -> int:
         return int(self.group_sharded.size)
+
+    @property
+    def head_bytes(self) -> np.ndarray:
+        """int64 ``[R]``: bytes of one KV head in a page of each region (all its runs)."""
+        return self.page_bytes // self.head_count
+
+    def with_heads(self, count: int) -> KVRegions:
+        """The same layers, bases and per-head layout, each page holding ``count`` heads
+        where this one holds ``head_count``: a stand-in producer of that many heads
+        (``checksum.path_ranges``). Only its destination-side use is meaningful."""
+        count = _check_size("count", count)
+        scale = np.where(self.head_count > 1, count, 1)
+        nbytes = self.head_bytes * scale
+        return KVRegions(self.layer_ids, self.base, np.maximum(self.page_stride, nbytes), nbytes, self.layer_group,
+                         self.group_sharded, scale, self.head_runs)
 
     def groups_of(self, layers: np.ndarray, side: str) -> np.ndarray:
         """Group of each of ``layers`` (int64 ``[n]``); raises if a layer is not held."""
@@ -261,8 +297,9 @@ def block_tables(name: str, ids, num_groups: int) -> list[np.ndarray]:
 
 def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_ids,
               dcp_size: int, dcp_rank: int, first_page: int = 0,
-              num_pages: int | None = None) -> Descriptors:
-    """Descriptors that move ``layers x pages(dcp_rank)`` of one request.
+              num_pages: int | None = None, src_heads: range | None = None,
+              dst_heads: range | None = None) -> Descriptors:
+    """Descriptors that move ``layers x heads x pages(dcp_rank)`` of one request.
 
     src:           producer KV regions (must hold every layer in ``layers``).
     src_block_ids: producer block of each sequence page, in sequence order: int ``[P]``,
@@ -275,14 +312,23 @@ def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_i
                    group every rank gets page ``i`` in ``[i]`` (``>= P`` entries).
     first_page:    first sequence page to send (earlier ones are cached on decode).
     num_pages:     pages of the request, default the producer table's length.
+    src_heads, dst_heads: the KV heads each side's pages hold (absolute head ids; default:
+                   the same on both sides). Where they differ only ``src_heads & dst_heads``
+                   moves: a part of each page (``head_slices``), each run at its head's
+                   place in the producer's page and in the consumer's.
 
     Order: per (producer group, consumer group), layer-major, then region, then
-    page; runs contiguous on both sides are merged. Returns int64 arrays; no
-    Python loop per page or layer.
+    page (then run, then head); runs contiguous on both sides are merged. Returns
+    int64 arrays; no Python loop per page or layer. With equal heads the
+    descriptors are those of whole pages.
     """
     dcp_size = _check_size("dcp_size", dcp_size)
     dcp_rank = _check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
-    _check_compatible(src, dst)
+    pieces = None
+    if src_heads is not None and dst_heads is not None and src_heads != dst_heads:
+        pieces = head_slices(src, dst, src_heads, dst_heads)
+    else:
+        _check_compatible(src, dst)
     src_tables = block_tables("src_block_ids", src_block_ids, src.num_groups)
     dst_tables = block_tables("dst_block_ids", dst_block_ids, dst.num_groups)
     sizes = {t.size for t in src_tables}
@@ -305,13 +351,14 @@ def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_i
         sg, dg = divmod(int(p), dst.num_groups)
         size, rank = (dcp_size, dcp_rank) if dst.group_sharded[dg] else (1, 0)
         parts.append(_plan_group(src, src_tables[sg], layers[pair == p], dst, dst_tables[dg], size, rank,
-                                 first_page, num_pages))
+                                 first_page, num_pages, pieces))
     return Descriptors.concat(parts)
 
 
 def _plan_group(src: KVRegions, src_ids: np.ndarray, layers: np.ndarray, dst: KVRegions, dst_ids: np.ndarray,
-                dcp_size: int, dcp_rank: int, first_page: int, num_pages: int) -> Descriptors:
-    """``layers`` (one block table on each side) x pages(dcp_rank)."""
+                dcp_size: int, dcp_rank: int, first_page: int, num_pages: int, pieces=None) -> Descriptors:
+    """``layers`` (one block table on each side) x pages(dcp_rank); ``pieces``: the
+    ``head_slices`` of a page to move, None = whole pages."""
     if dst_ids.size < cdiv(num_pages, dcp_size):
         raise ValueError(f"dst_block_ids has {dst_ids.size} blocks, need cdiv(num_pages={num_pages}, "
                          f"dcp_size={dcp_size}) = {cdiv(num_pages, dcp_size)}")
@@ -329,8 +376,13 @@ def _plan_group(src: KVRegions, src_ids: np.ndarray, layers: np.ndarray, dst: KV
     dst_off = dst_ids[start // dcp_size: start // dcp_size + pages.size]
     s, d, n = [], [], []
     for j in range(src.num_regions):  # regions per layer: 1 or 2
-        rs, rd, rn = _page_runs(src_off * src.page_stride[j], dst_off * dst.page_stride[j],
-                                int(src.page_bytes[j]))
+        if pieces is None:
+            rs, rd, rn = _page_runs(src_off * src.page_stride[j], dst_off * dst.page_stride[j],
+                                    int(src.page_bytes[j]))
+        else:  # [Pd, Q] pieces, page-major: merged where contiguous on both sides
+            ps, pd, plen = pieces[j]
+            rs, rd, rn = _page_runs((src_off[:, None] * src.page_stride[j] + ps[None, :]).reshape(-1),
+                                    (dst_off[:, None] * dst.page_stride[j] + pd[None, :]).reshape(-1), plen)
         s.append(src_base[:, j, None] + rs[None, :])  # [L, runs_j]
         d.append(dst_base[:, j, None] + rd[None, :])
         n.append(np.broadcast_to(rn[None, :], (layers.size, rn.size)))
@@ -360,20 +412,33 @@ def _page_runs(src_off: np.ndarray, dst_off: np.ndarray, page_bytes: int):
 
 def plan_request(num_layers: int, cp_size: int, src_regions: list[KVRegions], src_block_ids,
                  dst_regions: list[KVRegions], dst_block_ids, first_page: int = 0,
-                 num_pages: int | None = None) -> dict[tuple[int, int], Descriptors]:
-    """All ``cp_size x dcp_size`` paths of one request: ``{(cp_rank, dcp_rank): Descriptors}``.
+                 num_pages: int | None = None, src_heads: list[range] | None = None,
+                 dst_heads: list[range] | None = None, src_layers: list[range] | None = None,
+                 dcp_ranks: list[int] | None = None) -> dict[tuple[int, int], Descriptors]:
+    """All paths of one request: ``{(cp_rank, dcp_rank): Descriptors}``.
 
     src_regions[r]: KV regions of prefill CP rank ``r``; dst_regions[d]: of
-    decode DCP rank ``d`` (``dcp_size = len(dst_regions)``).
+    decode rank ``d`` (``dcp_size = len(dst_regions)`` unless ``dcp_ranks`` is given).
+    With heads (``src_heads[r]``, ``dst_heads[d]``: the KV heads each rank's pages hold)
+    the plan is layer x head x page: path ``(r, d)`` carries ``src_layers[r]`` (default
+    ``cp_layer_range``) x ``(src_heads[r] & dst_heads[d])`` x pages of ``d``'s DCP rank
+    (``dcp_ranks[d]`` of ``max(dcp_ranks) + 1``, default ``d`` of ``len(dst_regions)``);
+    paths whose heads do not meet are left out.
     """
     if len(src_regions) != cp_size:
         raise ValueError(f"src_regions has {len(src_regions)} entries, expected cp_size={cp_size}")
-    dcp_size = len(dst_regions)
-    return {
-        (r, d): plan_path(src_regions[r], src_block_ids, cp_layer_range(num_layers, cp_size, r),
-                          dst_regions[d], dst_block_ids, dcp_size, d, first_page, num_pages)
-        for r in range(cp_size) for d in range(dcp_size)
-    }
+    dcp = list(range(len(dst_regions))) if dcp_ranks is None else list(dcp_ranks)
+    dcp_size = max(dcp) + 1
+    out = {}
+    for r in range(cp_size):
+        layers = cp_layer_range(num_layers, cp_size, r) if src_layers is None else src_layers[r]
+        for d in range(len(dst_regions)):
+            sh, dh = (None, None) if src_heads is None else (src_heads[r], dst_heads[d])
+            if sh is not None and max(sh.start, dh.start) >= min(sh.stop, dh.stop):
+                continue
+            out[(r, d)] = plan_path(src_regions[r], src_block_ids, layers, dst_regions[d], dst_block_ids,
+                                    dcp_size, dcp[d], first_page, num_pages, sh, dh)
+    return out
 
 
 class ShardError(ValueError):
@@ -388,25 +453,33 @@ def _heads(r: range) -> str:
 def senders_for(layers: np.ndarray, heads: np.ndarray, num_layers: int, num_kv_heads: int, want: range) -> np.ndarray:
     """The CP ranks a consumer rank holding KV heads ``want`` fetches from, given a rank
     table's shards: rank ``r`` sends layers ``[layers[2r], layers[2r+1])`` of heads
-    ``[heads[2r], heads[2r+1])`` (int64 ``[2R]`` each). Returns int64 ``[n]`` ascending.
+    ``[heads[2r], heads[2r+1])`` (int64 ``[2R]`` each). Returns int64 ``[n]`` ascending:
+    every rank whose heads intersect ``want`` (it sends ``its heads & want``).
 
-    Raises ``ShardError`` unless the ranks holding any of ``want`` hold exactly ``want``
-    (a part of a rank's heads is not moved) and their layers cover each layer once."""
+    Raises ``ShardError`` unless those ranks cover each (layer, head) of
+    ``range(num_layers) x want`` exactly once, naming what is missing or doubled."""
     lo, hi = heads[0::2], heads[1::2]
     ask = np.flatnonzero((lo < want.stop) & (hi > want.start))
-    theirs = ", ".join(f"cp rank {r}: {_heads(range(int(lo[r]), int(hi[r])))}" for r in range(lo.size))
-    fix = (f"the prefill's ranks hold {theirs} of {num_kv_heads}; this decode rank holds {_heads(want)}. "
-           f"Start the prefill with a tensor_parallel_size that splits the KV heads as the decode does")
-    bad = ask[(lo[ask] != want.start) | (hi[ask] != want.stop)]
-    if bad.size or not ask.size:
-        raise ShardError(f"KV heads differ: {fix} (moving a part of a rank's heads is not supported)")
-    count = np.zeros(num_layers + 1, dtype=np.int64)
-    np.add.at(count, layers[0::2][ask], 1)
-    np.add.at(count, layers[1::2][ask], -1)
-    cover = np.cumsum(count)[:num_layers]
+    theirs = ", ".join(f"cp rank {r}: {_heads(range(int(lo[r]), int(hi[r])))} of layers "
+                       f"{int(layers[2 * r])}-{int(layers[2 * r + 1]) - 1}" for r in range(lo.size))
+    fix = (f"the prefill's ranks hold {theirs} (of {num_kv_heads} KV heads, {num_layers} layers); this decode rank "
+           f"holds {_heads(want)}. Restart the prefill with its default cp_size (or one its head replicas allow)")
+    if not ask.size:
+        raise ShardError(f"KV heads differ: no prefill rank holds any of {_heads(want)}: {fix}")
+    # (layer, head) coverage of the asked ranks' shards within want: a 2D difference grid
+    a0, a1 = layers[0::2][ask], layers[1::2][ask]
+    h0 = np.maximum(lo[ask], want.start) - want.start
+    h1 = np.minimum(hi[ask], want.stop) - want.start
+    grid = np.zeros((num_layers + 1, len(want) + 1), dtype=np.int64)
+    np.add.at(grid, (a0, h0), 1)
+    np.add.at(grid, (a0, h1), -1)
+    np.add.at(grid, (a1, h0), -1)
+    np.add.at(grid, (a1, h1), 1)
+    cover = grid.cumsum(0).cumsum(1)[:num_layers, :len(want)]
     if (cover != 1).any():
-        missing = np.flatnonzero(cover != 1)
-        raise ShardError(f"the prefill's ranks holding {_heads(want)} send layers "
-                         f"{[(int(layers[2 * r]), int(layers[2 * r + 1])) for r in ask]}, covering layer(s) "
-                         f"{missing[:8].tolist()} {int(cover[missing[0]])} times instead of once ({fix})")
+        layer, head = map(int, np.argwhere(cover != 1)[0])
+        count = int(cover[layer, head])
+        raise ShardError(f"the prefill's ranks holding any of {_heads(want)} send layer {layer} of head "
+                         f"{want.start + head} {count} times instead of once "
+                         f"({(cover != 1).sum()} (layer, head) pairs wrong): {fix}")
     return ask.astype(np.int64)

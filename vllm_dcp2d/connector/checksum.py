@@ -51,10 +51,16 @@ def checksum(memory: Memory, src: np.ndarray, length: np.ndarray, order: np.ndar
 
 
 def path_ranges(regions: KVRegions, block_ids, layers, dcp_size: int, dcp_rank: int, first_page: int,
-                num_pages: int) -> Descriptors:
-    """Where ``layers`` x pages(``dcp_rank``) of a request land in a consumer's KV
+                num_pages: int, heads: range | None = None, sender_heads: range | None = None) -> Descriptors:
+    """Where ``layers`` x heads x pages(``dcp_rank``) of a request land in a consumer's KV
     (``regions``, its block tables ``block_ids``): ``dst`` and ``length`` (``src`` is
     meaningless). The plan of the same path with the consumer standing in for the
-    producer (no page contiguous at the stand-in source, so nothing merges)."""
+    producer (no page contiguous at the stand-in source, so nothing merges). ``heads``:
+    the consumer rank's KV heads, ``sender_heads``: the producer rank's (default: the
+    same); where they differ only ``heads & sender_heads`` of each page."""
     stand_in = tuple(np.zeros(num_pages, dtype=np.int64) for _ in range(regions.num_groups))
-    return plan_path(regions, stand_in, layers, regions, block_ids, dcp_size, dcp_rank, first_page, num_pages)
+    if heads is None or sender_heads is None or heads == sender_heads:
+        return plan_path(regions, stand_in, layers, regions, block_ids, dcp_size, dcp_rank, first_page, num_pages)
+    common = range(max(heads.start, sender_heads.start), min(heads.stop, sender_heads.stop))
+    return plan_path(regions.with_heads(len(common)), stand_in, layers, regions, block_ids, dcp_size, dcp_rank,
+                     first_page, num_pages, common, heads)

@@ -17,7 +17,7 @@ Public API
 ``class MessageError(ValueError)``: malformed input or unsupported version.
 ``class FingerprintMismatch(MessageError)``: both sides' values named.
 ``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout, model_config, draft_layers=0, kv_scales="none")``
-    ``.check(other: Fingerprint) -> None``: raises ``FingerprintMismatch``.
+    ``.check(other: Fingerprint, heads=0, other_heads=0) -> None``: raises ``FingerprintMismatch`` (per KV head where the head counts differ).
 ``TransferRequest(...)``: decode rank -> prefill rank, one per request and rank;
     ``.regions() -> plan.KVRegions`` (the consumer's KV).
 ``TransferOutcome(...)``: prefill rank -> decode rank, the answer to one request.
@@ -40,7 +40,7 @@ import numpy as np
 
 from vllm_dcp2d.connector.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
                                         Str, StrList, fields_from_wire, fields_to_wire)
-from vllm_dcp2d.layout import cp_layer_range
+from vllm_dcp2d.layout import cp_layer_range, per_head_layout
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, region_ends
 
 __all__ = [
@@ -66,8 +66,12 @@ __all__ = [
 # each rank's layers and KV heads, listed per rank in RankTable.layers/heads;
 # Fingerprint.num_kv_heads; TransferRequest.head_start/head_end (the decode rank's heads),
 # prompt_digest (the prompt it expects: a key reused or a prompt tokenized otherwise is
-# refused) and verify; TransferOutcome.checksum; ReleaseTransfer.prompt_digest.
-PROTOCOL_VERSION = 7
+# refused) and verify; TransferOutcome.checksum; ReleaseTransfer.prompt_digest. 8 = the 3D
+# reshard (issue 39): TransferRequest.head_count/head_runs (where heads sit in the consumer's
+# pages); a producer serves a request whose heads intersect its own (was: equal), writing
+# only the common heads; Fingerprint.page_bytes and layout are compared per KV head when
+# the two ranks' pages hold different head counts.
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_COUNT = 1 << 48        # pages, bytes, descriptors
@@ -155,15 +159,34 @@ class Fingerprint(_Message):
               "model_config": Str(256), "draft_layers": Int(0, 1 << 16), "kv_scales": Str(64),
               "num_kv_heads": Int(1, MAX_HEADS)}
 
-    def check(self, other: Fingerprint) -> None:
-        """Raise ``FingerprintMismatch`` naming every differing field with both values."""
+    def check(self, other: Fingerprint, heads: int = 0, other_heads: int = 0) -> None:
+        """Raise ``FingerprintMismatch`` naming every differing field with both values.
+
+        heads, other_heads: KV heads one page of each side's rank holds (0: the same on
+        both). Where they differ, a page is compared per head: ``page_bytes`` per head, and
+        ``layout`` without its head axis (``layout.per_head_layout``): the plan then moves a
+        part of each page (``head_split``)."""
+        heads, other_heads = heads or 1, other_heads or heads or 1
+        split = heads != other_heads
+        keys = [k for k in self.SCHEMA if not (split and k in ("page_bytes", "layout"))]
         diff = [f"{k}: ours {getattr(self, k)!r}, peer {getattr(other, k)!r}"
-                for k in self.SCHEMA if getattr(self, k) != getattr(other, k)]
-        if self.layout != other.layout:
+                for k in keys if getattr(self, k) != getattr(other, k)]
+        if split and self.page_bytes * other_heads != other.page_bytes * heads:
+            diff.append(f"bytes per KV head of a page: ours {self.page_bytes / heads:g} ({self.page_bytes} B over "
+                        f"{heads} heads), peer {other.page_bytes / other_heads:g} ({other.page_bytes} B over "
+                        f"{other_heads}): start both with the same head_size, block size and KV dtype")
+        layout, other_layout = ((per_head_layout(self.layout), per_head_layout(other.layout)) if split
+                                else (self.layout, other.layout))
+        if layout != other_layout:
+            if split:
+                diff.append(f"layout of one KV head: ours {layout!r}, peer {other_layout!r} (the ranks hold "
+                            f"{heads} and {other_heads} heads)")
             diff.append("start both instances with the same VLLM_KV_CACHE_LAYOUT, block size and attention "
                         "backend family (docs/connector.md, \"GPU layouts\")")
         if diff:
-            raise FingerprintMismatch("KV fingerprint mismatch: " + "; ".join(diff))
+            where = (f" (KV heads per rank: ours {heads}, peer {other_heads} of {self.num_kv_heads})"
+                     if split else "")
+            raise FingerprintMismatch("KV fingerprint mismatch: " + "; ".join(diff) + where)
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,6 +227,9 @@ class TransferRequest(_Message):
     prompt_digest: ``prompt_digest`` of the prompt the consumer expects; the producer
                    refuses a request whose prompt differs, before any write.
     verify:        ask for the checksum of what is written (``TransferOutcome.checksum``).
+    head_count, head_runs: int64 ``[R]``: the consumer's ``KVRegions.head_count/head_runs``
+                   (where its heads sit in a page; empty: 1 each). Each head count is at most
+                   the rank's ``head_end - head_start``.
     """
 
     transfer_key: str
@@ -233,6 +259,8 @@ class TransferRequest(_Message):
     head_end: int = 0
     prompt_digest: str = ""
     verify: bool = False
+    head_count: np.ndarray | None = None
+    head_runs: np.ndarray | None = None
 
     SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR), "engine_id": _NAME,
               "consumer_rank": Int(0, 1 << 16), "consumer_size": Int(1, 1 << 16), "session": Str(256),
@@ -245,11 +273,15 @@ class TransferRequest(_Message):
               "wait_s": Float(3600.0), "group_sizes": Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),
               "layer_group": Ids(1 << 16, hi=MAX_GROUPS - 1, min_n=1), "group_sharded": Ids(MAX_GROUPS, hi=1, min_n=1),
               "head_start": Int(0, MAX_HEADS), "head_end": Int(0, MAX_HEADS), "prompt_digest": _DIGEST,
-              "verify": Bool()}
+              "verify": Bool(), "head_count": Ids(64, lo=1, hi=MAX_HEADS),
+              "head_runs": Ids(64, lo=1, hi=1 << 24)}
 
     def __post_init__(self):
         if self.head_end == 0:  # default: every head of the model
             object.__setattr__(self, "head_end", self.fingerprint.num_kv_heads)
+        for name in ("head_count", "head_runs"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.ones(np.asarray(self.page_stride).size, dtype=np.int64))
 
     @classmethod
     def build(cls, *, regions: KVRegions, memory: Memory, block_ids, **kw) -> TransferRequest:
@@ -259,13 +291,14 @@ class TransferRequest(_Message):
         tables = block_tables("block_ids", block_ids, regions.num_groups)
         return cls(layer_ids=regions.layer_ids, memory_addr=memory.addr, memory_bytes=memory.nbytes, base=regions.base.reshape(-1), page_stride=regions.page_stride,
                    page_bytes=regions.page_bytes, layer_group=regions.layer_group,
-                   group_sharded=regions.group_sharded.astype(np.int64),
-                   block_ids=np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64),
+                   group_sharded=regions.group_sharded.astype(np.int64), head_count=regions.head_count,
+                   head_runs=regions.head_runs, block_ids=np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64),
                    group_sizes=np.array([t.size for t in tables], dtype=np.int64), **kw)
 
     def regions(self) -> KVRegions:
         return KVRegions(self.layer_ids, self.base.reshape(self.layer_ids.size, self.page_stride.size),
-                         self.page_stride, self.page_bytes, self.layer_group, self.group_sharded.astype(bool))
+                         self.page_stride, self.page_bytes, self.layer_group, self.group_sharded.astype(bool),
+                         self.head_count, self.head_runs)
 
     def tables(self) -> tuple[np.ndarray, ...]:
         """The consumer's block table of each group (views into ``block_ids``)."""
@@ -280,9 +313,13 @@ class TransferRequest(_Message):
                                f"model's num_kv_heads={self.fingerprint.num_kv_heads}")
         if self.dcp_rank >= self.dcp_size:
             raise MessageError(f"dcp_rank must be in [0, dcp_size={self.dcp_size}), got {self.dcp_rank}")
-        if self.page_bytes.size != self.page_stride.size:
+        if not self.page_bytes.size == self.page_stride.size == self.head_count.size == self.head_runs.size:
             raise MessageError(f"page_bytes has {self.page_bytes.size} regions, page_stride "
-                               f"{self.page_stride.size}")
+                               f"{self.page_stride.size}, head_count {self.head_count.size}, head_runs "
+                               f"{self.head_runs.size}")
+        if int(self.head_count.max()) > self.head_end - self.head_start:
+            raise MessageError(f"head_count {self.head_count.tolist()}: a page cannot hold more heads than the "
+                               f"rank's [{self.head_start}, {self.head_end})")
         if self.base.size != self.layer_ids.size * self.page_stride.size:
             raise MessageError(f"base has {self.base.size} entries, expected layers x regions = "
                                f"{self.layer_ids.size} x {self.page_stride.size}")

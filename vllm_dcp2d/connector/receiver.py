@@ -322,7 +322,14 @@ class Receiver:
             except ShardError as e:
                 raise FingerprintMismatch(f"{e} (this decode: TP rank {self.consumer_rank} of "
                                           f"{self.consumer_size}, DCP rank {self.dcp_rank} of {self.dcp_size})") from None
-        mine.check(theirs)
+        theirs_heads = int(table.heads[1] - table.heads[0])  # every rank of a prefill holds as many
+        try:
+            mine.check(theirs, len(self.heads), theirs_heads)
+        except FingerprintMismatch as e:  # name both sides' shape: what differs may be the TP split
+            raise FingerprintMismatch(
+                f"{e}. Prefill {table.engine_id!r}: {table.cp_size} sending rank(s), each holding {theirs_heads} of "
+                f"{theirs.num_kv_heads} KV heads; this decode: TP rank {self.consumer_rank} of {self.consumer_size} "
+                f"holding {len(self.heads)}, DCP {self.dcp_size}") from None
 
     def _rank(self, addr: str) -> Rank:
         rank = self._ranks.get(addr)
@@ -503,8 +510,9 @@ class Receiver:
         pages = -(-f.num_tokens // self.fingerprint.page_size)
         for cp_rank in f.senders:
             try:
-                path = path_ranges(self.regions, f.block_ids, list(f.table.shard(cp_rank)[0]), self.dcp_size,
-                                   self.dcp_rank, f.first_page, pages)
+                layers, heads = f.table.shard(cp_rank)
+                path = path_ranges(self.regions, f.block_ids, list(layers), self.dcp_size,
+                                   self.dcp_rank, f.first_page, pages, self.heads, heads)
                 got, sent = checksum(self.memory, path.dst, path.length, path.dst), f.outcomes[cp_rank].checksum
             except ValueError as e:
                 return FetchError(f.transfer_key, cp_rank, f"{CORRUPT}: cannot read the KV to check it: {e}")

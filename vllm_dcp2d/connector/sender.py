@@ -319,15 +319,15 @@ class Sender:
         if isinstance(req, ReleaseTransfer):
             self.ledger.release(req)
             return self._flush()
+        if max(req.head_start, self.heads.start) >= min(req.head_end, self.heads.stop):  # nothing of ours it holds
+            return self._send(identity, self._failed(req, (
+                f"KV heads differ: cp rank {self.cp_rank} holds KV heads [{self.heads.start}, {self.heads.stop}) of "
+                f"{self.fingerprint.num_kv_heads}, the decode rank [{req.head_start}, {req.head_end}): no head in "
+                f"common, so nothing of this rank is for it")))
         try:
-            self.fingerprint.check(req.fingerprint)
+            self.fingerprint.check(req.fingerprint, len(self.heads), req.head_end - req.head_start)
         except MessageError as e:
             return self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
-        if range(req.head_start, req.head_end) != self.heads:  # its pages hold other heads than ours
-            return self._send(identity, self._failed(req, (
-                f"cp rank {self.cp_rank} holds KV heads [{self.heads.start}, {self.heads.stop}) of "
-                f"{self.fingerprint.num_kv_heads}, the decode rank [{req.head_start}, {req.head_end}): moving a "
-                f"part of a rank's heads is not supported")))
         a = Attempt(identity, req, time.monotonic() + min(req.wait_s, self.max_wait_s), len(payload),
                     min(req.wait_s, self.max_wait_s))
         how = self.ledger.arrive(a)
@@ -368,7 +368,7 @@ class Sender:
         t0 = time.perf_counter()
         dst = req.regions()
         desc = plan_path(self.regions, block_ids, layers, dst, req.tables(),
-                         req.dcp_size, req.dcp_rank, req.first_page, num_pages)
+                         req.dcp_size, req.dcp_rank, req.first_page, num_pages, self.heads, self._their_heads(req))
         # TransferRequest.validate keeps every destination inside what the consumer
         # registered; this checks the plan against it, and the source against ours.
         consumer = Memory(req.memory_addr, req.memory_bytes)
@@ -389,7 +389,8 @@ class Sender:
             if stalls:
                 self.ledger.mark_unsettled(a)
         a.nbytes += nbytes
-        a.replicated_bytes += replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
+        a.replicated_bytes += (replicated * max(0, num_pages - req.first_page) * int(dst.page_bytes.sum())
+                               * self._common(req) // (req.head_end - req.head_start))
         a.descriptors += written
         a.batches += batches
         a.plan_s += t1 - t0
@@ -438,11 +439,20 @@ class Sender:
             raise ValueError("verify_kv: this prefill's KV is not in host memory, which the checksum reads")
         req = a.req
         desc = plan_path(self.regions, state.block_ids, list(self.layers), req.regions(), req.tables(),
-                         req.dcp_size, req.dcp_rank, req.first_page, state.num_pages)
+                         req.dcp_size, req.dcp_rank, req.first_page, state.num_pages, self.heads,
+                         self._their_heads(req))
         return checksum(self._memory, desc.src, desc.length, desc.dst)
 
+    def _their_heads(self, req: TransferRequest) -> range:
+        return range(req.head_start, req.head_end)
+
+    def _common(self, req: TransferRequest) -> int:
+        """KV heads this rank holds of those the request's rank holds."""
+        return len(range(max(req.head_start, self.heads.start), min(req.head_end, self.heads.stop)))
+
     def _ok(self, a: Attempt, state: Request) -> TransferOutcome:
-        naive = len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
+        naive = (len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
+                 * self._common(a.req) // len(self.heads))  # the heads both hold, of every page
         return TransferOutcome(
             transfer_key=a.req.transfer_key, attempt_id=a.req.attempt_id, cp_rank=self.cp_rank,
             cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
