@@ -2,13 +2,14 @@
 over TP, through PD on real ``vllm serve`` instances that share a secret (issue 37).
 
 Four instances: prefill at TP=2 (each TP rank holds one KV head and sends every layer
-of it: ``layout.send_shard``) and at TP=1 (both heads), decode at TP=2 (DCP=1, a head
-per rank) and at TP=1, every one with the same ``auth_secret_file``; the decodes with
-``verify_kv`` and ``kv_load_failure_policy="fail"``. Every prefill x decode shape is
-sent the same prompts through the PD protocol: an answer is either the colocated one,
-or refused (an HTTP error, the fetch naming both sides' KV heads), never different
-with HTTP 200 (on e478bf4: prefill TP=2 with cp_size=1 -> decode TP=2 answered wrong
-text with 200; the default cp_size refused to start). Then a stranger without the
+of it: ``layout.send_shard``; started without a ``cp_size``, whose default is what the
+model allows) and at TP=1 (both heads), decode at TP=2 (DCP=1, a head per rank) and at
+TP=1, every one with the same ``auth_secret_file``; the decodes with ``verify_kv`` and
+``kv_load_failure_policy="fail"``. Every prefill x decode shape is sent the same prompts
+through the PD protocol and answers the colocated text (issue 39: prefill TP != decode
+TP moves a part of each page; on 274ea87 p1 -> d2 and p2 -> d1 were refused, on e478bf4
+prefill TP=2 with cp_size=1 -> decode TP=2 answered wrong text with 200), over the
+paths of the 3D plan, 1.0x the KV on the wire, KV usage back to 0. Then a stranger without the
 secret attacks the side channel: nothing of it is read, each frame is counted.
 """
 
@@ -31,9 +32,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
 PAGE = 32
 MAX_TOKENS = 8
-# (prefill, decode) -> what the shape gets today: the same heads on both sides move;
-# a part of a rank's heads does not yet (issue 39), and is refused naming both.
-SHAPES = {("p2", "d2"): "equal", ("p1", "d1"): "equal", ("p1", "d2"): "refused", ("p2", "d1"): "refused"}
+# (prefill, decode) -> what the shape gets: every one the colocated answer. Prefill TP != decode
+# TP moves a part of each page (issue 39: layer x head x page; before, refused naming both).
+SHAPES = {("p2", "d2"): "equal", ("p1", "d1"): "equal", ("p1", "d2"): "equal", ("p2", "d1"): "equal"}
+# decode TP rank -> prefill ranks it fetches from: the ranks holding any of its heads
+PATHS = {("p2", "d2"): {(0, 0), (1, 1)}, ("p1", "d1"): {(0, 0)}, ("p1", "d2"): {(0, 0), (0, 1)},
+         ("p2", "d1"): {(0, 0), (1, 0)}}
 
 
 @contextlib.contextmanager
@@ -96,7 +100,7 @@ def usage_back_to_zero(c, names, timeout_s: float = 30.0) -> None:
 def test_every_shape_answers_the_colocated_text_or_refuses(cluster):
     c = cluster
     prompts = {"short": ids(20, 71), "pages": ids(3 * PAGE + 5, 72)}
-    refs = {}
+    refs, sent = {}, {}
     for name, prompt in prompts.items():
         status, out = complete(c["p1"].url, c["model"], prompt)
         assert status == 200, out
@@ -109,12 +113,17 @@ def test_every_shape_answers_the_colocated_text_or_refuses(cluster):
             if want == "equal":
                 assert status == 200 and tokens(out) == refs[name], (p, d, name, status, out)
                 assert recs and all(r["ok"] for r in recs)
-                # each decode rank fetched from the one prefill rank holding its head
-                assert len(recs) == 2 if p == "p2" else len(recs) >= 1
+                # each decode rank fetched from the prefill ranks holding its heads, one path each
+                assert sorted((r["cp_rank"], r["tp_rank"]) for r in recs) == sorted(PATHS[(p, d)]), recs
+                # 1.0x the KV on the wire whatever the split: the same bytes as TP1 -> TP1
+                sent.setdefault(name, sum(r["bytes"] for r in recs))
+                assert sum(r["bytes"] for r in recs) == sent[name], (p, d, name, recs)
             else:
                 assert status != 200, (p, d, name, "a shape the plugin cannot serve answered", out)
                 assert any("KV heads differ" in r.get("reason", "") for r in recs), recs
     usage_back_to_zero(c, ["p2", "p1", "d2", "d1"])
+    # the GQA prefill TP=2 started without a cp_size: the default is what the model allows
+    assert "cp_size 1 (2 KV heads sharded over tensor_parallel_size=2" in c["p2"].log_path.read_text()
 
 
 @pytest.mark.timeout(600)

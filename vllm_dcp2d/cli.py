@@ -3,6 +3,9 @@
   vllm-dcp2d plan   --num-layers 78 --cp 8 --dcp 4 --tokens 32768 --page-size 64 \\
                     (--bytes-per-token-layer 576 | --cache latent:656 --cache indexer:132)
                     [--draft-layers N] [--shuffle SEED] [--json]
+  vllm-dcp2d plan   --kv-heads 8 --prefill-tp 2 --decode-tp 2 [--dcp 1] --num-layers 32 --page-size 16 \\
+                    --tokens 8192 [--head-bytes 512] [--layout hnd|nhd] [--cp N] [--json]
+                    (KV heads sharded over TP: the 3D paths, layer x head x page)
   vllm-dcp2d proxy  ...   (PD proxy, see ``vllm-dcp2d proxy --help``)
   vllm-dcp2d demo   ...   (end-to-end demo, see ``vllm-dcp2d demo --help``)
   vllm-dcp2d compat       (the vLLM patches, whether each fits the installed vLLM, and which DCP2D
@@ -41,7 +44,20 @@ def _plan(argv: list[str]) -> int:
                     help="of --num-layers, the last ones a speculative draft's (MTP, EAGLE): every DCP rank gets "
                          "all their pages")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="the model's KV heads, sharded over each side's TP ranks: plan layer x head x page "
+                         "(with --prefill-tp, --decode-tp; --cp is then the prefill's cp_size, default what the "
+                         "model allows; --dcp default 1)")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor_parallel_size (with --kv-heads)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="decode tensor_parallel_size (with --kv-heads)")
+    ap.add_argument("--head-bytes", type=int, default=512,
+                    help="K and V bytes of one token and KV head (with --kv-heads; default 512: head_size 128, bf16)")
+    ap.add_argument("--layout", choices=("hnd", "nhd"), default="hnd",
+                    help="page layout (with --kv-heads): hnd = heads outside the tokens (vLLM's CPU page, GPU "
+                         "LBHNC), nhd = inside them (LBNHC)")
     args = ap.parse_args(argv)
+    if args.kv_heads is not None:
+        return _plan_heads(ap, args, argv)
     if args.cache and args.bytes_per_token_layer is not None:
         ap.error("give --cache or --bytes-per-token-layer, not both")
     try:
@@ -56,6 +72,20 @@ def _plan(argv: list[str]) -> int:
         print(json.dumps({k: m[k] for k in keys if k in m}))
     else:
         print(format_matrix(m))
+    return 0
+
+
+def _plan_heads(ap, args, argv: list[str]) -> int:
+    from vllm_dcp2d.report_heads import format_head_matrix, head_matrix
+
+    given = {a.split("=")[0] for a in argv}
+    try:
+        m = head_matrix(args.num_layers, args.kv_heads, args.prefill_tp, args.decode_tp,
+                        args.dcp if "--dcp" in given else 1, args.tokens, args.page_size, args.head_bytes,
+                        args.layout, args.cp if "--cp" in given else 0, args.shuffle)
+    except ValueError as e:
+        ap.error(str(e))
+    print(json.dumps(m) if args.json else format_head_matrix(m))
     return 0
 
 

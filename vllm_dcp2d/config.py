@@ -60,9 +60,12 @@ KEYS: dict[str, tuple[str, str]] = {
                             "`--kv-connector mooncake --prefill URL PORT`), beside `bootstrap_port`. -1 (default): "
                             "`VLLM_MOONCAKE_BOOTSTRAP_PORT` (vLLM's default 8998), left out with a warning if that "
                             "port is taken; 0: off; any other port: start-up fails if it is taken."),
-    "cp_size": ("producer", "Prefill layer-split size: TP rank `r < cp_size` sends only the layers "
-                "`cp_layer_range(L, cp_size, r)`. 0 (default) = the tensor-parallel size. Values > 1 "
-                "need KV replicated over the TP ranks (MLA, or one KV head); must be <= TP size."),
+    "cp_size": ("producer", "Prefill layer-split size: the TP ranks holding the same KV heads split their "
+                "layers, replica `i < cp_size` sending `cp_layer_range(L, cp_size, i)` of its heads. 0 (default) "
+                "= what the model allows, logged at start-up: the TP size where every rank holds the whole KV "
+                "(MLA, one KV head), the ranks per head where there are fewer KV heads than TP ranks, 1 where "
+                "KV heads are sharded over TP (each rank sends every layer of its heads). A value above the "
+                "ranks per head is refused at start-up."),
     "layer_split": ("producer", "Layer-split *storage*: each TP rank allocates KV only for the layers it owns "
                     "plus one transient slot that its other layers share, so the same `kv_cache_memory_bytes` "
                     "holds `L / (max owned + 1)` times the tokens. Before a non-owned layer writes its cache, "

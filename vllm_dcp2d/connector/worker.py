@@ -59,6 +59,7 @@ from vllm_dcp2d import page_format
 from vllm_dcp2d.layout import cp_layer_range, kv_head_range, send_shard
 from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.vllm_compat import connector_api as compat
+from vllm_dcp2d.vllm_compat import instance
 from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class WorkerSide:
                 send_shard(1, self.num_kv_heads, self.tp_size, self.tp_rank, cfg.cp_size)
             except ValueError as e:
                 raise ConfigError(f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}: {e}") from None
+            if self.tp_rank == 0:
+                cp, why = instance.cp_size(vllm_config)
+                log.info("DCP2D producer: cp_size %d (%s)", cp, why)
         if is_consumer:
             compat.check_interleave(vllm_config)
         self.stats = DCP2DStats()

@@ -9,8 +9,9 @@ importing each other.
 from __future__ import annotations
 
 from vllm_dcp2d.config import CONNECTOR_NAME, parse_extra_config
+from vllm_dcp2d.layout import default_cp_size
 
-__all__ = ["is_dcp2d", "num_kv_heads", "kv_replicated", "layer_split_may_apply"]
+__all__ = ["is_dcp2d", "num_kv_heads", "kv_replicated", "layer_split_may_apply", "cp_size"]
 
 
 def is_dcp2d(vllm_config) -> bool:
@@ -37,5 +38,15 @@ def layer_split_may_apply(vllm_config) -> bool:
         return False
     kv = vllm_config.kv_transfer_config
     cfg = parse_extra_config(kv.kv_connector_extra_config)
-    cp = cfg.cp_size or vllm_config.parallel_config.tensor_parallel_size
-    return kv.kv_role == "kv_producer" and cfg.layer_split != "off" and cp > 1
+    return kv.kv_role == "kv_producer" and cfg.layer_split != "off" and cp_size(vllm_config)[0] > 1
+
+
+def cp_size(vllm_config) -> tuple[int, str]:
+    """This prefill's layer-split size and why: ``kv_connector_extra_config['cp_size']`` when
+    set, else what the model allows (``layout.default_cp_size``: the TP ranks holding each
+    KV head; 1 where KV heads are sharded over TP)."""
+    cfg = parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if cfg.cp_size:
+        return cfg.cp_size, f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}"
+    return default_cp_size(num_kv_heads(vllm_config), tp)

@@ -40,7 +40,7 @@ import logging
 
 from vllm_dcp2d.config import ConfigError, parse_extra_config
 from vllm_dcp2d.layout import StoragePlan
-from vllm_dcp2d.vllm_compat.instance import is_dcp2d, kv_replicated
+from vllm_dcp2d.vllm_compat.instance import cp_size, is_dcp2d, kv_replicated
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def storage_plan(vllm_config, num_layers: int) -> StoragePlan | None:
         return None
     pc = vllm_config.parallel_config
     tp = pc.tensor_parallel_size
-    cp = cfg.cp_size or tp
+    cp = cp_size(vllm_config)[0]
 
     if cp <= 1:
         _fail_or_skip(mode, f"cp_size is {cp} (nothing to split)")
