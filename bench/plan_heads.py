@@ -54,6 +54,10 @@ def run(tokens: int, page: int = 16):
     return rows, totals
 
 
+def _span(a: list[int]) -> str:
+    return str(a[0]) if a[1] - a[0] == 1 else f"{a[0]}-{a[1] - 1}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -69,7 +73,7 @@ def main() -> None:
     for r in rows:
         shape = f"TP{r['prefill_tp']}->TP{r['decode_tp']}/{r['dcp']}"
         print(f"{r['model']:<8} {r['layout']:<6} {shape:<14} {r['tp_rank']}->{r['decode_rank']:<4} "
-              f"{r['layers'][0]}-{r['layers'][1] - 1:<5} {r['heads'][0]}-{r['heads'][1] - 1:<4} {r['pages']:>5} "
+              f"{_span(r['layers']):<7} {_span(r['heads']):<6} {r['pages']:>5} "
               f"{r['bytes']:>11} {r['descriptors']:>11}")
     print("\nper shape (sum over paths against the plan):")
     for t in totals:
