@@ -5,8 +5,9 @@ Its owner (the prefill worker) calls ``add_request`` once a request's KV is
 complete; decode DCP ranks then send ``TransferRequest`` messages to this
 rank's ROUTER socket. For each one the sender checks the fingerprint and the
 decode's token count, plans ``plan_path(layers = this rank's layers,
-dcp_size/dcp_rank from the request)`` (the topology is per request, seed
-§6.7), writes the descriptors with Mooncake and answers a ``TransferOutcome``.
+dcp_size/dcp_rank from the request, the heads both ranks hold)`` (the topology
+is per request, seed §6.7; a request naming none of this rank's KV heads is
+refused), writes the descriptors with Mooncake and answers a ``TransferOutcome``.
 
 A request whose id is not known yet (prefill still running) waits for the
 request's ``wait_s`` seconds. While it waits, ``layer_ready`` (called by the
