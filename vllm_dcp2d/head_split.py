@@ -13,8 +13,12 @@ decode's page. Where heads sit in a page is the page format's business: a region
   heads apart (one descriptor per token, as vLLM's NIXL connector writes between
   unequal TP with NHD).
 
+Which prefill ranks a decode rank fetches from (``senders_for``): every rank whose heads
+intersect its own, together covering each (layer, head) it holds exactly once.
+
 Pure numpy over byte offsets: no vLLM, no torch, no I/O; ``regions`` are
-``plan.KVRegions`` (read by attribute, so this module does not import ``plan``).
+``plan.KVRegions`` (read by attribute, so this module does not import ``plan``;
+``plan`` re-exports ``ShardError`` and ``senders_for``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PageSlice", "page_slice", "head_slices"]
+__all__ = ["PageSlice", "page_slice", "head_slices", "ShardError", "senders_for"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,47 @@ def head_slices(src, dst, src_heads: range, dst_heads: range):
 
         out.append((at(s), at(d), piece))
     return out
+
+
+class ShardError(ValueError):
+    """A prefill's ranks cannot give a decode rank exactly its KV (which heads and layers
+    each holds); the message names both sides' shards and the fix."""
+
+
+def _heads(r: range) -> str:
+    return f"head {r.start}" if len(r) == 1 else f"heads {r.start}-{r.stop - 1}"
+
+
+def senders_for(layers: np.ndarray, heads: np.ndarray, num_layers: int, num_kv_heads: int, want: range) -> np.ndarray:
+    """The CP ranks a consumer rank holding KV heads ``want`` fetches from, given a rank
+    table's shards: rank ``r`` sends layers ``[layers[2r], layers[2r+1])`` of heads
+    ``[heads[2r], heads[2r+1])`` (int64 ``[2R]`` each). Returns int64 ``[n]`` ascending:
+    every rank whose heads intersect ``want`` (it sends ``its heads & want``).
+
+    Raises ``ShardError`` unless those ranks cover each (layer, head) of
+    ``range(num_layers) x want`` exactly once, naming what is missing or doubled."""
+    lo, hi = heads[0::2], heads[1::2]
+    ask = np.flatnonzero((lo < want.stop) & (hi > want.start))
+    theirs = ", ".join(f"cp rank {r}: {_heads(range(int(lo[r]), int(hi[r])))} of layers "
+                       f"{int(layers[2 * r])}-{int(layers[2 * r + 1]) - 1}" for r in range(lo.size))
+    fix = (f"the prefill's ranks hold {theirs} (of {num_kv_heads} KV heads, {num_layers} layers); this decode rank "
+           f"holds {_heads(want)}. Restart the prefill with its default cp_size (or one its head replicas allow)")
+    if not ask.size:
+        raise ShardError(f"KV heads differ: no prefill rank holds any of {_heads(want)}: {fix}")
+    # (layer, head) coverage of the asked ranks' shards within want: a 2D difference grid
+    a0, a1 = layers[0::2][ask], layers[1::2][ask]
+    h0 = np.maximum(lo[ask], want.start) - want.start
+    h1 = np.minimum(hi[ask], want.stop) - want.start
+    grid = np.zeros((num_layers + 1, len(want) + 1), dtype=np.int64)
+    np.add.at(grid, (a0, h0), 1)
+    np.add.at(grid, (a0, h1), -1)
+    np.add.at(grid, (a1, h0), -1)
+    np.add.at(grid, (a1, h1), 1)
+    cover = grid.cumsum(0).cumsum(1)[:num_layers, :len(want)]
+    if (cover != 1).any():
+        layer, head = map(int, np.argwhere(cover != 1)[0])
+        count = int(cover[layer, head])
+        raise ShardError(f"the prefill's ranks holding any of {_heads(want)} send layer {layer} of head "
+                         f"{want.start + head} {count} times instead of once "
+                         f"({(cover != 1).sum()} (layer, head) pairs wrong): {fix}")
+    return ask.astype(np.int64)
