@@ -96,7 +96,9 @@ def test_storage_plan_decisions(monkeypatch):
     assert storage_plan(_vc(role="kv_producer", sparse=True), 8) is None
     with pytest.raises(ConfigError, match="uses sparse MLA: each layer keeps an indexer cache"):
         storage_plan(_vc(role="kv_producer", sparse=True, extra={"layer_split": "on"}), 8)
-    with pytest.raises(ConfigError, match="2 KV heads sharded over TP=2"):
+    # KV heads sharded over TP: the default cp_size is 1 (issue 39), and the reason is named
+    with pytest.raises(ConfigError, match="cp_size is 1: nothing to split \\(2 KV heads sharded over "
+                                          "tensor_parallel_size=2"):
         storage_plan(_vc(role="kv_producer", mla=False, heads=2, extra={"layer_split": "on"}), 8)
     with pytest.raises(ConfigError, match="kv_role is 'kv_consumer'"):
         storage_plan(_vc(extra={"layer_split": "on"}), 8)

@@ -62,13 +62,13 @@ def head_slices(src, dst, src_heads: range, dst_heads: range):
     if len(common) == 0:
         raise ValueError(f"the producer holds KV heads [{src_heads.start}, {src_heads.stop}), the consumer "
                          f"[{dst_heads.start}, {dst_heads.stop}): no head in common")
-    if src.num_regions != dst.num_regions:
-        raise ValueError(f"region count differs: producer {src.num_regions}, consumer {dst.num_regions}")
     for side, reg, heads in (("producer", src, src_heads), ("consumer", dst, dst_heads)):
         if (reg.head_count != len(heads)).any():
             raise ValueError(f"the {side}'s pages hold {reg.head_count.tolist()} KV heads per region, its rank "
                              f"holds {len(heads)}: moving a part of its heads needs them inside each page (a "
                              f"layout with heads outside the blocks, LHBNC or BHLNC, keeps one head per region)")
+    if src.num_regions != dst.num_regions:
+        raise ValueError(f"region count differs: producer {src.num_regions}, consumer {dst.num_regions}")
     if not np.array_equal(src.page_bytes // src.head_count, dst.page_bytes // dst.head_count):
         raise ValueError(f"bytes per KV head of a page differ: producer {(src.page_bytes // src.head_count).tolist()}"
                          f", consumer {(dst.page_bytes // dst.head_count).tolist()}")

@@ -72,10 +72,10 @@ def storage_plan(vllm_config, num_layers: int) -> StoragePlan | None:
         return None
     pc = vllm_config.parallel_config
     tp = pc.tensor_parallel_size
-    cp = cp_size(vllm_config)[0]
+    cp, why = cp_size(vllm_config)
 
     if cp <= 1:
-        _fail_or_skip(mode, f"cp_size is {cp} (nothing to split)")
+        _fail_or_skip(mode, f"cp_size is {cp}: nothing to split ({why})")
     elif getattr(vllm_config.model_config.hf_text_config, "index_topk", None) is not None:
         _fail_or_skip(mode, f"{vllm_config.model_config.model} uses sparse MLA: each layer keeps an indexer cache "
                             f"beside its latent cache (two placements), and layer-split storage places one cache "
