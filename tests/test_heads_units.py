@@ -96,6 +96,9 @@ def test_the_consumers_head_layout_travels_and_is_bounded():
     assert req.regions().head_count.tolist() == [2] and req.regions().head_runs.tolist() == [32]
     with pytest.raises(MessageError, match=r"head_count \[2\]: a page cannot hold more heads than the rank's \[1, 2\)"):
         encode(_request(range(1, 2), [2], [1]))
+    with pytest.raises(MessageError, match=r"head_runs \[64\]: a head cannot be cut into more runs than the page's "
+                                           r"page_size=32 tokens"):
+        encode(_request(range(0, 2), [2], [64]))
 
 
 def test_plan_cli_prints_the_3d_paths(capsys):

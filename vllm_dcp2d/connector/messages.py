@@ -228,8 +228,8 @@ class TransferRequest(_Message):
                    refuses a request whose prompt differs, before any write.
     verify:        ask for the checksum of what is written (``TransferOutcome.checksum``).
     head_count, head_runs: int64 ``[R]``: the consumer's ``KVRegions.head_count/head_runs``
-                   (where its heads sit in a page; empty: 1 each). Each head count is at most
-                   the rank's ``head_end - head_start``.
+                   (where its heads sit in a page; default 1 each). Each head count is at most
+                   the rank's ``head_end - head_start``, each run count at most the page's tokens.
     """
 
     transfer_key: str
@@ -320,6 +320,9 @@ class TransferRequest(_Message):
         if int(self.head_count.max()) > self.head_end - self.head_start:
             raise MessageError(f"head_count {self.head_count.tolist()}: a page cannot hold more heads than the "
                                f"rank's [{self.head_start}, {self.head_end})")
+        if int(self.head_runs.max()) > self.fingerprint.page_size:  # bounds the pieces a plan cuts a page into
+            raise MessageError(f"head_runs {self.head_runs.tolist()}: a head cannot be cut into more runs than the "
+                               f"page's page_size={self.fingerprint.page_size} tokens")
         if self.base.size != self.layer_ids.size * self.page_stride.size:
             raise MessageError(f"base has {self.base.size} entries, expected layers x regions = "
                                f"{self.layer_ids.size} x {self.page_stride.size}")
