@@ -198,6 +198,38 @@ def test_vllm_router(cluster, mode):
         wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
 
 
+SIBLING_PROMPTS = {mode: [ids(50 + 9 * i, 300 + 10 * k + i) for i in range(3)] for k, mode in enumerate(("nixl", "mooncake"))}
+
+
+@pytest.mark.timeout(900)
+def test_n_and_batched_prompts_through_the_router_equal_the_colocated_answers(cluster):
+    """One HTTP request that vLLM fans out into several engine requests carrying one set of
+    ``kv_transfer_params``: ``n=2`` with a seed, and a batch of 3 prompts (the prefill's answer
+    carries the first prompt's params only). Through vLLM's router in both PD protocols each
+    answer equals the colocated one, no fetch fails (the decodes run ``recompute``, so a failed
+    fetch would hide behind an equal answer), and no instance keeps KV (the prefill frees the
+    batch's unasked requests at ``claim_timeout_s``)."""
+    c = cluster
+    before = {i: len(read_stats(c["tmp"] / f"d{i}.jsonl")) for i in (0, 1)}
+    for mode, prompts in SIBLING_PROMPTS.items():
+        url = c["routers"][mode].url + "/v1/completions"
+        sampled = {**body(c["model"], prompts[0]), "n": 2, "temperature": 1.0, "seed": 7}
+        status, ref = post_json(c["prefill"][0].url + "/v1/completions", sampled, timeout_s=300)
+        assert status == 200, ref
+        status, out = post_json(url, sampled, timeout_s=300)
+        assert status == 200, (mode, out)
+        got = sorted((ch["index"], ch["token_ids"]) for ch in out["choices"])
+        assert got == sorted((ch["index"], ch["token_ids"]) for ch in ref["choices"]), (mode, got)
+        refs = [reference(c, p)["token_ids"] for p in prompts]
+        status, out = post_json(url, {**body(c["model"], prompts[0]), "prompt": prompts}, timeout_s=300)
+        assert status == 200, (mode, out)
+        assert [ch["token_ids"] for ch in sorted(out["choices"], key=lambda ch: ch["index"])] == refs, mode
+    new = [r for i in (0, 1) for r in fetch_records(read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:])]
+    assert new and all(r["ok"] for r in new), new  # siblings never fetched a key twice
+    for p in (*c["prefill"], *c["decode"]):
+        wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 60)
+
+
 @pytest.mark.timeout(900)
 def test_router_discovery_membership_under_load(cluster):
     """A decode instance joins vLLM's router while two clients keep sending, then is
