@@ -28,6 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds between /health polls of each upstream; 0 turns health checks off")
     p.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
                    help="seconds a /health poll may take before the upstream counts as unhealthy")
+    p.add_argument("--batch-concurrency", type=int, default=8, metavar="N",
+                   help="PD pairs in flight at once for the prompts of one batched /v1/completions request")
     return p.parse_args(argv)
 
 
@@ -36,7 +38,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         proxy = Proxy(args.prefill, args.decode, args.timeout, args.pipelined, args.health_interval,
-                      args.health_timeout)
+                      args.health_timeout, args.batch_concurrency)
     except ValueError as e:
         raise SystemExit(f"vllm-dcp2d proxy: {e}")
     log.info("proxy on http://%s:%d: prefill %s, decode %s, health checks %s", args.host, args.port,
