@@ -44,5 +44,7 @@ def main(argv: list[str]) -> int:
     log.info("proxy on http://%s:%d: prefill %s, decode %s, health checks %s", args.host, args.port,
              proxy.prefill, proxy.decode,
              f"every {args.health_interval} s" if args.health_interval > 0 else "off")
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
+    # handler_cancellation: a client that goes away cancels its handler, which closes the
+    # upstream calls (vLLM aborts them) instead of waiting for answers nobody reads
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, handler_cancellation=True)
     return 0
