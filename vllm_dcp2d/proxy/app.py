@@ -16,7 +16,7 @@ from aiohttp import web
 from . import batch
 from .hops import decode_body, prefill_body
 from .metrics import ProxyMetrics
-from .streams import BatchStream, ClientGone, ClientSink, StreamEnded, gather_or_cancel, to_client
+from .streams import BatchStream, ClientGone, ClientSink, StreamEnded, gather_or_cancel
 from .upstreams import HealthChecker, NoHealthyUpstream, Pool, Upstream
 
 log = logging.getLogger("vllm_dcp2d.proxy")
