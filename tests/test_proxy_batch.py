@@ -28,9 +28,10 @@ def tokens(prompt) -> int:
 
 def answer_of(prompt, n: int, cid: str) -> dict:
     """What a vLLM decode answers for one prompt with ``n`` choices (2 tokens each)."""
+    usage = {"prompt_tokens": tokens(prompt), "completion_tokens": 2 * n, "total_tokens": tokens(prompt) + 2 * n}
     return {"id": cid, "object": "text_completion", "model": "m",
             "choices": [{"index": j, "text": f"{prompt}/{j}", "finish_reason": "length"} for j in range(n)],
-            "usage": {"prompt_tokens": tokens(prompt), "completion_tokens": 2 * n, "total_tokens": tokens(prompt) + 2 * n}}
+            "usage": usage}
 
 
 def sse_of(prompt, n: int, cid: str, usage: bool) -> list[bytes]:
