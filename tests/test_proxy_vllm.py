@@ -315,8 +315,7 @@ def choices(out: dict) -> list[tuple]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["min_tokens", "batch", pytest.param("n2", marks=pytest.mark.xfail(
-    strict=True, reason="decode siblings share one key: lands with the scheduler change"))])
+@pytest.mark.parametrize("case", ["min_tokens", "batch", "n2"])
 def test_request_features(cluster, case):
     """Through ``vllm-dcp2d proxy``, equal to the colocated answer (the prefill instance
     asked directly): ``min_tokens`` above 1, a batch of 3 prompts (plain and streamed;
