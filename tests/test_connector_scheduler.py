@@ -513,3 +513,18 @@ def test_siblings_remember_ended_keys_for_a_while_and_within_a_bound():
     assert sib.ended("k4") is None and len(sib) == 0
     sib.end("never-started")
     assert len(sib) == 0
+
+
+def test_a_refused_stand_in_is_released_though_its_prompt_is_not_the_producers():
+    """vLLM's one-token stand-in for a request its front end refused carries the producer's
+    digest of the real prompt: it is still released (with that digest), unless a sibling
+    fetches the key."""
+    s = side(consumer=True)
+    digest = prompt_digest(list(range(1600)))
+    params = {**REMOTE, "remote_num_tokens": 1600, "remote_prompt_digest": digest}
+    s.request_finished(request(n=1, params=dict(params), status=RequestStatus.FINISHED_ABORTED), ([],))
+    spec = s.build_connector_meta(sched_out()).releases["r"]
+    assert (spec.num_tokens, spec.prompt_digest) == (1600, digest)
+    s.update_state_after_alloc(request("f", n=1600, params=dict(params)), NS(get_block_ids=lambda: ([1],)), 1600)
+    s.request_finished(request("g", n=1, params=dict(params), status=RequestStatus.FINISHED_ABORTED), ([],))
+    assert s.build_connector_meta(sched_out()).releases == {}

@@ -363,6 +363,114 @@ def test_request_features(cluster, case):
         wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
 
 
+# What a client's OpenAI call may carry (issue 39, "what passes" and "what breaks"): each case
+# through each front equals the colocated answer. Prompt lengths sit on page boundaries (and a
+# DCP=2 page's, 64 tokens; the DCP cluster's own boundaries are tests/test_e2e.py's).
+P = {n: ids(n, 400 + n) for n in (31, 32, 33, 63, 64, 65)}
+PARITY = {
+    "greedy": {"prompt": P[33], "temperature": 0.0},
+    "seeded": {"prompt": P[31], "temperature": 0.9, "top_p": 0.9, "seed": 11},
+    "logprobs": {"prompt": P[32], "temperature": 0.0, "logprobs": 3},
+    "echo_logprobs": {"prompt": P[63], "temperature": 0.0, "echo": True, "logprobs": 2},
+    "prompt_logprobs": {"prompt": P[64], "temperature": 0.0, "prompt_logprobs": 2},
+    "logit_bias": {"prompt": P[65], "temperature": 0.0, "logit_bias": {"100": 8.0, "200": -100.0}},
+    "penalties": {"prompt": P[33], "temperature": 0.0, "presence_penalty": 0.6, "frequency_penalty": 0.4,
+                  "repetition_penalty": 1.3},
+    "min_tokens": {"prompt": P[64], "temperature": 0.0, "min_tokens": 4},
+    "regex": {"prompt": P[32], "temperature": 0.0, "structured_outputs": {"regex": "[a-d]{2,6}"}},
+    "json_object": {"prompt": P[31], "temperature": 0.0, "response_format": {"type": "json_object"}},
+    "stop": {"prompt": P[63], "temperature": 0.0, "stop_token_ids": [7, 9], "ignore_eos": False},
+    "stream_usage": {"prompt": P[65], "temperature": 0.0, "stream": True,
+                     "stream_options": {"include_usage": True}},
+    "chat": {"messages": [{"role": "user", "content": "abc def"}], "temperature": 0.0},
+    "chat_stream_logprobs": {"messages": [{"role": "user", "content": "ghi"}], "temperature": 0.0, "stream": True,
+                             "logprobs": True, "top_logprobs": 2},
+    "n2": {"prompt": P[33], "n": 2, "temperature": 0.8, "seed": 5},
+    "batch": {"prompt": [P[31], P[32], P[33]], "temperature": 0.0},
+    "bad_max_tokens": {"prompt": P[31], "max_tokens": -1},
+}
+
+
+def _answer(url: str, body: dict) -> tuple[int, object]:
+    """``(status, the answer)``: the JSON, or for a stream the events' choices merged by index
+    (text, token count, logprobs) and the last usage."""
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if not body.get("stream"):
+        return post_json(url + route, body, timeout_s=300)
+    req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    merged: dict[int, dict] = {}
+    usage = None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for e in r.read().decode().split("\n\n"):
+            if not e.startswith("data: {"):
+                continue
+            ev = json.loads(e.removeprefix("data: "))
+            usage = ev.get("usage") or usage
+            for ch in ev["choices"]:
+                m = merged.setdefault(ch["index"], {"text": "", "logprobs": []})
+                m["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                if ch.get("logprobs"):
+                    m["logprobs"].append(ch["logprobs"])
+                m["finish_reason"] = ch.get("finish_reason") or m.get("finish_reason")
+    return 200, {"choices": [{"index": i, **m} for i, m in sorted(merged.items())], "usage": usage}
+
+
+def _same(a, b, path="") -> None:
+    """Equal, floats within 2e-3 (a logprob computed over fetched KV rather than in the
+    prompt's own forward pass may differ in the last bits); token choices exactly."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 2e-3, (path, a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(a), sorted(b) if isinstance(b, dict) else b)
+        for k in a:
+            _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (path, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+VOLATILE = {"id", "created", "system_fingerprint", "kv_transfer_params", "service_tier"}
+
+
+def _comparable(out):
+    if not isinstance(out, dict):
+        return out
+    return {k: v for k, v in out.items() if k not in VOLATILE}
+
+
+@pytest.mark.timeout(900)
+def test_openai_parity_matrix(cluster):
+    """Every field of the matrix above through ``vllm-dcp2d proxy`` and vLLM's router (NIXL
+    protocol): the same status and answer as the colocated instance (the prefill asked
+    directly), no fetch failed, KV usage back to 0. Where the router differs for a reason of
+    its own, the case asserts what the connector guarantees and names the reason."""
+    c = cluster
+    fronts = {"proxy": c["px_features"].url, "router_nixl": c["routers"]["nixl"].url}
+    before = {i: len(read_stats(c["tmp"] / f"d{i}.jsonl")) for i in (0, 1)}
+    for case, fields in PARITY.items():
+        b = {"model": c["model"], "max_tokens": MAX_TOKENS, **fields}
+        if "messages" not in b and not b.get("stream"):
+            b["return_token_ids"] = True
+        ref_status, ref = _answer(c["prefill"][0].url, b)
+        assert (ref_status == 200) == (case != "bad_max_tokens"), (case, ref_status, ref)
+        for front, url in fronts.items():
+            status, out = _answer(url, b)
+            if ref_status != 200 and front == "router_nixl":
+                # the router answers any prefill error with 500 and the upstream's text
+                assert status >= 400 and "max_tokens" in json.dumps(out), (case, front, status, out)
+                continue
+            assert status == ref_status, (case, front, status, out)
+            _same(_comparable(ref), _comparable(out), f"{case}/{front}")
+    recs = [r for i in (0, 1) for r in fetch_records(read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:])]
+    assert recs and [r for r in recs if not r["ok"]] == [], recs
+    for p in (*c["prefill"], *c["decode"]):
+        wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 60)
+
+
 @pytest.mark.timeout(1200)
 def test_two_prefill_two_decode(cluster):
     """Our proxy; runs last: it kills decode0."""

@@ -132,13 +132,13 @@ class SchedulerSide:
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _sibling_of(self, request, params: dict) -> bool | None:
+    def _sibling_of(self, request, params: dict, digest: bool = True) -> bool | None:
         """None: ``request`` may fetch its key. True: a sibling with its prompt fetches it now
         (wait, then reuse its pages through the prefix cache). False: prefill locally (the
-        key's fetch ended, or its KV is another prompt's)."""
+        key's fetch ended, or, with ``digest``, its KV is another prompt's)."""
         key = params.get(key_field(params))
         remote = params.get("remote_prompt_digest")
-        if isinstance(remote, str) and remote and remote != prompt_digest(*compat.prompt_ids(request)):
+        if digest and isinstance(remote, str) and remote and remote != prompt_digest(*compat.prompt_ids(request)):
             return False  # a batch answered with one prompt's params: the KV is another prompt's
         if not isinstance(key, str):
             return None
@@ -361,7 +361,9 @@ class SchedulerSide:
         params = transfer_params(request.kv_transfer_params)
         if self.is_consumer and params.get("do_remote_prefill"):  # still set: never admitted
             params["do_remote_prefill"] = False
-            if self._sibling_of(request, params) is None:  # a sibling's fetch needs the prefill's blocks
+            # Not while a sibling fetches the key (it needs the prefill's blocks); the digest is not
+            # asked: vLLM's stand-in for a request its front end refused has a one-token prompt.
+            if self._sibling_of(request, params, digest=False) is None:
                 self._release(request, params)
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
