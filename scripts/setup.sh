@@ -10,7 +10,10 @@ STAMP=$VENV/.dcp2d-setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 
 # Mooncake's non-CUDA wheel links libibverbs.so.1 (Debian: libibverbs1).
-if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
+# (The list is read whole first: grep -q exits at the first match, and under pipefail
+# ldconfig's SIGPIPE would read as "not installed".)
+libs=$(ldconfig -p)
+if ! grep -q 'libibverbs.so.1 ' <<< "$libs"; then
     echo "[setup] installing libibverbs1 (needed by mooncake-transfer-engine-non-cuda)"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq

@@ -11,7 +11,8 @@ CLI = [sys.executable, "-m", "vllm_dcp2d.cli"]
 
 
 def run(*args):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60,
+    # 240 s: `compat` imports vLLM, which took over 60 s on a loaded 2-core machine
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 

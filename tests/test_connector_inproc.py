@@ -10,6 +10,7 @@ The engine is its own prefill and decode instance: a request prefilled with
 from __future__ import annotations
 
 import json
+import gc
 import os
 
 import pytest
@@ -39,11 +40,16 @@ def llm(tmp_path_factory):
                           kv_connector_extra_config={"bootstrap_port": free_port(), "stats_file": str(stats),
                                                      "transfer_timeout_s": 5.0, "prefill_wait_s": 0.5,
                                                      "send_timeout_s": SEND_TIMEOUT_S, "cancel_grace_s": 0.5})
+    gc.collect()  # an earlier module's dead engine: its finalizer must not run during this start
     engine = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
                  kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=4,
                  enable_prefix_caching=False, kv_transfer_config=kv)
     yield engine, stats
     del engine
+    # Collected now, not during the next module's engine: an in-process engine's finalizer
+    # tears down vLLM's process-wide TP group, which the next engine has set up by then
+    # ("tensor model parallel group is not initialized", seen in a full run).
+    gc.collect()
     mp.undo()
 
 
@@ -174,9 +180,11 @@ def bootstrap_addr(engine) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_duplicate_transfer_key_second_fails_first_loads(llm):
-    """Two decode requests name the same remote_request_id: the second gets a clear
-    load error (and recomputes), the first is loaded. Both answer correctly."""
+def test_two_requests_with_one_key_fetch_it_once(llm):
+    """Two decode requests name the same remote_request_id (``n=2``, or a client reusing
+    params): one fetches, the other waits for that fetch and prefills locally (never a
+    second fetch of a key the prefill frees once fetched, never a failed load). Both
+    answer correctly, and the producer's blocks are freed."""
     engine, stats = llm
     ids = prompts()["pages"]
     (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
@@ -188,31 +196,40 @@ def test_duplicate_transfer_key_second_fails_first_loads(llm):
                            [greedy(4, dict(pre.kv_transfer_params)) for _ in range(2)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [local.outputs[0].token_ids] * 2
     new = [r for r in fetch_records(records(stats)[before:]) if r.get("transfer_key") == key]
-    # The records come in completion order: the refusal is usually first, but the first
-    # request's fetch may finish before vLLM schedules the second.
-    refused, loaded = [r for r in new if not r["ok"]], [r for r in new if r["ok"]]
-    assert len(refused) == 1 and len(loaded) == 1, new
-    assert f"transfer key {key!r} is already being fetched by request" in refused[0]["reason"]
-    assert loaded[0]["bytes"] > 0  # the first request's pages were transferred
+    assert len(new) == 1 and new[0]["ok"] and new[0]["bytes"] > 0, new  # one fetch, of every page
     assert free_blocks(engine) == free  # the producer's blocks too: its one consumer was served
 
 
 @pytest.mark.timeout(120)
-def test_remote_token_count_mismatch_recomputes(llm):
+@pytest.mark.parametrize("digest", [True, False])
+def test_remote_token_count_mismatch_recomputes(llm, digest):
     """The decode's prompt is longer than what the prefill computed (remote_num_tokens):
-    a load error, recomputed locally, never KV with unwritten positions."""
+    never KV with unwritten positions. With the prefill's prompt digest in the params the
+    decode sees at once that the KV is another prompt's and prefills locally (no fetch);
+    without it (a Mooncake-style router builds the params), a load error names both
+    counts and the request is recomputed."""
     engine, stats = llm
     ids = prompts()["pages"]
     longer = ids + [11, 12, 13, 14, 15]
     (local,) = engine.generate({"prompt_token_ids": longer}, greedy(4), use_tqdm=False)
     (pre,) = engine.generate({"prompt_token_ids": ids}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     assert pre.kv_transfer_params["remote_num_tokens"] == len(ids)
-    (dec,) = engine.generate({"prompt_token_ids": longer}, greedy(4, pre.kv_transfer_params), use_tqdm=False)
+    params = dict(pre.kv_transfer_params)
+    if not digest:
+        del params["remote_prompt_digest"]
+    before = len(records(stats))
+    (dec,) = engine.generate({"prompt_token_ids": longer}, greedy(4, params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local.outputs[0].token_ids
-    fails = [r for r in fetch_records(records(stats))
-             if r.get("transfer_key") == pre.kv_transfer_params["remote_request_id"]]
-    assert (f"remote_num_tokens={len(ids)} prompt tokens, this decode has {len(longer)}"
-            in fails[-1]["reason"]), fails
+    fails = [r for r in fetch_records(records(stats)[before:]) if r.get("transfer_key") == params["remote_request_id"]]
+    if digest:
+        assert fails == []
+        # the key was left for the prompt it holds (a batch's sibling): that one still loads it
+        (own,) = engine.generate({"prompt_token_ids": ids}, greedy(4, dict(pre.kv_transfer_params)), use_tqdm=False)
+        loaded = [r for r in fetch_records(records(stats)[before:]) if r.get("transfer_key") == params["remote_request_id"]]
+        assert len(loaded) == 1 and loaded[0]["ok"], loaded
+    else:
+        assert len(fails) == 1 and not fails[0]["ok"], fails
+        assert f"remote_num_tokens={len(ids)} prompt tokens, this decode has {len(longer)}" in fails[0]["reason"]
 
 
 @pytest.mark.timeout(120)

@@ -439,3 +439,92 @@ def test_idle_steps_sleep_from_the_second_on(monkeypatch, producer):
     for n in pattern:
         s.build_connector_meta(sched_out(tokens={"r": n} if n else None))
     assert len(slept) == 3 and set(slept) == {scheduler.IDLE_POLL_S}  # steps 2, 3 and 6 (1-based)
+
+
+# -- siblings: engine requests that carry one transfer key (n > 1, batches) --------------------------
+
+def _ended(*req_ids):
+    return NS(finished_sending=None, finished_recving=set(req_ids), failed_recving=set(), kv_connector_worker_meta=None)
+
+
+@pytest.mark.parametrize("how", ["loaded", "failed", "finished"])
+def test_siblings_of_one_key_fetch_once_and_the_others_wait_then_prefill_locally(how):
+    """``n=2``: vLLM hands the decode two engine requests with the HTTP request's params.
+    The first fetches; the second waits (``None``: vLLM skips it this step) while the fetch
+    is in flight, then prefills locally (the prefix cache has the fetched pages), and
+    neither fetches again nor releases the key the first one fetches."""
+    s = side(consumer=True)
+    params = {**REMOTE, "remote_prompt_digest": prompt_digest(list(range(100)))}
+    first, second = request("c-0", params=dict(params)), request("c-1", params=dict(params))
+    assert s.get_num_new_matched_tokens(first, 0) == s.get_num_new_matched_tokens(second, 0) == (100, True)
+    s.update_state_after_alloc(first, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(first, 0) == (0, False)  # one transfer per request, as before
+    meta = s.build_connector_meta(sched_out())
+    assert set(meta.loads) == {"c-0"} and meta.releases == {}
+    if how == "loaded":
+        s.update_connector_output(_ended("c-0"))
+    elif how == "failed":
+        s.update_connector_output(NS(finished_sending=None, finished_recving=set(), failed_recving={"c-0"},
+                                     kv_connector_worker_meta=None))
+    else:
+        first.status = RequestStatus.FINISHED_ABORTED  # the client went away while it loaded
+        s.request_finished(first, ([1, 2, 3, 4],))
+    assert s.get_num_new_matched_tokens(second, 0) == (0, False)
+    s.update_state_after_alloc(second, NS(get_block_ids=lambda: ([5, 6, 7, 8],)), 0)
+    meta = s.build_connector_meta(sched_out())
+    assert meta.loads == {} and meta.releases == {}
+    third = request("c-2", params=dict(params))  # a late sibling: not a second fetch of a freed key
+    assert s.get_num_new_matched_tokens(third, 0) == (0, False)
+    s.request_finished(request("c-3", params=dict(params), status=RequestStatus.FINISHED_ABORTED), ([],))
+    assert s.build_connector_meta(sched_out()).releases == {}
+
+
+def test_a_prompt_whose_digest_is_not_the_params_one_prefills_locally_and_releases_nothing(caplog):
+    """A batch of prompts answered with one prefill's params (vLLM's answer carries one
+    request's): the other prompts' KV is not in that transfer, so they prefill here; the
+    release of the key belongs to the request whose prompt it is."""
+    s = side(consumer=True)
+    params = {**REMOTE, "remote_prompt_digest": prompt_digest(list(range(100)))}
+    other = NS(request_id="b-1", num_prompt_tokens=100, prompt_token_ids=list(range(1, 101)),
+               kv_transfer_params=dict(params), status=RequestStatus.RUNNING)
+    assert s.get_num_new_matched_tokens(other, 0) == (0, False)
+    with caplog.at_level("INFO"):
+        s.update_state_after_alloc(other, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 0)
+    assert "another prompt's digest" in caplog.text
+    meta = s.build_connector_meta(sched_out())
+    assert meta.loads == {} and meta.releases == {}
+    own = request("b-0", params=dict(params))
+    assert s.get_num_new_matched_tokens(own, 0) == (100, True)  # the prompt whose KV it is fetches it
+
+
+def test_siblings_remember_ended_keys_for_a_while_and_within_a_bound():
+    from vllm_dcp2d.connector.siblings import Siblings
+
+    now = [0.0]
+    sib = Siblings(max_ended=3, ttl_s=10.0, clock=lambda: now[0])
+    for i in range(5):
+        sib.start(f"k{i}", f"r{i}")
+        assert sib.loading(f"k{i}") == f"r{i}"
+        sib.end(f"r{i}")
+        sib.end(f"r{i}")  # twice: no-op
+    assert [sib.ended(f"k{i}") for i in range(5)] == [None, None, "r2", "r3", "r4"] and len(sib) == 3
+    now[0] = 10.5
+    assert sib.ended("k4") is None and len(sib) == 0
+    sib.end("never-started")
+    assert len(sib) == 0
+
+
+def test_a_refused_stand_in_is_released_though_its_prompt_is_not_the_producers():
+    """vLLM's one-token stand-in for a request its front end refused carries the producer's
+    digest of the real prompt: it is still released (with that digest), unless a sibling
+    fetches the key."""
+    s = side(consumer=True)
+    digest = prompt_digest(list(range(1600)))
+    params = {**REMOTE, "remote_num_tokens": 1600, "remote_prompt_digest": digest}
+    s.request_finished(request(n=1, params=dict(params), status=RequestStatus.FINISHED_ABORTED), ([],))
+    spec = s.build_connector_meta(sched_out()).releases["r"]
+    assert (spec.num_tokens, spec.prompt_digest) == (1600, digest)
+    s.update_state_after_alloc(request("f", n=1600, params=dict(params)), NS(get_block_ids=lambda: ([1],)), 1600)
+    s.request_finished(request("g", n=1, params=dict(params), status=RequestStatus.FINISHED_ABORTED), ([],))
+    assert s.build_connector_meta(sched_out()).releases == {}

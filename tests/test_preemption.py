@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import threading
 import time
@@ -51,11 +52,16 @@ def engine(tmp_path_factory):
     model = build_tiny_model("llama", tmp_path_factory.mktemp("preempt") / "model")
     kv = KVTransferConfig(kv_connector="DCP2DConnector", kv_role="kv_producer",
                           kv_connector_extra_config={"bootstrap_port": free_port(), "send_timeout_s": 60.0})
+    gc.collect()  # an earlier module's dead engine: its finalizer must not run during this start
     llm = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
               kv_cache_memory_bytes=4 << 20, num_gpu_blocks_override=BLOCKS, max_model_len=(BLOCKS - 1) * PAGE, max_num_seqs=4, max_num_batched_tokens=512,
               enable_prefix_caching=False, kv_transfer_config=kv)
     yield llm
     del llm
+    # Collected now, not during the next module's engine: an in-process engine's finalizer
+    # tears down vLLM's process-wide TP group, which the next engine has set up by then
+    # ("tensor model parallel group is not initialized", seen in a full run).
+    gc.collect()
     mp.undo()
 
 

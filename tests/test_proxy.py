@@ -11,13 +11,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from _fake_upstreams import healthy, upstream_apps
 from vllm_dcp2d.proxy import Proxy, decode_body, prefill_body
 
 PARAMS = {"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "127.0.0.1:1"}
-
-
-async def healthy(request):
-    return web.json_response({})
 
 
 def fake_upstreams(seen: list, prefill_status=200, decode_status=200, prefill_params=PARAMS):
@@ -43,14 +40,7 @@ def fake_upstreams(seen: list, prefill_status=200, decode_status=200, prefill_pa
             return resp
         return web.json_response({"choices": [{"text": "decoded"}]})
 
-    apps = []
-    for handler in (prefill, decode):
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        app.router.add_post("/v1/chat/completions", handler)
-        app.router.add_get("/health", healthy)
-        apps.append(app)
-    return apps
+    return upstream_apps(prefill, decode)
 
 
 async def run_case(body, path="/v1/completions", prefill_urls=None, proxy_kw=None, **kw):

@@ -12,6 +12,9 @@ kind), started once for the module:
 * vLLM's router with no instance list (``--vllm-discovery-address``): every instance
   registers itself (``router_discovery_address``), and a decode instance started
   under load joins it and, stopped, leaves it.
+* Our proxy on requests its prefill hop used to refuse or could not split
+  (``min_tokens`` above 1, a batch of 3 prompts, ``n=2`` seeded): each equal to the
+  non-disaggregated answer, every prompt's KV fetched, KV usage back to 0.
 * Our proxy (last: it kills a decode): load spreads over both instances of each
   kind, greedy tokens equal the non-disaggregated answer (the prefill instance asked
   without ``kv_transfer_params``), a decode instance killed with SIGKILL while it
@@ -145,6 +148,7 @@ def _start(tmp_path):
     px = proxy("proxy", "--health-interval", "0.5", "--health-timeout", "2")
     px_nohealth = proxy("proxy_nohealth", "--health-interval", "0")
     px_pipe = proxy("proxy_pipelined", "--health-interval", "0", "--pipelined")
+    px_features = proxy("proxy_features", "--health-interval", "0")  # its own: px's call counts stay exact
     routers = {mode: router_server(free_port(), prefill, decode, tmp_path, mode, name=f"router_{mode}")
                for mode in ("nixl", "mooncake")}
     # no instance list: it serves once the instances registered (its /health answers 503 before)
@@ -152,9 +156,10 @@ def _start(tmp_path):
     # the proxies and routers start beside the instances, as users start them: a proxy serves an
     # instance that came up after it (it polls a kind again when it finds none in rotation); the
     # router in Mooncake mode asks each prefill's /query until it answers
-    with running([*prefill, *decode, px, px_nohealth, px_pipe, *routers.values()], 840):
+    with running([*prefill, *decode, px, px_nohealth, px_pipe, px_features, *routers.values()], 840):
         yield {"tmp": tmp_path, "model": model, "prefill": prefill, "decode": decode, "px": px,
-               "px_nohealth": px_nohealth, "px_pipe": px_pipe, "routers": routers, "joins": joins}
+               "px_nohealth": px_nohealth, "px_pipe": px_pipe, "px_features": px_features, "routers": routers,
+               "joins": joins}
 
 
 def reference(c, prompt: list[int]) -> dict:
@@ -196,6 +201,38 @@ def test_vllm_router(cluster, mode):
     # no instance holds KV for these requests any more
     for p in (*c["prefill"], *c["decode"]):
         wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
+
+
+SIBLING_PROMPTS = {mode: [ids(50 + 9 * i, 300 + 10 * k + i) for i in range(3)] for k, mode in enumerate(("nixl", "mooncake"))}
+
+
+@pytest.mark.timeout(900)
+def test_n_and_batched_prompts_through_the_router_equal_the_colocated_answers(cluster):
+    """One HTTP request that vLLM fans out into several engine requests carrying one set of
+    ``kv_transfer_params``: ``n=2`` with a seed, and a batch of 3 prompts (the prefill's answer
+    carries the first prompt's params only). Through vLLM's router in both PD protocols each
+    answer equals the colocated one, no fetch fails (the decodes run ``recompute``, so a failed
+    fetch would hide behind an equal answer), and no instance keeps KV (the prefill frees the
+    batch's unasked requests at ``claim_timeout_s``)."""
+    c = cluster
+    before = {i: len(read_stats(c["tmp"] / f"d{i}.jsonl")) for i in (0, 1)}
+    for mode, prompts in SIBLING_PROMPTS.items():
+        url = c["routers"][mode].url + "/v1/completions"
+        sampled = {**body(c["model"], prompts[0]), "n": 2, "temperature": 1.0, "seed": 7}
+        status, ref = post_json(c["prefill"][0].url + "/v1/completions", sampled, timeout_s=300)
+        assert status == 200, ref
+        status, out = post_json(url, sampled, timeout_s=300)
+        assert status == 200, (mode, out)
+        got = sorted((ch["index"], ch["token_ids"]) for ch in out["choices"])
+        assert got == sorted((ch["index"], ch["token_ids"]) for ch in ref["choices"]), (mode, got)
+        refs = [reference(c, p)["token_ids"] for p in prompts]
+        status, out = post_json(url, {**body(c["model"], prompts[0]), "prompt": prompts}, timeout_s=300)
+        assert status == 200, (mode, out)
+        assert [ch["token_ids"] for ch in sorted(out["choices"], key=lambda ch: ch["index"])] == refs, mode
+    new = [r for i in (0, 1) for r in fetch_records(read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:])]
+    assert new and all(r["ok"] for r in new), new  # siblings never fetched a key twice
+    for p in (*c["prefill"], *c["decode"]):
+        wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 60)
 
 
 @pytest.mark.timeout(900)
@@ -262,6 +299,176 @@ def test_router_discovery_membership_under_load(cluster):
           f"after the stop), {len(after)} after; decode2 fetched {len(fetched(c['tmp'] / 'd2.jsonl'))}")
     for p in c["decode"]:
         wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
+
+
+FEATURES = {  # what the proxy's prefill hop used to refuse, a batch, n > 1 (issue 39)
+    "min_tokens": {"prompt": ids(40, 300), "max_tokens": MAX_TOKENS, "min_tokens": 4, "temperature": 0.0},
+    "batch": {"prompt": [ids(30, 301), ids(45, 302), ids(50, 303)], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+              "ignore_eos": True},
+    "n2": {"prompt": ids(37, 304), "n": 2, "seed": 7, "temperature": 0.8, "max_tokens": MAX_TOKENS,
+           "ignore_eos": True},
+}
+
+
+def choices(out: dict) -> list[tuple]:
+    return [(c["index"], c["token_ids"], c["text"], c["finish_reason"]) for c in out["choices"]]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", ["min_tokens", "batch", "n2"])
+def test_request_features(cluster, case):
+    """Through ``vllm-dcp2d proxy``, equal to the colocated answer (the prefill instance
+    asked directly): ``min_tokens`` above 1, a batch of 3 prompts (plain and streamed;
+    split into one PD pair per prompt), ``n=2`` seeded. Every prompt's KV fetched
+    from a prefill (no fetch failed or refused: a sibling refused its shared key and
+    recomputed would still answer right under ``recompute``), KV usage back to 0."""
+    c = cluster
+    url, b = c["px_features"].url, {"model": c["model"], "return_token_ids": True, **FEATURES[case]}
+    status, ref = post_json(c["prefill"][0].url + "/v1/completions", b, timeout_s=300)
+    assert status == 200, ref
+    before = {i: len(read_stats(c["tmp"] / f"d{i}.jsonl")) for i in (0, 1)}
+    t0 = time.monotonic()
+    status, out = post_json(url + "/v1/completions", b, timeout_s=300)
+    took = time.monotonic() - t0
+    assert status == 200, out
+    assert sorted(choices(out)) == sorted(choices(ref)), (out, ref)
+    assert {k: out["usage"][k] for k in ("prompt_tokens", "completion_tokens")} == \
+        {k: ref["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+    prompts = b["prompt"] if case == "batch" else [b["prompt"]]
+    if case == "batch":
+        # streamed: the prompts' chunks merged, each choice's text under its index, one usage chunk
+        sb = {**b, "stream": True, "stream_options": {"include_usage": True}}
+        sb.pop("return_token_ids")
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(sb).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            events = [json.loads(e.removeprefix("data: ")) for e in r.read().decode().split("\n\n")
+                      if e.startswith("data: {")]
+        texts: dict[int, str] = {}
+        for e in events:
+            for ch in e["choices"]:
+                texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+        assert texts == {ch["index"]: ch["text"] for ch in ref["choices"]}
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # a stream's chunk omits null details
+        assert events[-1]["choices"] == []
+        assert [events[-1]["usage"][k] for k in counts] == [out["usage"][k] for k in counts]
+        prompts = prompts * 2
+        t1 = time.monotonic()
+        post_json(url + "/v1/completions", {**b, "prompt": ids(45, 305)}, timeout_s=300)
+        print(f"through the proxy: a batch of 3 prompts {took:.2f} s, one prompt {time.monotonic() - t1:.2f} s")
+    recs = [r for i in (0, 1) for r in fetch_records(read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:])]
+    assert [r for r in recs if not r["ok"]] == [], recs
+    assert len({r["transfer_key"] for r in recs}) == len(prompts) + (case == "batch"), recs
+    for p in (*c["prefill"], *c["decode"]):
+        wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 30)
+
+
+# What a client's OpenAI call may carry (issue 39, "what passes" and "what breaks"): each case
+# through each front equals the colocated answer. Prompt lengths sit on page boundaries (and a
+# DCP=2 page's, 64 tokens; the DCP cluster's own boundaries are tests/test_e2e.py's).
+P = {n: ids(n, 400 + n) for n in (31, 32, 33, 63, 64, 65)}
+PARITY = {
+    "greedy": {"prompt": P[33], "temperature": 0.0},
+    "seeded": {"prompt": P[31], "temperature": 0.9, "top_p": 0.9, "seed": 11},
+    "logprobs": {"prompt": P[32], "temperature": 0.0, "logprobs": 3},
+    "echo_logprobs": {"prompt": P[63], "temperature": 0.0, "echo": True, "logprobs": 2},
+    "prompt_logprobs": {"prompt": P[64], "temperature": 0.0, "prompt_logprobs": 2},
+    "logit_bias": {"prompt": P[65], "temperature": 0.0, "logit_bias": {"100": 8.0, "200": -100.0}},
+    "penalties": {"prompt": P[33], "temperature": 0.0, "presence_penalty": 0.6, "frequency_penalty": 0.4,
+                  "repetition_penalty": 1.3},
+    "min_tokens": {"prompt": P[64], "temperature": 0.0, "min_tokens": 4},
+    "regex": {"prompt": P[32], "temperature": 0.0, "structured_outputs": {"regex": "[a-d]{2,6}"}},
+    "json_object": {"prompt": P[31], "temperature": 0.0, "response_format": {"type": "json_object"}},
+    "stop": {"prompt": P[63], "temperature": 0.0, "stop_token_ids": [7, 9], "ignore_eos": False},
+    "stream_usage": {"prompt": P[65], "temperature": 0.0, "stream": True,
+                     "stream_options": {"include_usage": True}},
+    "chat": {"messages": [{"role": "user", "content": "abc def"}], "temperature": 0.0},
+    "chat_stream_logprobs": {"messages": [{"role": "user", "content": "ghi"}], "temperature": 0.0, "stream": True,
+                             "logprobs": True, "top_logprobs": 2},
+    "n2": {"prompt": P[33], "n": 2, "temperature": 0.8, "seed": 5},
+    "batch": {"prompt": [P[31], P[32], P[33]], "temperature": 0.0},
+    "bad_max_tokens": {"prompt": P[31], "max_tokens": -1},
+}
+
+
+def _answer(url: str, body: dict) -> tuple[int, object]:
+    """``(status, the answer)``: the JSON, or for a stream the events' choices merged by index
+    (text, token count, logprobs) and the last usage."""
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if not body.get("stream"):
+        return post_json(url + route, body, timeout_s=300)
+    req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    merged: dict[int, dict] = {}
+    usage = None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for e in r.read().decode().split("\n\n"):
+            if not e.startswith("data: {"):
+                continue
+            ev = json.loads(e.removeprefix("data: "))
+            usage = ev.get("usage") or usage
+            for ch in ev["choices"]:
+                m = merged.setdefault(ch["index"], {"text": "", "logprobs": []})
+                m["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                if ch.get("logprobs"):
+                    m["logprobs"].append(ch["logprobs"])
+                m["finish_reason"] = ch.get("finish_reason") or m.get("finish_reason")
+    return 200, {"choices": [{"index": i, **m} for i, m in sorted(merged.items())], "usage": usage}
+
+
+def _same(a, b, path="") -> None:
+    """Equal, floats within 2e-3 (a logprob computed over fetched KV rather than in the
+    prompt's own forward pass may differ in the last bits); token choices exactly."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 2e-3, (path, a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(a), sorted(b) if isinstance(b, dict) else b)
+        for k in a:
+            _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (path, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+VOLATILE = {"id", "created", "system_fingerprint", "kv_transfer_params", "service_tier"}
+
+
+def _comparable(out):
+    if not isinstance(out, dict):
+        return out
+    return {k: v for k, v in out.items() if k not in VOLATILE}
+
+
+@pytest.mark.timeout(900)
+def test_openai_parity_matrix(cluster):
+    """Every field of the matrix above through ``vllm-dcp2d proxy`` and vLLM's router (NIXL
+    protocol): the same status and answer as the colocated instance (the prefill asked
+    directly), no fetch failed, KV usage back to 0. Where the router differs for a reason of
+    its own, the case asserts what the connector guarantees and names the reason."""
+    c = cluster
+    fronts = {"proxy": c["px_features"].url, "router_nixl": c["routers"]["nixl"].url}
+    before = {i: len(read_stats(c["tmp"] / f"d{i}.jsonl")) for i in (0, 1)}
+    for case, fields in PARITY.items():
+        b = {"model": c["model"], "max_tokens": MAX_TOKENS, **fields}
+        if "messages" not in b and not b.get("stream"):
+            b["return_token_ids"] = True
+        ref_status, ref = _answer(c["prefill"][0].url, b)
+        assert (ref_status == 200) == (case != "bad_max_tokens"), (case, ref_status, ref)
+        for front, url in fronts.items():
+            status, out = _answer(url, b)
+            if ref_status != 200 and front == "router_nixl":
+                # the router answers any prefill error with 500 and the upstream's text
+                assert status >= 400 and "max_tokens" in json.dumps(out), (case, front, status, out)
+                continue
+            assert status == ref_status, (case, front, status, out)
+            _same(_comparable(ref), _comparable(out), f"{case}/{front}")
+    recs = [r for i in (0, 1) for r in fetch_records(read_stats(c["tmp"] / f"d{i}.jsonl")[before[i]:])]
+    assert recs and [r for r in recs if not r["ok"]] == [], recs
+    for p in (*c["prefill"], *c["decode"]):
+        wait_for(f"{p.name} KV usage back to 0", lambda p=p: kv_cache_usage(p.url) == 0.0, 60)
 
 
 @pytest.mark.timeout(1200)

@@ -10,7 +10,7 @@ list them (the decode from its own block tables, without the prefill's), and the
 order does not depend on how a plan merged its runs or how staging chunked them.
 
 xxh3-128 (``xxhash``): 21 GiB/s on the project's CPU, against 14 for crc32c and 2.2
-for zlib's crc32 (BENCHMARKS.md, "verify_kv"). Host-memory KV only.
+for zlib's crc32 (BENCHMARKS.md, "The trust boundary's cost"). Host-memory KV only.
 
 Public API
 ----------

@@ -15,7 +15,7 @@ from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
 from vllm_dcp2d.connector.messages import MAX_NAME, clip
 
-__all__ = ["REQUIRED", "KEYS", "check_bootstrap_addr", "load_params", "timeout_s"]
+__all__ = ["REQUIRED", "KEYS", "check_bootstrap_addr", "key_field", "load_params", "timeout_s"]
 
 # The key of the transfer: "remote_request_id" (the prefill's answer, copied by our proxy and by
 # NIXL-style routers) or, failing that, "transfer_id" (what a Mooncake-style router gives both
@@ -23,6 +23,11 @@ __all__ = ["REQUIRED", "KEYS", "check_bootstrap_addr", "load_params", "timeout_s
 REQUIRED = ("remote_bootstrap_addr", "remote_engine_id")
 KEYS = ("remote_request_id", "transfer_id")
 _ADDR = re.compile(r"(?P<scheme>tcp|http)://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
+
+
+def key_field(params: dict) -> str:
+    """The field of ``params`` that names the transfer key (``KEYS``, first present)."""
+    return KEYS[0] if KEYS[0] in params else KEYS[1]
 
 
 def check_bootstrap_addr(addr) -> str:
@@ -66,7 +71,7 @@ def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], .
     missing = ([" or ".join(KEYS)] if not set(KEYS) & set(params) else []) + [k for k in REQUIRED if k not in params]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing} (got {clip(repr(sorted(map(str, params))), 200)})")
-    key = _name(params, "remote_request_id" if "remote_request_id" in params else "transfer_id")
+    key = _name(params, key_field(params))
     engine = _name(params, "remote_engine_id")
     addr = check_bootstrap_addr(params["remote_bootstrap_addr"])
     timeout, warning = timeout_s(params, cfg)

@@ -43,6 +43,10 @@ Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
     request in fresh ones) and its blocks in ``DCP2DWorkerMeta.quarantine``:
     this side keeps them out of the free queue until a worker reports the
     quarantine ``lifted`` (docs/connector.md, "Block lifetime");
+  * engine requests that carry one key (``n > 1``, a batch: vLLM copies the HTTP
+    request's params to each) fetch it once: the others wait for that fetch and
+    prefill locally on the prefix cache, or at once when their prompt is not the
+    key's (``siblings``);
   * a request this instance will not fetch (nothing left to load after its
     prefix-cache hit, or finished before it was admitted: an abort while it
     waited, the proxy giving up) is listed in ``releases``: each worker tells
@@ -62,7 +66,8 @@ import numpy as np
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
-from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
+from vllm_dcp2d.connector.params import check_bootstrap_addr, key_field, load_params
+from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
 from vllm_dcp2d.connector.timeline import DecodeTimeline
@@ -105,6 +110,7 @@ class SchedulerSide:
         self._digests: dict[str, str] = {}  # producer: prompt digest of each request it will send
         self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
         self._key_owner: dict[str, str] = {}  # transfer key -> request id
+        self.siblings = Siblings()  # consumer: engine requests sharing one transfer key (n > 1, batches)
         self.bell = StepBell() if is_consumer else None  # ends an idle step when a fetch ends
         # consumer: admit, resume and first step of each loaded request (issue 29)
         self.timeline = DecodeTimeline(StatsFile(cfg.stats_file, "consumer", engine_id)) if is_consumer else None
@@ -112,7 +118,7 @@ class SchedulerSide:
 
     # -- consumer ----------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Called by the scheduler for a waiting request, possibly several times
         before it is admitted; must not change state. Returns the prompt tokens
         the producer will write beyond the ``num_computed_tokens`` cached locally,
@@ -120,8 +126,27 @@ class SchedulerSide:
         params = transfer_params(request.kv_transfer_params)
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return 0, False
+        shared = self._sibling_of(request, params)
+        if shared is not None:  # another request fetches (or fetched) this key: never twice
+            return (None, False) if shared else (0, False)
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _sibling_of(self, request, params: dict, digest: bool = True) -> bool | None:
+        """None: ``request`` may fetch its key. True: a sibling with its prompt fetches it now
+        (wait, then reuse its pages through the prefix cache). False: prefill locally (the
+        key's fetch ended, or, with ``digest``, its KV is another prompt's)."""
+        key = params.get(key_field(params))
+        remote = params.get("remote_prompt_digest")
+        if digest and isinstance(remote, str) and remote and remote != prompt_digest(*compat.prompt_ids(request)):
+            return False  # a batch answered with one prompt's params: the KV is another prompt's
+        if not isinstance(key, str):
+            return None
+        holder = self.siblings.loading(key)
+        if holder is not None and holder != request.request_id:
+            return True
+        ended = self.siblings.ended(key)
+        return False if ended is not None and ended != request.request_id else None
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Called by the scheduler once blocks are allocated for a newly admitted
@@ -135,6 +160,14 @@ class SchedulerSide:
             return
         # One transfer per request: a preempted request recomputes locally.
         params["do_remote_prefill"] = False
+        if self._sibling_of(request, params) is not None:
+            key = params.get(key_field(params))
+            holder = self.siblings.loading(key) or self.siblings.ended(key) if isinstance(key, str) else None
+            why = (f"transfer key {clip(repr(key), 80)} is fetched by request {holder} on this instance" if holder
+                   else "its kv_transfer_params carry another prompt's digest")
+            log.info("request %s: prefilled here, reusing what the prefix cache holds: %s (n > 1, or a batch "
+                     "answered with one prefill's params)", request.request_id, why)
+            return  # no release either: the prefill keeps the KV for the request that fetches it
         if num_external_tokens == 0:
             # Fully cached here: nothing to fetch, so the producer may free it now.
             self._release(request, params)
@@ -153,13 +186,14 @@ class SchedulerSide:
         if warning:
             log.warning("request %s: %s", request.request_id, warning)
         self._loads[request.request_id] = spec
+        self.siblings.start(spec.transfer_key, request.request_id)
         self.timeline.admitted(request.request_id, spec.transfer_key, getattr(request, "arrival_time", None))
 
     def _release(self, request, params: dict) -> None:
         """Consumer: this instance will not fetch ``request``'s KV from its producer."""
         if not self.cfg.release_unfetched:
             return
-        key = params.get("remote_request_id", params.get("transfer_id"))
+        key = params.get(key_field(params))
         try:
             addr = check_bootstrap_addr(params.get("remote_bootstrap_addr"))
         except ValueError:
@@ -203,6 +237,10 @@ class SchedulerSide:
         for req_id in connector_output.finished_sending or ():
             self._unbind_key(req_id)
         meta = connector_output.kv_connector_worker_meta
+        if self.is_consumer:  # fetches that ended: their siblings stop waiting
+            for req_id in (*(connector_output.finished_recving or ()), *(connector_output.failed_recving or ()),
+                           *(meta.failed_loads if isinstance(meta, DCP2DWorkerMeta) else ())):
+                self.siblings.end(req_id)
         if self.timeline is not None:
             self.timeline.failed(connector_output.failed_recving or ())
             if isinstance(meta, DCP2DWorkerMeta):
@@ -319,10 +357,14 @@ class SchedulerSide:
         if self.timeline is not None:
             self.timeline.forget(request.request_id)
         computed = self._computed.pop(request.request_id, None) is not None
+        self.siblings.end(request.request_id)
         params = transfer_params(request.kv_transfer_params)
         if self.is_consumer and params.get("do_remote_prefill"):  # still set: never admitted
             params["do_remote_prefill"] = False
-            self._release(request, params)
+            # Not while a sibling fetches the key (it needs the prefill's blocks); the digest is not
+            # asked: vLLM's stand-in for a request its front end refused has a one-token prompt.
+            if self._sibling_of(request, params, digest=False) is None:
+                self._release(request, params)
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         has_blocks = any(block_ids)

@@ -4,12 +4,23 @@
 
 Each ``/v1/completions`` or ``/v1/chat/completions`` request goes twice upstream:
 
-1. to a prefill instance, as a copy with ``max_tokens=1``, no streaming and
-   ``kv_transfer_params={"do_remote_decode": true, "transfer_id": <new id>}``;
+1. to a prefill instance, as a copy with ``max_tokens=1``, no streaming, one
+   sequence, every field that would conflict with a one-token prefill set or
+   dropped (``hops.PREFILL_HOP``; docs/connector.md "The prefill hop") and
+   ``kv_transfer_params={"do_remote_decode": true, "transfer_id": <new key>}``;
    the prefill's DCP2DConnector keeps the request's KV blocks and answers
    with the ``kv_transfer_params`` a decode instance needs to fetch them;
 2. to a decode instance, unchanged except for those ``kv_transfer_params``;
    its answer (streamed or not) goes back to the client as is.
+
+**Batches.** A ``/v1/completions`` request with several prompts (strings,
+token-id lists or ``prompt_embeds``) goes as one such pair per prompt,
+``--batch-concurrency`` pairs at a time (``batch``, ``streams``): vLLM's
+answer carries the KV params of one prompt only. The answers are merged as vLLM
+numbers them (choice ``j`` of prompt ``i`` is ``i * n + j``, usage summed; a
+streamed batch starts once every prompt's decode has, and ends with one usage
+chunk). Any pair's error is the answer (no partial one) and cancels the others,
+as does the client going away.
 
 **Balancing.** Each call goes to the instance of its kind with the fewest calls
 in flight from this proxy (prefill calls while they run, decode calls until
@@ -56,11 +67,13 @@ instance of a kind in rotation 503. ``GET /metrics`` serves the proxy's
 Prometheus metrics (``metrics.METRICS``; docs/metrics.md, "Proxy"), ``GET
 /health`` the proxy's own liveness plus each upstream's state.
 
-Modules: ``app`` (HTTP handlers, retries), ``upstreams`` (balancer, health),
-``metrics``, ``cli``.
+Modules: ``app`` (HTTP handlers, retries), ``hops`` (each hop's body),
+``batch`` (split and merge), ``streams`` (where streamed bytes go),
+``upstreams`` (balancer, health), ``metrics``, ``cli``.
 """
 
-from .app import ROUTES, Proxy, UpstreamError, decode_body, prefill_body
+from .app import ROUTES, Proxy, UpstreamError
+from .hops import PREFILL_HOP, decode_body, prefill_body
 from .cli import main, parse_args
 
-__all__ = ["ROUTES", "Proxy", "UpstreamError", "decode_body", "prefill_body", "main", "parse_args"]
+__all__ = ["PREFILL_HOP", "ROUTES", "Proxy", "UpstreamError", "decode_body", "prefill_body", "main", "parse_args"]

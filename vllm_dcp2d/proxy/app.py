@@ -13,7 +13,10 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from . import batch
+from .hops import decode_body, prefill_body
 from .metrics import ProxyMetrics
+from .streams import BatchStream, ClientGone, ClientSink, StreamEnded, gather_or_cancel
 from .upstreams import HealthChecker, NoHealthyUpstream, Pool, Upstream
 
 log = logging.getLogger("vllm_dcp2d.proxy")
@@ -33,43 +36,19 @@ class UpstreamError(Exception):
         self.body = body or {"error": {"message": message, "type": "upstream_error", "code": status}}
 
 
-class ClientGone(Exception):
-    """The client closed its connection while the proxy was writing to it."""
-
-
-def prefill_body(body: dict, transfer_id: str) -> dict:
-    """The prefill copy of a client request: one token, no stream, remote decode.
-
-    Shallow: only top-level keys are replaced, so the client's values (an 8K-token
-    prompt list, messages) are shared, not copied (a deep copy of 8K token ids took
-    ~2 ms, on the request's critical path twice)."""
-    out = dict(body)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                 "transfer_id": transfer_id}
-    return out
-
-
-def decode_body(body: dict, kv_transfer_params: dict) -> dict:
-    """The decode copy of a client request: the same, with the prefill's params (shallow)."""
-    out = dict(body)
-    out["kv_transfer_params"] = kv_transfer_params
-    return out
-
-
 class Proxy:
     """Routes requests over ``Pool``s of prefill and decode instances; one
     ``aiohttp.ClientSession`` for all upstream calls. ``health_interval_s <= 0``
-    turns health checks off."""
+    turns health checks off. ``batch_concurrency``: PD pairs in flight at once for
+    the prompts of one batched request (``batch``)."""
 
     def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0, pipelined: bool = False,
-                 health_interval_s: float = 2.0, health_timeout_s: float = 5.0):
+                 health_interval_s: float = 2.0, health_timeout_s: float = 5.0, batch_concurrency: int = 8):
         if timeout_s <= 0:
             raise ValueError(f"upstream timeout must be > 0 seconds, got {timeout_s}")
+        if batch_concurrency < 1:
+            raise ValueError(f"batch concurrency must be >= 1 PD pair per request, got {batch_concurrency}")
+        self.batch_concurrency = batch_concurrency
         self.prefill_pool, self.decode_pool = Pool("prefill", prefill), Pool("decode", decode)
         self.prefill, self.decode = self.prefill_pool.urls, self.decode_pool.urls
         self.health = HealthChecker([self.prefill_pool, self.decode_pool], health_interval_s, health_timeout_s)
@@ -148,6 +127,9 @@ class Proxy:
         stream = bool(body.get("stream"))
         started: list[web.StreamResponse] = []  # the client response, once its headers went out
         try:
+            parts = batch.split(path, body)
+            if parts is not None:
+                return await self._serve_batch(request, path, body, parts, started)
             prefill = None
             if self.pipelined:
                 prefill = await self._pick(self.prefill_pool)
@@ -155,8 +137,7 @@ class Proxy:
                 if route is not None:
                     return await self._pipelined(request, path, body, prefill, route, started)
             # sequential (or learning the picked prefill's route)
-            params = await self._retrying(self.prefill_pool,
-                                          lambda up: self._prefill(up, path, body, uuid.uuid4().hex), first=prefill)
+            params = await self._prefill_params(path, body, first=prefill)
             return await self._decode(request, path, decode_body(body, params), stream, started)
         except NoHealthyUpstream as e:
             log.warning("%s: %s", path, e)
@@ -177,6 +158,42 @@ class Proxy:
                     await started[0].write_eof()
                 return started[0]
             return web.json_response(e.body, status=e.status)
+
+    async def _serve_batch(self, request: web.Request, path: str, body: dict, parts: list[dict],
+                           started: list) -> web.StreamResponse:
+        """A batch as one PD pair per prompt (``parts``), ``batch_concurrency`` at a
+        time, each pair sequential (also under ``--pipelined``), merged in prompt order.
+        Any pair's failure cancels the others (``gather_or_cancel``) and is the answer."""
+        n = batch.choices_per_prompt(body)
+        limit = asyncio.Semaphore(self.batch_concurrency)
+        if not body.get("stream"):
+            async def answer(part: dict) -> dict:
+                async with limit:
+                    params = await self._prefill_params(path, part)
+                    return await self._retrying(self.decode_pool,
+                                                lambda up: self._decode_json(up, path, decode_body(part, params)))
+            answers = await gather_or_cancel([answer(p) for p in parts])
+            return web.json_response(batch.merge_answers(answers, n))
+        merged = BatchStream(request, started, len(parts), n)
+
+        async def stream(i: int, part: dict) -> None:
+            async with limit:
+                params = await self._prefill_params(path, part)
+                sink, hop = merged.sink(i), decode_body(part, params)
+                await self._retrying(self.decode_pool, lambda up: self._stream(up, path, hop, sink))
+        try:
+            await gather_or_cancel([stream(i, p) for i, p in enumerate(parts)])
+        except StreamEnded as e:
+            log.warning("%s: %s; the batch's stream ends", path, e)
+            self.metrics.error("decode", "mid_stream")
+        await merged.finish()
+        return started[0]
+
+    async def _prefill_params(self, path: str, body: dict, first: Upstream | None = None) -> dict:
+        """The prefill hop of ``body`` under a new transfer key, retried as ``_retrying``
+        allows; the ``kv_transfer_params`` for its decode hop."""
+        return await self._retrying(self.prefill_pool,
+                                    lambda up: self._prefill(up, path, body, uuid.uuid4().hex), first=first)
 
     async def _pick(self, pool: Pool, tried: list | None = None) -> Upstream:
         """``pool.pick``; if none is in rotation at all, poll the pool once more first: an
@@ -216,12 +233,12 @@ class Proxy:
                     raise
                 last = e
 
-    async def _prefill(self, up: Upstream, path: str, body: dict, transfer_id: str) -> dict:
+    async def _prefill(self, up: Upstream, path: str, body: dict, transfer_key: str) -> dict:
         """Run the prefill on ``up``; returns the ``kv_transfer_params`` for decode."""
         url = up.url + path
         t0 = time.monotonic()
         try:
-            data = await self._post_json(self.prefill_pool, up, path, prefill_body(body, transfer_id))
+            data = await self._post_json(self.prefill_pool, up, path, prefill_body(body, transfer_key))
         except UpstreamError:
             self._routes.pop(up.url, None)  # it may come back elsewhere: learn again
             raise
@@ -239,21 +256,21 @@ class Proxy:
                          started: list) -> web.StreamResponse:
         """Prefill and decode at once; the decode fetches by ``transfer_id``, so a
         decode retried on another instance fetches by it too."""
-        tid = uuid.uuid4().hex
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": tid,
-                  "transfer_id": tid, **route}
+        transfer_key = uuid.uuid4().hex
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": transfer_key,
+                  "transfer_id": transfer_key, **route}
         decode = asyncio.ensure_future(self._decode(request, path, decode_body(body, params),
                                                     bool(body.get("stream")), started))
         try:
             self.metrics.calls.labels("prefill", prefill.url).inc()
             try:
-                answer = await self._prefill(prefill, path, body, tid)
+                answer = await self._prefill(prefill, path, body, transfer_key)
             except UpstreamError as e:
                 self.metrics.error(e.stage, e.kind)
                 raise
-            if answer.get("remote_request_id") != tid:
+            if answer.get("remote_request_id") != transfer_key:
                 self.metrics.error("prefill", "bad_answer")
-                raise UpstreamError(502, f"prefill {prefill.url} did not take transfer_id {tid!r} as the "
+                raise UpstreamError(502, f"prefill {prefill.url} did not take transfer_id {transfer_key!r} as the "
                                          f"transfer key (answered {answer.get('remote_request_id')!r})")
         except BaseException:
             decode.cancel()  # closes the upstream connection: vLLM aborts the decode request
@@ -288,19 +305,22 @@ class Proxy:
     async def _decode(self, request: web.Request, path: str, body: dict, stream: bool,
                       started: list) -> web.StreamResponse:
         if not stream:
-            async def once(up: Upstream) -> web.Response:
-                t0 = time.monotonic()
-                data = await self._post_json(self.decode_pool, up, path, body)
-                self.metrics.decode.labels("false").observe(time.monotonic() - t0)
-                return web.json_response(data)
-            return await self._retrying(self.decode_pool, once)
-        return await self._retrying(self.decode_pool, lambda up: self._stream(up, request, path, body, started))
+            data = await self._retrying(self.decode_pool, lambda up: self._decode_json(up, path, body))
+            return web.json_response(data)
+        sink = ClientSink(request, started)
+        await self._retrying(self.decode_pool, lambda up: self._stream(up, path, body, sink))
+        return started[0]
 
-    async def _stream(self, up: Upstream, request: web.Request, path: str, body: dict,
-                      started: list) -> web.StreamResponse:
-        """One streamed decode call. The client's headers go out with the decode's first
-        body byte, not its headers (vLLM sends those before the KV fetch), so a decode
-        that dies before its first token can be retried elsewhere."""
+    async def _decode_json(self, up: Upstream, path: str, body: dict) -> dict:
+        t0 = time.monotonic()
+        data = await self._post_json(self.decode_pool, up, path, body)
+        self.metrics.decode.labels("false").observe(time.monotonic() - t0)
+        return data
+
+    async def _stream(self, up: Upstream, path: str, body: dict, sink: ClientSink) -> None:
+        """One streamed decode call into ``sink`` (``streams``). The sink starts with the
+        decode's first body byte, not its headers (vLLM sends those before the KV fetch),
+        so a decode that dies before its first token can be retried elsewhere."""
         url = up.url + path
         t0 = time.monotonic()
         with self.decode_pool.lease(up):
@@ -314,36 +334,23 @@ class Proxy:
                                             kind="http_5xx", retryable=True)
                     t1 = time.monotonic()
                     self.metrics.transfer_wait.observe(t1 - t0)
-                    out = web.StreamResponse(status=200, headers={
-                        "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
-                    started.append(out)
-                    await _to_client(out.prepare(request))
+                    await sink.start(resp.headers.get("Content-Type", "text/event-stream"))
                     while chunk:
-                        await _to_client(out.write(chunk))
+                        await sink.write(chunk)
                         chunk = await resp.content.readany()
-                    await _to_client(out.write_eof())
+                    await sink.end()
                     self.metrics.decode.labels("true").observe(time.monotonic() - t1)
-                    return out
             except asyncio.TimeoutError:
                 raise UpstreamError(504, f"decode {url} did not finish within {self.timeout.total} s"
-                                         f"{' (mid-stream)' if started else ''}", stage="decode",
-                                    kind="mid_stream" if started else "timeout")
+                                         f"{' (mid-stream)' if sink.begun else ''}", stage="decode",
+                                    kind="mid_stream" if sink.begun else "timeout")
             except aiohttp.ClientError as e:
                 self.health.mark_down(self.decode_pool, up, repr(e))
-                if started:  # bytes went to the client: never retried
+                if sink.begun:  # bytes went on: never retried
                     raise UpstreamError(502, f"decode {url} failed mid-stream: {e!r}", stage="decode",
                                         kind="mid_stream")
                 raise UpstreamError(502, f"decode {url} failed before its first byte: {e!r}", stage="decode",
                                     kind="unreachable", retryable=True)
-
-
-async def _to_client(write):
-    """Await a write to the client; its connection closing becomes ``ClientGone`` (aiohttp's
-    reset error is also a ``ClientError``, which would read as the upstream failing)."""
-    try:
-        return await write
-    except ConnectionError as e:
-        raise ClientGone(repr(e)) from None
 
 
 def _upstream_status(kind: str, url: str, status: int, raw: bytes) -> UpstreamError:

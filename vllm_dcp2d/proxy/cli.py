@@ -28,6 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds between /health polls of each upstream; 0 turns health checks off")
     p.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
                    help="seconds a /health poll may take before the upstream counts as unhealthy")
+    p.add_argument("--batch-concurrency", type=int, default=8, metavar="N",
+                   help="PD pairs in flight at once for the prompts of one batched /v1/completions request")
     return p.parse_args(argv)
 
 
@@ -36,11 +38,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         proxy = Proxy(args.prefill, args.decode, args.timeout, args.pipelined, args.health_interval,
-                      args.health_timeout)
+                      args.health_timeout, args.batch_concurrency)
     except ValueError as e:
         raise SystemExit(f"vllm-dcp2d proxy: {e}")
     log.info("proxy on http://%s:%d: prefill %s, decode %s, health checks %s", args.host, args.port,
              proxy.prefill, proxy.decode,
              f"every {args.health_interval} s" if args.health_interval > 0 else "off")
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
+    # handler_cancellation: a client that goes away cancels its handler, which closes the
+    # upstream calls (vLLM aborts them) instead of waiting for answers nobody reads
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, handler_cancellation=True)
     return 0

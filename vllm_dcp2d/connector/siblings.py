@@ -1,0 +1,70 @@
+"""Decode requests that carry one transfer key: which one fetches, and who the others wait for.
+
+vLLM fans one HTTP request out into several engine requests (``n > 1``, a batch of
+prompts), and each carries the HTTP request's ``kv_transfer_params``: one transfer
+key, the KV of one prompt. Only the first of them to be admitted fetches it; a sibling
+never fetches a key again (the prefill frees a request once it is fetched). A sibling
+with the same prompt waits while the fetch is in flight, then prefills locally, where
+vLLM's prefix cache hands it the fetched pages; a sibling with another prompt (a batch
+whose front sent one answer's params to all) prefills locally at once.
+
+Runs in the scheduler (``scheduler.SchedulerSide``), so no locks: every call comes from
+the engine-core thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+__all__ = ["Siblings"]
+
+MAX_ENDED = 4096  # keys remembered after their fetch ended (a sibling may arrive late)
+ENDED_TTL_S = 600.0  # ... for this long: siblings arrive within one request's lifetime
+
+
+class Siblings:
+    """Transfer keys being fetched on this decode instance, and keys whose fetch ended."""
+
+    def __init__(self, max_ended: int = MAX_ENDED, ttl_s: float = ENDED_TTL_S, clock=time.monotonic):
+        self._loading: dict[str, str] = {}  # transfer key -> the request fetching it
+        self._key_of: dict[str, str] = {}  # request -> the key it fetches
+        self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (request, when it ended)
+        self._max_ended, self._ttl_s, self._clock = max_ended, ttl_s, clock
+
+    def loading(self, key: str) -> str | None:
+        """The request fetching ``key`` now, if any."""
+        return self._loading.get(key)
+
+    def ended(self, key: str) -> str | None:
+        """The request whose fetch of ``key`` ended within ``ttl_s``, if any."""
+        self._expire()
+        hit = self._ended.get(key)
+        return None if hit is None else hit[0]
+
+    def start(self, key: str, req_id: str) -> None:
+        """``req_id`` fetches ``key`` (the caller checked that nobody else does)."""
+        self._loading[key] = req_id
+        self._key_of[req_id] = key
+
+    def end(self, req_id: str) -> None:
+        """``req_id``'s fetch ended (loaded, failed, or the request finished); no-op if it had none."""
+        key = self._key_of.pop(req_id, None)
+        if key is None or self._loading.get(key) != req_id:
+            return
+        del self._loading[key]
+        self._ended[key] = (req_id, self._clock())
+        self._ended.move_to_end(key)
+        while len(self._ended) > self._max_ended:
+            self._ended.popitem(last=False)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._ended:
+            key, (_, t) = next(iter(self._ended.items()))
+            if now - t <= self._ttl_s:
+                return
+            del self._ended[key]
+
+    def __len__(self) -> int:
+        return len(self._loading) + len(self._ended)
