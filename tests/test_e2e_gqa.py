@@ -45,6 +45,7 @@ def _start(work):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama", work / "model")
+    mha = build_tiny_model("llama-mha", work / "mha")  # 4 KV heads for 4 query heads
     secret = work / "secret"
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
@@ -52,18 +53,19 @@ def _start(work):
     common = {"stats_file": str(stats), "auth_secret_file": str(secret)}
     kw = dict(block_size=PAGE, dtype="float32", max_model_len=512)
 
-    def prefill(name, tp):
+    def prefill(name, tp, model=model):
         return vllm_server(name, model, free_port(), work, role="kv_producer", tp=tp, engine_id=name,
                            extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 60.0,
                                          "claim_timeout_s": 20.0}, **kw)
 
-    def decode(name, tp):
+    def decode(name, tp, model=model):
         return vllm_server(name, model, free_port(), work, role="kv_consumer", tp=tp, failure_policy="fail",
                            extra_config={**common, "verify_kv": True, "transfer_timeout_s": 30.0}, **kw)
 
-    procs = [prefill("p2", 2), prefill("p1", 1), decode("d2", 2), decode("d1", 1)]
+    procs = [prefill("p2", 2), prefill("p1", 1), decode("d2", 2), decode("d1", 1),
+             prefill("m1", 1, mha), decode("md2", 2, mha)]
     with running(procs, 900) as p:
-        yield {"model": model, "stats": stats, **p}
+        yield {"model": model, "mha": mha, "stats": stats, **p}
 
 
 shared, cluster = fixtures("gqa", _start)
@@ -79,13 +81,13 @@ def complete(url: str, model: str, prompt, **extra) -> tuple[int, dict]:
     return post_json(url + "/v1/completions", body, timeout_s=300)
 
 
-def pd(c, prefill: str, decode: str, prompt) -> tuple[int, dict]:
+def pd(c, prefill: str, decode: str, prompt, model: str = "model") -> tuple[int, dict]:
     """The PD protocol by hand (what the proxy and vLLM's router do): a one-token
     prefill, then the decode with the prefill's kv_transfer_params."""
-    status, pre = complete(c[prefill].url, c["model"], prompt, max_tokens=1,
+    status, pre = complete(c[prefill].url, c[model], prompt, max_tokens=1,
                            kv_transfer_params={"do_remote_decode": True})
     assert status == 200, pre
-    return complete(c[decode].url, c["model"], prompt, kv_transfer_params=pre["kv_transfer_params"])
+    return complete(c[decode].url, c[model], prompt, kv_transfer_params=pre["kv_transfer_params"])
 
 
 def usage_back_to_zero(c, names, timeout_s: float = 30.0) -> None:
@@ -127,6 +129,26 @@ def test_every_shape_answers_the_colocated_text_or_refuses(cluster):
     usage_back_to_zero(c, ["p2", "p1", "d2", "d1"])
     # the GQA prefill TP=2 started without a cp_size: the default is what the model allows
     assert "cp_size 1 (2 KV heads sharded over tensor_parallel_size=2" in c["p2"].log_path.read_text()
+
+
+@pytest.mark.timeout(600)
+def test_an_mha_model_from_prefill_tp1_to_decode_tp2(cluster):
+    """MHA (4 KV heads for 4 query heads): the prefill's one rank holds every head, each
+    decode TP rank two of them, so each decode rank fetches half of every page; the
+    colocated answer, the two paths of the plan, 1.0x the KV, KV usage back to 0."""
+    c = cluster
+    for k, n in enumerate((PAGE - 1, 3 * PAGE + 5)):
+        prompt = ids(n, 90 + k)
+        status, ref = complete(c["m1"].url, c["mha"], prompt)
+        assert status == 200, ref
+        before = len(read_stats(c["stats"]))
+        status, out = pd(c, "m1", "md2", prompt, model="mha")
+        assert status == 200 and tokens(out) == tokens(ref), (n, status, out)
+        recs = [r for r in read_stats(c["stats"])[before:] if r.get("side") == "consumer" and "ok" in r]
+        assert sorted((r["cp_rank"], r["tp_rank"]) for r in recs) == [(0, 0), (0, 1)] and all(r["ok"] for r in recs)
+        # 4 layers x 2 of the 4 heads x K and V x 32 x fp32 per token, per decode rank
+        assert [r["bytes"] for r in recs] == [4 * 2 * 2 * 32 * 4 * PAGE * -(-n // PAGE)] * 2, recs
+    usage_back_to_zero(c, ["m1", "md2"])
 
 
 @pytest.mark.timeout(600)

@@ -52,11 +52,11 @@ def _config(kind: str, dtype: str) -> dict:
     common = dict(vocab_size=_VOCAB, hidden_size=128, num_attention_heads=4, intermediate_size=256,
                   max_position_embeddings=4096, rms_norm_eps=1e-6, dtype=dtype,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind in ("llama", "llama-mqa", "llama-mqa-8", "llama-mqa-eagle"):
+    if kind in ("llama", "llama-mha", "llama-mqa", "llama-mqa-8", "llama-mqa-eagle"):
         layers = {"llama-mqa-8": 8, "llama-mqa-eagle": 1}.get(kind, 4)
         return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
                     num_hidden_layers=layers,
-                    num_key_value_heads=2 if kind == "llama" else 1, head_dim=32, hidden_act="silu",
+                    num_key_value_heads={"llama": 2, "llama-mha": 4}.get(kind, 1), head_dim=32, hidden_act="silu",
                     rope_theta=10000.0)
     if kind == "deepseek-v2-mla":
         return dict(common, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
