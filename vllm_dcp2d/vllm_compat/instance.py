@@ -9,7 +9,6 @@ importing each other.
 from __future__ import annotations
 
 from vllm_dcp2d.config import CONNECTOR_NAME, parse_extra_config
-from vllm_dcp2d.layout import default_cp_size
 
 __all__ = ["is_dcp2d", "num_kv_heads", "kv_replicated", "layer_split_may_apply", "cp_size"]
 
@@ -49,4 +48,8 @@ def cp_size(vllm_config) -> tuple[int, str]:
     tp = vllm_config.parallel_config.tensor_parallel_size
     if cfg.cp_size:
         return cfg.cp_size, f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}"
+    # imported here: vllm_compat's import chain runs in setup's bare interpreter (cli_metadata),
+    # where numpy, which layout needs, is not installed yet
+    from vllm_dcp2d.layout import default_cp_size
+
     return default_cp_size(num_kv_heads(vllm_config), tp)
