@@ -31,8 +31,8 @@ from _pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstr
                          complete, expected_bytes, ids, pd_cluster, prompts, stalled, tokens)
 
 from _stranger import run as stranger
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import QueryRanks, RankTable
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
 from vllm_dcp2d.testing.harness import fetch_records, kv_cache_usage, kv_capacity, post_json, read_stats
 from vllm_dcp2d.testing.netns import Hosts, unavailable
 from vllm_dcp2d.testing.shared import fixtures

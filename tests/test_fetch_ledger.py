@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dcp2d.connector.fetch import Fetch, FetchError
-from vllm_dcp2d.connector.fetch_ledger import FetchLedger
+from vllm_dcp2d.transfer.fetch import Fetch, FetchError
+from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
 
 A, B = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"
 

@@ -16,15 +16,15 @@ import time
 import numpy as np
 import pytest
 
-from vllm_dcp2d.connector import send_ledger
-from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
+from vllm_dcp2d.transfer import send_ledger
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer, register_rank
 from _fake_rank import FakeRank, outcome
 
-from vllm_dcp2d.connector.messages import Fingerprint, RegisterRank
+from vllm_dcp2d.transfer.messages import Fingerprint, RegisterRank
 from vllm_dcp2d.plan import KVRegions
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.sender import Sender
-from vllm_dcp2d.connector.transport import MooncakeTransport, TransferError
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -403,7 +403,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
     shows a rank process is alive, so the new rank table still lifts the quarantine."""
     import zmq
 
-    from vllm_dcp2d.connector import bootstrap as bs
+    from vllm_dcp2d.transfer import bootstrap as bs
 
     boot, recv, rank = silent
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)

@@ -13,7 +13,7 @@ import re
 
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
-from vllm_dcp2d.connector.messages import MAX_NAME, clip
+from vllm_dcp2d.transfer.messages import MAX_NAME, clip
 
 __all__ = ["REQUIRED", "KEYS", "check_bootstrap_addr", "load_params", "timeout_s"]
 

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from vllm_dcp2d.config import DCP2DConfig
-from vllm_dcp2d.connector.messages import MAX_NAME, clip, prompt_digest
+from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile

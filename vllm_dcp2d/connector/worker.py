@@ -43,18 +43,18 @@ import time
 
 import numpy as np
 
-from vllm_dcp2d.connector.auth import Auth, load_secret
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.auth import Auth, load_secret
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.discovery import Registration, registration
-from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, start_http_bootstrap
+from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.config import ConfigError, DCP2DConfig
-from vllm_dcp2d.connector.messages import Fingerprint
-from vllm_dcp2d.connector.receiver import Fetch, Receiver
+from vllm_dcp2d.transfer.messages import Fingerprint
+from vllm_dcp2d.transfer.receiver import Fetch, Receiver
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
-from vllm_dcp2d.connector.sender import Sender
+from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d import page_format
 from vllm_dcp2d.layout import cp_layer_range, kv_head_range, send_shard
 from vllm_dcp2d.prefill import layer_split

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import RankTable
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.messages import RankTable
 
 __all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
 

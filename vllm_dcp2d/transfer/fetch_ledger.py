@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 
-from vllm_dcp2d.connector.fetch import Fetch, FetchError
+from vllm_dcp2d.transfer.fetch import Fetch, FetchError
 
 __all__ = ["FetchLedger"]
 

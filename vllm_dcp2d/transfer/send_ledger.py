@@ -50,8 +50,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_dcp2d.connector.messages import ReleaseTransfer, TransferOutcome, TransferRequest
-from vllm_dcp2d.connector.transport import STALL_S
+from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferOutcome, TransferRequest
+from vllm_dcp2d.transfer.transport import STALL_S
 
 __all__ = ["Attempt", "Request", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
 

@@ -55,17 +55,17 @@ import uuid
 
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.auth import Auth
-from vllm_dcp2d.connector.http_bootstrap import HttpTableQuery
-from vllm_dcp2d.connector.checksum import checksum, path_ranges
-from vllm_dcp2d.connector.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
-from vllm_dcp2d.connector.fetch_ledger import FetchLedger
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.http_bootstrap import HttpTableQuery
+from vllm_dcp2d.transfer.checksum import checksum, path_ranges
+from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
+from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
+from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest)
 from vllm_dcp2d.layout import askers
 from vllm_dcp2d.plan import KVRegions, Memory, ShardError, block_tables, blocks_within, senders_for
-from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
+from vllm_dcp2d.transfer.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError", "MAX_QUERIES", "IDLE_S"]
 

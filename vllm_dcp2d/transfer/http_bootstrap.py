@@ -32,9 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.auth import Auth
-from vllm_dcp2d.connector.messages import MessageError, RankTable, Reply, clip
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.messages import MessageError, RankTable, Reply, clip
 
 __all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER"]
 

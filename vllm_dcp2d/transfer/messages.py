@@ -38,7 +38,7 @@ from dataclasses import dataclass, fields
 import msgpack
 import numpy as np
 
-from vllm_dcp2d.connector.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
+from vllm_dcp2d.transfer.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
                                         Str, StrList, fields_from_wire, fields_to_wire)
 from vllm_dcp2d.layout import cp_layer_range
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, region_ends
