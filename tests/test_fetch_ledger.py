@@ -52,7 +52,7 @@ def test_invariant_2_quarantine_lifts_only_when_each_attempt_settled_and_after_t
     assert led.poll_lifted() == []  # still active, and B may still write
     led.finish(f, FetchError("k", 0, "timed out"))
     assert led.poll() == [f] and led.poll_lifted() == []
-    assert led.answered(B, 2) == ("limbo", f, 1)
+    assert led.answered(B, 2) == ("quarantined", f, 1)
     led.settle((B, 9), "answered")  # another attempt: settles nothing
     assert led.poll_lifted() == []
     led.settle_rank(B, "tcp://other:1", "restarted")  # another prefill's restart: nothing

@@ -357,7 +357,7 @@ def test_length_mismatch_is_a_fetch_error(stack):
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS + 9, timeout_s=10)
     f = s.recv.wait("x", 20)
     assert not f.ok and not f.quarantined
-    assert f"the decode claims {TOKENS + 9} prompt tokens (not the prefill's request)" in f.error.reason
+    assert f"the decode asks for {TOKENS + 9} prompt tokens (not the prefill's request)" in f.error.reason
     assert not s.dst.any() and not s.gate.ended
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)  # the right claim is served
     assert s.recv.wait("x", 20).ok and np.array_equal(s.dst, s.expected())

@@ -22,7 +22,7 @@ are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
 
 Layer pipelining (``save_kv_layer``): decode ranks may ask for a request
 before its prefill finished (a router that sends the decode request at once,
-with the client's ``transfer_id`` as ``remote_request_id``; see
+with the client's ``"transfer_id"`` as ``"remote_request_id"``; see
 ``vllm-dcp2d proxy --pipelined``). Such fetches wait at the sender, and in the
 step that completes the prompt each layer goes to them right after it is
 computed (``Sender.layer_ready``), overlapping the transfer with the rest of
@@ -296,7 +296,7 @@ class WorkerSide:
                 continue
             if key in self._loading:
                 why = (f"transfer key {key!r} is already being fetched by request {self._loading[key][0]} on "
-                       f"this decode instance; each request needs its own (remote_request_id)")
+                       f"this decode instance; each request needs its own (kv_transfer_params['remote_request_id'])")
             elif spec.remote_num_tokens is not None and spec.remote_num_tokens != spec.num_tokens:
                 why = (f"length mismatch: the prefill computed remote_num_tokens={spec.remote_num_tokens} prompt "
                        f"tokens, this decode has {spec.num_tokens}")

@@ -37,7 +37,7 @@ class ClientGone(Exception):
     """The client closed its connection while the proxy was writing to it."""
 
 
-def prefill_body(body: dict, transfer_id: str) -> dict:
+def prefill_body(body: dict, transfer_key: str) -> dict:
     """The prefill copy of a client request: one token, no stream, remote decode.
 
     Shallow: only top-level keys are replaced, so the client's values (an 8K-token
@@ -50,7 +50,7 @@ def prefill_body(body: dict, transfer_id: str) -> dict:
     out["stream"] = False
     out.pop("stream_options", None)
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                 "transfer_id": transfer_id}
+                                 "transfer_id": transfer_key}
     return out
 
 
@@ -216,12 +216,12 @@ class Proxy:
                     raise
                 last = e
 
-    async def _prefill(self, up: Upstream, path: str, body: dict, transfer_id: str) -> dict:
+    async def _prefill(self, up: Upstream, path: str, body: dict, transfer_key: str) -> dict:
         """Run the prefill on ``up``; returns the ``kv_transfer_params`` for decode."""
         url = up.url + path
         t0 = time.monotonic()
         try:
-            data = await self._post_json(self.prefill_pool, up, path, prefill_body(body, transfer_id))
+            data = await self._post_json(self.prefill_pool, up, path, prefill_body(body, transfer_key))
         except UpstreamError:
             self._routes.pop(up.url, None)  # it may come back elsewhere: learn again
             raise
@@ -237,24 +237,24 @@ class Proxy:
 
     async def _pipelined(self, request: web.Request, path: str, body: dict, prefill: Upstream, route: dict,
                          started: list) -> web.StreamResponse:
-        """Prefill and decode at once; the decode fetches by ``transfer_id``, so a
+        """Prefill and decode at once; the decode fetches by the transfer key, so a
         decode retried on another instance fetches by it too."""
-        tid = uuid.uuid4().hex
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": tid,
-                  "transfer_id": tid, **route}
+        transfer_key = uuid.uuid4().hex
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": transfer_key,
+                  "transfer_id": transfer_key, **route}
         decode = asyncio.ensure_future(self._decode(request, path, decode_body(body, params),
                                                     bool(body.get("stream")), started))
         try:
             self.metrics.calls.labels("prefill", prefill.url).inc()
             try:
-                answer = await self._prefill(prefill, path, body, tid)
+                answer = await self._prefill(prefill, path, body, transfer_key)
             except UpstreamError as e:
                 self.metrics.error(e.stage, e.kind)
                 raise
-            if answer.get("remote_request_id") != tid:
+            if answer.get("remote_request_id") != transfer_key:
                 self.metrics.error("prefill", "bad_answer")
-                raise UpstreamError(502, f"prefill {prefill.url} did not take transfer_id {tid!r} as the "
-                                         f"transfer key (answered {answer.get('remote_request_id')!r})")
+                raise UpstreamError(502, f"prefill {prefill.url} did not take transfer key {transfer_key!r} as the "
+                                         f"key it answers with (answered {answer.get('remote_request_id')!r})")
         except BaseException:
             decode.cancel()  # closes the upstream connection: vLLM aborts the decode request
             with contextlib.suppress(asyncio.CancelledError, UpstreamError, NoHealthyUpstream, ClientGone):

@@ -64,7 +64,7 @@ class Fetch:
     peer_fault: bool = False
     settle_by: float = 0.0
     quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
-    limbo: dict = field(default_factory=dict)        # quarantined cp_rank -> (rank address, attempt_id)
+    unsettled: dict = field(default_factory=dict)    # quarantined cp_rank -> (rank address, attempt_id), until it settles
 
     @property
     def ok(self) -> bool:

@@ -5,7 +5,7 @@ Such a router asks each prefill instance ``GET http://host:port/query`` at start
 and expects vLLM's ``MooncakeBootstrapServer`` answer,
 ``{dp_rank: {"engine_id": ..., "worker_addr": {tp_rank: {pp_rank: addr}}}}``; it
 then gives the decode ``remote_bootstrap_addr = "http://host:port"`` (and the
-``transfer_id`` it also gave the prefill). So the prefill instance's TP rank 0 runs
+``"transfer_id"`` it also gave the prefill). So the prefill instance's TP rank 0 runs
 :class:`HttpBootstrap` on ``http_bootstrap_port`` next to the ZMQ ``BootstrapServer``:
 its answer has vLLM's shape (``worker_addr``: the CP ranks' side channels) plus a
 ``"dcp2d"`` entry, the ZMQ bootstrap's address and its rank table

@@ -470,7 +470,7 @@ class Receiver:
                 self.ledger.quarantine(f, cp_rank, where, why)
                 self._fail(f, FetchError(f.transfer_key, cp_rank, why), peer_fault=True)
             return
-        if how == "limbo":
+        if how == "quarantined":
             if msg.settled:
                 self.ledger.settle(where, "answered")
             return
@@ -579,9 +579,9 @@ class Receiver:
             self._queries[bootstrap].ask(now)
         self._send_releases()
         for rank in self._ranks.values():  # ask quarantining ranks again, less and less often
-            limbo = self.ledger.limbo_on(rank.address)
-            if limbo and now >= rank.cancel_at:
-                for attempt, f in limbo:
+            unsettled = self.ledger.unsettled_on(rank.address)
+            if unsettled and now >= rank.cancel_at:
+                for attempt, f in unsettled:
                     if not rank.send(CancelTransfer(f.transfer_key, attempt)):
                         break  # its queue is full: nothing more to queue until it reads
                 rank.cancel_at = now + rank.backoff.next()

@@ -313,7 +313,7 @@ class SendLedger:
                     "(digest %s)", self.name, what, key[:80], req.num_tokens, req.prompt_digest[:12] or "none",
                     state.num_tokens, state.prompt_digest[:12] or "none")
         mine = f", the prefill has {state.num_tokens}" if self.reveal else " (not the prefill's request)"
-        return (f"{what} mismatch on {self.name}: the decode claims {req.num_tokens} prompt tokens"
+        return (f"{what} mismatch on {self.name}: the decode asks for {req.num_tokens} prompt tokens"
                 + (f" with prompt digest {req.prompt_digest[:12] or 'none'}" if what == "prompt" else "") + mine)
 
     def end_answer(self, a: Attempt, state: Request, error: str) -> None:
