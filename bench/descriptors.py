@@ -5,7 +5,7 @@ running: the same path's pages written as one descriptor per page (how the 2D
 reshard sends a DCP rank's pages, every N-th page of the prefill's) and as one
 contiguous descriptor, at the page sizes of the tiny test model in fp32 (8 KiB
 per 32-token page and layer) and in fp8 (2 KiB), and the per-page case again
-through send staging (``connector/staging.py``: the pages gathered into a
+through send staging (``transfer/staging.py``: the pages gathered into a
 registered slot, then written as one descriptor; the gather alone timed apart).
 Every write is checked byte for byte.
 
@@ -33,8 +33,8 @@ CASES = [  # (label, descriptors, bytes each)
 
 
 def main() -> None:
-    from vllm_dcp2d.connector import staging
-    from vllm_dcp2d.connector.transport import MooncakeTransport
+    from vllm_dcp2d.transfer import staging
+    from vllm_dcp2d.transfer.transport import MooncakeTransport
     from vllm_dcp2d.plan import Descriptors, Memory
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -39,15 +39,15 @@ def kv_regions(buf: np.ndarray, layer_ids):
 
 
 def fingerprint(a):
-    from vllm_dcp2d.connector.messages import Fingerprint
+    from vllm_dcp2d.transfer.messages import Fingerprint
     return Fingerprint("bench", a.layers, a.page, "uint8", a.page * a.bytes_per_token, "bench:[L,blocks,page]", "bench")
 
 
 class Prefill:
     def __init__(self, a, cp_rank: int, bootstrap: str | None):
-        from vllm_dcp2d.connector.bootstrap import BootstrapServer
-        from vllm_dcp2d.connector.sender import Sender
-        from vllm_dcp2d.connector.transport import MooncakeTransport
+        from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+        from vllm_dcp2d.transfer.sender import Sender
+        from vllm_dcp2d.transfer.transport import MooncakeTransport
         from vllm_dcp2d.layout import cp_layer_range
 
         self.a = a
@@ -77,8 +77,8 @@ class Prefill:
 
 class Decode:
     def __init__(self, a, dcp_rank: int):
-        from vllm_dcp2d.connector.receiver import Receiver
-        from vllm_dcp2d.connector.transport import MooncakeTransport
+        from vllm_dcp2d.transfer.receiver import Receiver
+        from vllm_dcp2d.transfer.transport import MooncakeTransport
 
         self.a = a
 
@@ -228,7 +228,7 @@ def main():
 
         # 2) one contiguous Mooncake write of the same bytes, process to process.
         from vllm_dcp2d.plan import Descriptors
-        from vllm_dcp2d.connector.transport import MooncakeTransport
+        from vllm_dcp2d.transfer.transport import MooncakeTransport
         src_buf = rng.integers(0, 256, total, dtype=np.uint8)
         digest = hashlib.sha256(src_buf).hexdigest()
         session, addr = decode[0].call("make_scratch", total)

@@ -34,7 +34,7 @@ def stats(xs: list[float]) -> str:
 
 
 def messages() -> list:
-    from vllm_dcp2d.connector.messages import Fingerprint, QueryRanks, TransferOutcome, TransferRequest
+    from vllm_dcp2d.transfer.messages import Fingerprint, QueryRanks, TransferOutcome, TransferRequest
     from vllm_dcp2d.plan import KVRegions, Memory
 
     fp = Fingerprint("glm", 78, 64, "fp8_e4m3", 36864, "N64,C576:kv_c|k_pe", "sha256:x@main")
@@ -54,8 +54,8 @@ def messages() -> list:
 
 
 def part1(reps: int) -> None:
-    from vllm_dcp2d.connector.auth import Auth
-    from vllm_dcp2d.connector.messages import decode, encode
+    from vllm_dcp2d.transfer.auth import Auth
+    from vllm_dcp2d.transfer.messages import decode, encode
 
     a, b = Auth(b"s" * 32), Auth(b"s" * 32)
     print("| message | bytes | encode + decode p50 / p99 / max ms | seal + open p50 / p99 / max ms | seal + open / codec (p50) |")
@@ -76,8 +76,8 @@ def part1(reps: int) -> None:
 
 
 def part2(reps: int) -> None:
-    from vllm_dcp2d.connector.checksum import checksum, path_ranges
-    from vllm_dcp2d.connector.transport import MooncakeTransport
+    from vllm_dcp2d.transfer.checksum import checksum, path_ranges
+    from vllm_dcp2d.transfer.transport import MooncakeTransport
     from vllm_dcp2d.plan import KVRegions, Memory, plan_path
 
     print()

@@ -7,9 +7,9 @@ import threading
 
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.bootstrap import register_rank
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, RegisterRank, ReleaseTransfer,
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.bootstrap import register_rank
+from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, RegisterRank, ReleaseTransfer,
                                            TransferOutcome, TransferRequest, decode, encode)
 
 

@@ -30,8 +30,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import (PROTOCOL_VERSION, Fingerprint, MessageError, QueryRanks, RankTable,
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, Fingerprint, MessageError, QueryRanks, RankTable,
                                            RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
                                            decode, encode)
 from vllm_dcp2d.plan import KVRegions, Memory

@@ -1,4 +1,4 @@
-"""Sealed side-channel frames (``connector/auth.py``): a frame is read only if it carries
+"""Sealed side-channel frames (``transfer/auth.py``): a frame is read only if it carries
 the shared secret's tag over exactly these bytes, is fresh, and was not read before."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_dcp2d.config import ConfigError
-from vllm_dcp2d.connector import auth as auth_mod
-from vllm_dcp2d.connector.auth import ENV, Auth, AuthError, PeerLog, load_secret
-from vllm_dcp2d.connector.messages import QueryRanks, Reply, encode
+from vllm_dcp2d.transfer import auth as auth_mod
+from vllm_dcp2d.transfer.auth import ENV, Auth, AuthError, PeerLog, load_secret
+from vllm_dcp2d.transfer.messages import QueryRanks, Reply, encode
 
 SECRET = b"s" * 32
 

@@ -7,9 +7,9 @@ import time
 import pytest
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.bootstrap import BootstrapError, BootstrapServer, query_ranks, register_rank
-from vllm_dcp2d.connector.messages import Fingerprint, RankTable, RegisterRank, Reply, decode, encode
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer, query_ranks, register_rank
+from vllm_dcp2d.transfer.messages import Fingerprint, RankTable, RegisterRank, Reply, decode, encode
 
 pytestmark = pytest.mark.timeout(30)
 FP = Fingerprint("m", 5, 16, "bfloat16", 1024, "test", "cfg")

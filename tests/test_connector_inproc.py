@@ -241,9 +241,9 @@ def test_quarantined_blocks_stay_out_of_use_until_the_rank_settles(llm, tmp_path
 
     from _fake_rank import FakeRank
 
-    from vllm_dcp2d.connector import bootstrap as bs
-    from vllm_dcp2d.connector.bootstrap import BootstrapServer
-    from vllm_dcp2d.connector.messages import QueryRanks, RankTable
+    from vllm_dcp2d.transfer import bootstrap as bs
+    from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+    from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
 
     engine, stats = llm
     table = bs.request(bootstrap_addr(engine), QueryRanks("test"), RankTable, 10.0)

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from vllm_dcp2d.config import DCP2DConfig  # noqa: E402
-from vllm_dcp2d.connector.messages import prompt_digest  # noqa: E402
+from vllm_dcp2d.transfer.messages import prompt_digest  # noqa: E402
 from vllm_dcp2d.connector.scheduler import SchedulerSide  # noqa: E402
 
 PAGE = 32

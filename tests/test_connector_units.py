@@ -151,7 +151,7 @@ def test_element_order_names_the_cpu_packing(monkeypatch):
     """CPU pages are packed per ISA: the fingerprint's layout carries the ISA and a digest
     of the element permutation vLLM's own writer produces, so an AMX prefill and a
     non-AMX decode (same dtype and shape) fail the check naming both layouts."""
-    from vllm_dcp2d.connector.messages import Fingerprint, FingerprintMismatch
+    from vllm_dcp2d.transfer.messages import Fingerprint, FingerprintMismatch
     from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout
 
     vec = _order(monkeypatch, "vec")
@@ -252,7 +252,7 @@ def test_kv_scales_name_every_layers_scales_for_an_fp8_cache():
     layer's K and V scales in KV layer order, so two instances whose checkpoints (or
     defaults) scale any layer differently are refused, naming both digests."""
     from vllm_dcp2d.config import ConfigError
-    from vllm_dcp2d.connector.messages import Fingerprint, FingerprintMismatch
+    from vllm_dcp2d.transfer.messages import Fingerprint, FingerprintMismatch
 
     def vc(cache_dtype, scales):
         ctx = {f"model.layers.{i}.attn": NS(_k_scale_float=k, _v_scale_float=v) for i, (k, v) in enumerate(scales)}

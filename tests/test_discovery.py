@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
+from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.connector.discovery import Registration
 from vllm_dcp2d.testing.harness import free_port, router_server
 

@@ -31,8 +31,8 @@ from _pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstr
                          complete, expected_bytes, ids, pd_cluster, prompts, stalled, tokens)
 
 from _stranger import run as stranger
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import QueryRanks, RankTable
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
 from vllm_dcp2d.testing.harness import fetch_records, kv_cache_usage, kv_capacity, post_json, read_stats
 from vllm_dcp2d.testing.netns import Hosts, unavailable
 from vllm_dcp2d.testing.shared import fixtures
@@ -174,8 +174,8 @@ def test_layers_sent_while_prefill_runs(cluster):
     c = cluster
     prompt = ids(2 * PAGE + 9, 11)
     ref = complete(c["prefill"].url, c["model"], prompt)
-    tid = "pipelined-e2e"
-    params = {"do_remote_prefill": True, "remote_request_id": tid, "transfer_id": tid,
+    transfer_key = "pipelined-e2e"
+    params = {"do_remote_prefill": True, "remote_request_id": transfer_key, "transfer_id": transfer_key,
               "remote_bootstrap_addr": bootstrap_addr(c), "remote_engine_id": "prefill"}
     got = {}
     t = threading.Thread(target=lambda: got.update(out=complete(c["decode"].url, c["model"], prompt,
@@ -187,11 +187,11 @@ def test_layers_sent_while_prefill_runs(cluster):
         time.sleep(0.2)
     time.sleep(2.0)  # the fetch reaches the prefill ranks (milliseconds on loopback)
     pre = complete(c["prefill"].url, c["model"], prompt, max_tokens=1,
-                   kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
-    assert pre["kv_transfer_params"]["remote_request_id"] == tid
+                   kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_key})
+    assert pre["kv_transfer_params"]["remote_request_id"] == transfer_key
     t.join(300)
     assert tokens(got["out"]) == tokens(ref)
-    recs = [r for r in fetch_records(read_stats(c["stats"])) if r.get("transfer_key") == tid]
+    recs = [r for r in fetch_records(read_stats(c["stats"])) if r.get("transfer_key") == transfer_key]
     check_paths(recs, len(prompt), DCP, 2, 0)
     assert [r["early_layers"] for r in recs] == [2] * 4, recs  # every layer of every path, early
 

@@ -23,7 +23,7 @@ import pytest
 
 from _pd_cluster import ids, tokens
 from _stranger import run as stranger
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.testing.harness import (extra_config, free_port, kv_cache_usage, post_json, read_stats, running,
                                         vllm_server)
 from vllm_dcp2d.testing.shared import fixtures

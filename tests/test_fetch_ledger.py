@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dcp2d.connector.fetch import Fetch, FetchError
-from vllm_dcp2d.connector.fetch_ledger import FetchLedger
+from vllm_dcp2d.transfer.fetch import Fetch, FetchError
+from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
 
 A, B = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"
 
@@ -52,7 +52,7 @@ def test_invariant_2_quarantine_lifts_only_when_each_attempt_settled_and_after_t
     assert led.poll_lifted() == []  # still active, and B may still write
     led.finish(f, FetchError("k", 0, "timed out"))
     assert led.poll() == [f] and led.poll_lifted() == []
-    assert led.answered(B, 2) == ("limbo", f, 1)
+    assert led.answered(B, 2) == ("quarantined", f, 1)
     led.settle((B, 9), "answered")  # another attempt: settles nothing
     assert led.poll_lifted() == []
     led.settle_rank(B, "tcp://other:1", "restarted")  # another prefill's restart: nothing

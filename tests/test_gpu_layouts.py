@@ -31,7 +31,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from vllm_dcp2d.config import ConfigError  # noqa: E402
-from vllm_dcp2d.connector.messages import Fingerprint, FingerprintMismatch  # noqa: E402
+from vllm_dcp2d.transfer.messages import Fingerprint, FingerprintMismatch  # noqa: E402
 from vllm_dcp2d.plan import plan_request  # noqa: E402
 from vllm_dcp2d.layout import cp_layer_range  # noqa: E402
 from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, logical_pages  # noqa: E402

@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from test_gpu_layouts import fingerprint, transfer_exact  # noqa: E402
 from vllm_dcp2d import page_format  # noqa: E402
-from vllm_dcp2d.connector.messages import FingerprintMismatch  # noqa: E402
+from vllm_dcp2d.transfer.messages import FingerprintMismatch  # noqa: E402
 from vllm_dcp2d.vllm_compat import connector_api as compat  # noqa: E402
 from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, allocate_sparse_mla, sparse_mla_specs  # noqa: E402
 

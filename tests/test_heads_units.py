@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_dcp2d.cli import main as cli
-from vllm_dcp2d.connector.messages import (Fingerprint, FingerprintMismatch, MessageError, TransferRequest, decode,
+from vllm_dcp2d.transfer.messages import (Fingerprint, FingerprintMismatch, MessageError, TransferRequest, decode,
                                            encode)
 from vllm_dcp2d.layout import default_cp_size, per_head_layout
 from vllm_dcp2d.page_format import kv_regions, page_format

@@ -1,4 +1,4 @@
-"""vLLM's Mooncake bootstrap protocol beside the ZMQ one (``connector/http_bootstrap.py``).
+"""vLLM's Mooncake bootstrap protocol beside the ZMQ one (``transfer/http_bootstrap.py``).
 
 A router in Mooncake mode asks the prefill ``GET /query`` and gives the decode
 ``remote_bootstrap_addr="http://host:port"`` and the ``transfer_id`` it also gave the
@@ -20,13 +20,13 @@ import pytest
 
 from test_sender_pipelined import DST_IDS, FP, NUM_TOKENS, SRC_IDS, expected_layer, regions, wait_until
 
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.config import DCP2DConfig
-from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, check_http_addr, start_http_bootstrap
+from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, check_http_addr, start_http_bootstrap
 from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.sender import Sender
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.testing.harness import free_port
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_dcp2d.connector.messages import prompt_digest
+from vllm_dcp2d.transfer.messages import prompt_digest
 from vllm_dcp2d.testing.harness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(300)]
@@ -131,8 +131,8 @@ class Decode:
 
     def __init__(self, stack, sender, port: int):
         from vllm_dcp2d.plan import KVRegions
-        from vllm_dcp2d.connector.receiver import Receiver
-        from vllm_dcp2d.connector.transport import MooncakeTransport
+        from vllm_dcp2d.transfer.receiver import Receiver
+        from vllm_dcp2d.transfer.transport import MooncakeTransport
 
         src = sender.regions
         self.page_bytes = int(src.page_bytes.sum())

@@ -88,8 +88,8 @@ class Fake:
         body = await request.json()
         self.calls.append(body)
         if self.kind == "prefill":  # like DCP2DConnector: the transfer_id becomes the transfer key
-            tid = body["kv_transfer_params"]["transfer_id"]
-            return web.json_response({"kv_transfer_params": {**PARAMS, "transfer_id": tid, "remote_request_id": tid}})
+            transfer_key = body["kv_transfer_params"]["transfer_id"]
+            return web.json_response({"kv_transfer_params": {**PARAMS, "transfer_id": transfer_key, "remote_request_id": transfer_key}})
         if self.hold is not None:
             await self.hold.wait()
         if self.mode == "refuse_5xx":
@@ -245,9 +245,9 @@ def test_decode_retried_before_first_byte(mode, stream):
     assert (b'data: {"text": "d1"}' in raw) if stream else json.loads(raw)["choices"][0]["text"] == "d1"
     if mode != "refused":
         assert len(c.decode[0].calls) == 1
-        tid = c.prefill[0].calls[0]["kv_transfer_params"]["transfer_id"]
+        transfer_key = c.prefill[0].calls[0]["kv_transfer_params"]["transfer_id"]
         assert c.decode[0].calls[0]["kv_transfer_params"] == c.decode[1].calls[0]["kv_transfer_params"] == {
-            **PARAMS, "transfer_id": tid, "remote_request_id": tid}
+            **PARAMS, "transfer_id": transfer_key, "remote_request_id": transfer_key}
     assert len(c.decode[1].calls) == 1
     assert sample(text, PREFIX + "retries_total", stage="decode") == 1
     kind = "http_5xx" if mode == "refuse_5xx" else "unreachable"
@@ -336,8 +336,8 @@ def test_pipelined_decode_retried_with_the_same_transfer_key():
             return c, status, raw
     c, status, raw = run(go())
     assert status == 200 and b'data: {"text": "d0"}' in raw
-    tid = c.prefill[0].calls[1]["kv_transfer_params"]["transfer_id"]
-    want = {**PARAMS, "do_remote_decode": False, "transfer_id": tid, "remote_request_id": tid}
+    transfer_key = c.prefill[0].calls[1]["kv_transfer_params"]["transfer_id"]
+    want = {**PARAMS, "do_remote_decode": False, "transfer_id": transfer_key, "remote_request_id": transfer_key}
     assert c.decode[1].calls[0]["kv_transfer_params"] == c.decode[0].calls[1]["kv_transfer_params"] == want
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
-from vllm_dcp2d.connector import send_ledger
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer import send_ledger
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 

@@ -8,10 +8,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.connector import send_ledger
-from vllm_dcp2d.connector.messages import Fingerprint, ReleaseTransfer, TransferOutcome, TransferRequest
+from vllm_dcp2d.transfer import send_ledger
+from vllm_dcp2d.transfer.messages import Fingerprint, ReleaseTransfer, TransferOutcome, TransferRequest
 from vllm_dcp2d.plan import KVRegions, Memory
-from vllm_dcp2d.connector.send_ledger import Attempt, SendLedger
+from vllm_dcp2d.transfer.send_ledger import Attempt, SendLedger
 
 FP = Fingerprint("m", 2, 16, "uint8", 256, "test", "cfg")
 KV = np.zeros((2, 8, 256), np.uint8)

@@ -12,12 +12,12 @@ import pytest
 
 from test_transfer_safety import deadline_now
 
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
-from vllm_dcp2d.connector.messages import Fingerprint
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.messages import Fingerprint
 from vllm_dcp2d.plan import KVRegions, plan_path
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.sender import Sender
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 

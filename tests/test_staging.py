@@ -1,4 +1,4 @@
-"""Send staging (``connector/staging.py``): a path's pages gathered into a registered
+"""Send staging (``transfer/staging.py``): a path's pages gathered into a registered
 slot in the decode's order and written as merged descriptors land byte for byte
 where the plan's in-place descriptors put them; a slot a stalled write went through
 is never reused (its late delivery carries its own bytes)."""
@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_stalled_write import StalledThenRetried
-from vllm_dcp2d.connector import send_ledger
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
-from vllm_dcp2d.connector.messages import Fingerprint
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.sender import Sender
-from vllm_dcp2d.connector.staging import MIN_GAIN, MIN_UNIT, Slot, stage
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer import send_ledger
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.messages import Fingerprint
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.transfer.staging import MIN_GAIN, MIN_UNIT, Slot, stage
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.plan import Descriptors, KVRegions, Memory, plan_path
 
@@ -243,7 +243,7 @@ class Ledger:
 
 @pytest.mark.parametrize("outcome", ["ok", "dead", "stall"])
 def test_a_slot_is_retired_only_after_a_stall_and_held_while_a_late_write_may_read_it(outcome, monkeypatch):
-    from vllm_dcp2d.connector import staging
+    from vllm_dcp2d.transfer import staging
 
     now = [100.0]
     monkeypatch.setattr(staging.time, "monotonic", lambda: now[0])

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from test_transfer_safety import DST_IDS, SRC_IDS, TOKENS, Side, deadline_now, released_then_unchanged, wait_until
-from vllm_dcp2d.connector import send_ledger
+from vllm_dcp2d.transfer import send_ledger
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 

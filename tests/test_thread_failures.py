@@ -20,17 +20,17 @@ from hypothesis import strategies as st
 from _fake_rank import FakeRank, outcome
 from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
 
-from vllm_dcp2d.connector.auth import Auth
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector import fetch as fetch_mod
-from vllm_dcp2d.connector import sender as sender_mod
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
-from vllm_dcp2d.connector.codec import fields_to_wire
-from vllm_dcp2d.connector.messages import (PROTOCOL_VERSION, CancelTransfer, MessageError, QueryRanks, RankTable,
+from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import fetch as fetch_mod
+from vllm_dcp2d.transfer import sender as sender_mod
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.codec import fields_to_wire
+from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, CancelTransfer, MessageError, QueryRanks, RankTable,
                                            Reply, TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.plan import Memory
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -359,7 +359,7 @@ def test_bootstrap_server_answers_a_message_it_cannot_handle(stack, monkeypatch)
         raise RuntimeError("injected into register")
 
     monkeypatch.setattr(server, "_register", broken)
-    from vllm_dcp2d.connector.messages import RegisterRank
+    from vllm_dcp2d.transfer.messages import RegisterRank
     out = bs.request(server.address, RegisterRank("P", 0, 1, "tcp://127.0.0.1:1", FP), Reply, 5)
     assert not out.ok and "injected into register" in out.reason
     monkeypatch.undo()
@@ -388,7 +388,7 @@ class Recording:
 def fuzz_side():
     """A real Sender holding request "x", and a decode transport that registered
     only the middle third of its buffer (the outer thirds must stay untouched)."""
-    from vllm_dcp2d.connector.sender import Sender
+    from vllm_dcp2d.transfer.sender import Sender
 
     with contextlib.ExitStack() as stack:
         rng = np.random.default_rng(1)

@@ -13,11 +13,11 @@ import contextlib
 import numpy as np
 import pytest
 
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
-from vllm_dcp2d.connector.messages import Fingerprint, prompt_digest
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.sender import Sender
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.messages import Fingerprint, prompt_digest
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.plan import KVRegions
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
@@ -118,7 +118,7 @@ def test_a_rank_asked_for_heads_it_does_not_hold_refuses_naming_both(monkeypatch
     """A request naming none of the rank's heads (a decode's bug, or a stranger) is refused
     before any write, naming both ranges: the decode rank holding head 1 is made to ask
     the prefill rank holding head 0 too."""
-    from vllm_dcp2d.connector import receiver as receiver_mod
+    from vllm_dcp2d.transfer import receiver as receiver_mod
 
     monkeypatch.setattr(receiver_mod, "senders_for", lambda layers, *a: np.arange(layers.size // 2))
     with contextlib.ExitStack() as stack:

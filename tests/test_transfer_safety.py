@@ -16,15 +16,15 @@ import time
 import numpy as np
 import pytest
 
-from vllm_dcp2d.connector import send_ledger
-from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
+from vllm_dcp2d.transfer import send_ledger
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer, register_rank
 from _fake_rank import FakeRank, outcome
 
-from vllm_dcp2d.connector.messages import Fingerprint, RegisterRank
+from vllm_dcp2d.transfer.messages import Fingerprint, RegisterRank
 from vllm_dcp2d.plan import KVRegions
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.sender import Sender
-from vllm_dcp2d.connector.transport import MooncakeTransport, TransferError
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -357,7 +357,7 @@ def test_length_mismatch_is_a_fetch_error(stack):
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS + 9, timeout_s=10)
     f = s.recv.wait("x", 20)
     assert not f.ok and not f.quarantined
-    assert f"the decode claims {TOKENS + 9} prompt tokens (not the prefill's request)" in f.error.reason
+    assert f"the decode asks for {TOKENS + 9} prompt tokens (not the prefill's request)" in f.error.reason
     assert not s.dst.any() and not s.gate.ended
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)  # the right claim is served
     assert s.recv.wait("x", 20).ok and np.array_equal(s.dst, s.expected())
@@ -403,7 +403,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
     shows a rank process is alive, so the new rank table still lifts the quarantine."""
     import zmq
 
-    from vllm_dcp2d.connector import bootstrap as bs
+    from vllm_dcp2d.transfer import bootstrap as bs
 
     boot, recv, rank = silent
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)

@@ -9,7 +9,7 @@ import pytest
 
 from vllm_dcp2d.plan import Descriptors
 from vllm_dcp2d.connector.stats import DCP2DStats
-from vllm_dcp2d.connector.transport import MooncakeTransport, TransferError, TransportError
+from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError, TransportError
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -157,7 +157,7 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
     """A write-only transport with renew_on_failure retries a stalled batch on a fresh
     engine (ranges registered again, same bytes land); a write that fails at once
     (here: an unregistered destination, like a dead peer) is not retried."""
-    from vllm_dcp2d.connector import transport as tr
+    from vllm_dcp2d.transfer import transport as tr
 
     # A failure counts as a stall when it took STALL_S / 2 or more: large while a write fails at
     # once (even a loaded host answers in far less than 30 s), small for the forced stall.

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import PROTOCOL_VERSION, Reply, TransferOutcome, TransferRequest, decode, encode
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.messages import PROTOCOL_VERSION, Reply, TransferOutcome, TransferRequest, decode, encode
 from vllm_dcp2d.layout import cdiv
 
 from xfer_procs import PAGE_BYTES, DecodeRank, PrefillRank, Proc, expect_fetch, fingerprint, full_kv

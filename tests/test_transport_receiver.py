@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from _fake_rank import FakeRank
 
-from vllm_dcp2d.connector.bootstrap import BootstrapServer, register_rank
-from vllm_dcp2d.connector.messages import CancelTransfer, Fingerprint, RegisterRank
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer, register_rank
+from vllm_dcp2d.transfer.messages import CancelTransfer, Fingerprint, RegisterRank
 from vllm_dcp2d.plan import KVRegions
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
 FP = Fingerprint("m", 2, 16, "uint8", 256, "test", "cfg")

@@ -19,15 +19,15 @@ import zmq
 
 from _stranger import run as stranger
 from test_transfer_safety import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions, wait_until
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector import http_bootstrap, receiver as receiver_mod
-from vllm_dcp2d.connector.auth import Auth
-from vllm_dcp2d.connector.bootstrap import BootstrapError, BootstrapServer, query_ranks
-from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, HttpTableQuery
-from vllm_dcp2d.connector.messages import prompt_digest
-from vllm_dcp2d.connector.receiver import Receiver
-from vllm_dcp2d.connector.sender import Sender
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import http_bootstrap, receiver as receiver_mod
+from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer, query_ranks
+from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, HttpTableQuery
+from vllm_dcp2d.transfer.messages import prompt_digest
+from vllm_dcp2d.transfer.receiver import Receiver
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiproc, pytest.mark.timeout(180)]
 

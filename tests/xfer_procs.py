@@ -24,7 +24,7 @@ SENTINEL = 0xEE
 
 
 def fingerprint(**kw):
-    from vllm_dcp2d.connector.messages import Fingerprint
+    from vllm_dcp2d.transfer.messages import Fingerprint
     args = dict(model="test-model", num_layers=5, page_size=PAGE_SIZE, kv_dtype="uint8", page_bytes=PAGE_BYTES,
                 layout="test:[layers,blocks,K256|gap|V512|gap]", model_config="sha256:test")
     args.update(kw)
@@ -62,9 +62,9 @@ def expect_fetch(before: np.ndarray, full: np.ndarray, src_ids, dst_ids, dcp_siz
 class PrefillRank:
     def __init__(self, cp_rank: int, cp_size: int, num_layers: int, num_blocks: int, bootstrap: str | None,
                  fp: dict):
-        from vllm_dcp2d.connector.bootstrap import BootstrapServer
-        from vllm_dcp2d.connector.sender import Sender
-        from vllm_dcp2d.connector.transport import MooncakeTransport
+        from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+        from vllm_dcp2d.transfer.sender import Sender
+        from vllm_dcp2d.transfer.transport import MooncakeTransport
         from vllm_dcp2d.layout import cp_layer_range
 
         layers = cp_layer_range(num_layers, cp_size, cp_rank)
@@ -105,8 +105,8 @@ class PrefillRank:
 
 class DecodeRank:
     def __init__(self, engine_id: str, dcp_size: int, dcp_rank: int, num_layers: int, num_blocks: int, fp: dict):
-        from vllm_dcp2d.connector.receiver import Receiver
-        from vllm_dcp2d.connector.transport import MooncakeTransport
+        from vllm_dcp2d.transfer.receiver import Receiver
+        from vllm_dcp2d.transfer.transport import MooncakeTransport
 
         self.kv = np.full((num_layers, num_blocks, STRIDE), SENTINEL, dtype=np.uint8)
         self.transport = MooncakeTransport()
@@ -131,7 +131,7 @@ class DecodeRank:
 
     def fetch_with_fingerprint(self, fp: dict, request_id, bootstrap, block_ids):
         """Fetch through a second receiver that claims another KV format."""
-        from vllm_dcp2d.connector.receiver import Receiver
+        from vllm_dcp2d.transfer.receiver import Receiver
         with Receiver(self.transport, self.regions, fingerprint(**fp), timeout_s=10.0, **self.args) as r:
             r.start(request_id, bootstrap, block_ids, num_tokens=PAGE_SIZE * len(block_ids) * self.args["dcp_size"])
             return _fetch_dict(r.wait(request_id, 15.0))

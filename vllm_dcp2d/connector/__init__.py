@@ -1,4 +1,6 @@
-"""The KV connector: DCP2DConnector and the transfer path behind it (README, "Modules").
+"""The KV connector: DCP2DConnector, its scheduler and worker sides, and what they tell vLLM (README, "Package layout").
+
+The transfer it drives lives in ``vllm_dcp2d.transfer``, which imports nothing from here.
 
 Its name, as users write it in ``--kv-transfer-config``, lives in the leaf
 ``vllm_dcp2d.config``, which the plugin entry point and the vLLM glue read too.

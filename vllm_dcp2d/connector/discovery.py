@@ -24,8 +24,8 @@ import urllib.error
 import msgpack
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.http_bootstrap import direct_get
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.http_bootstrap import direct_get
 
 __all__ = ["PING_S", "Registration", "registration"]
 

@@ -36,8 +36,8 @@ class SendSpec:
     """A producer request's KV: ``block_ids``, one list per KV cache group, each
     int ``[cdiv(num_tokens, page_size)]``.
 
-    transfer_key: the id decode ranks fetch it by (``remote_request_id``): the client's
-    ``transfer_id`` when it gave one, so a router can send the decode request
+    transfer_key: the id decode ranks fetch it by (``kv_transfer_params["remote_request_id"]``): the client's
+    ``"transfer_id"`` when it gave one, so a router can send the decode request
     before the prefill finished (layer pipelining), else vLLM's request id.
     finished_at: ``time.monotonic()`` of ``request_finished`` in the engine core (0: not
     finished yet); workers on the same host time the handover from it.
@@ -55,7 +55,7 @@ class SendSpec:
 class LoadSpec:
     """What a consumer worker fetches for one request.
 
-    transfer_key:      what the producer knows the request by (``remote_request_id``).
+    transfer_key:      what the producer knows the request by (``kv_transfer_params["remote_request_id"]``).
     bootstrap_addr:    producer's bootstrap server, "tcp://host:port".
     remote_engine_id:  producer's engine id; the fetch fails if the bootstrap's rank
                        table names another (the prefill restarted on that address).
@@ -87,7 +87,7 @@ class LoadSpec:
 @dataclass
 class ReleaseSpec:
     """A producer request this consumer will never fetch: ``transfer_key``
-    (``remote_request_id``) of ``num_tokens`` prompt tokens at ``bootstrap_addr``, of
+    (``kv_transfer_params["remote_request_id"]``) of ``num_tokens`` prompt tokens at ``bootstrap_addr``, of
     the producer ``remote_engine_id`` (None: the params named none; the release then
     goes to whichever instance serves that address); ``prompt_digest`` of its prompt
     (the producer ignores a release that does not name it)."""

@@ -13,21 +13,20 @@ import re
 
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
-from vllm_dcp2d.connector.messages import MAX_NAME, clip
+from vllm_dcp2d.transfer.messages import MAX_NAME, clip
 
-__all__ = ["REQUIRED", "KEYS", "check_bootstrap_addr", "key_field", "load_params", "timeout_s"]
+__all__ = ["REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "check_bootstrap_addr",
+           "load_params", "timeout_s"]
 
-# The key of the transfer: "remote_request_id" (the prefill's answer, copied by our proxy and by
-# NIXL-style routers) or, failing that, "transfer_id" (what a Mooncake-style router gives both
-# sides; the prefill keys the request by it too).
+# The transfer key travels in two kv_transfer_params fields whose names others chose (the
+# only places those names appear): "remote_request_id", the prefill's answer (vLLM's NIXL
+# convention), copied by our proxy and by vLLM's router; or, failing that, "transfer_id",
+# what a Mooncake-style router gives both sides (the prefill keys the request by it too).
 REQUIRED = ("remote_bootstrap_addr", "remote_engine_id")
-KEYS = ("remote_request_id", "transfer_id")
+KEY_FIELD = "remote_request_id"
+CLIENT_KEY_FIELD = "transfer_id"
+KEY_FIELDS = (KEY_FIELD, CLIENT_KEY_FIELD)
 _ADDR = re.compile(r"(?P<scheme>tcp|http)://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
-
-
-def key_field(params: dict) -> str:
-    """The field of ``params`` that names the transfer key (``KEYS``, first present)."""
-    return KEYS[0] if KEYS[0] in params else KEYS[1]
 
 
 def check_bootstrap_addr(addr) -> str:
@@ -39,6 +38,11 @@ def check_bootstrap_addr(addr) -> str:
         raise ValueError(f"remote_bootstrap_addr = {clip(repr(addr), 80)}: expected 'tcp://<host>:<port>' or "
                          f"'http://<host>:<port>' with a port in [1, 65535]")
     return addr.rstrip("/")
+
+
+def key_field(params: dict) -> str:
+    """The field of ``params`` that carries the transfer key (the first of ``KEY_FIELDS`` present)."""
+    return KEY_FIELD if KEY_FIELD in params else CLIENT_KEY_FIELD
 
 
 def _name(params: dict, key: str) -> str:
@@ -68,7 +72,7 @@ def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], .
     """A ``LoadSpec`` from a consumer request's ``params`` plus what the scheduler
     allocated, and a warning ("" if none). Raises ValueError naming the first bad
     field: the request is then prefilled locally."""
-    missing = ([" or ".join(KEYS)] if not set(KEYS) & set(params) else []) + [k for k in REQUIRED if k not in params]
+    missing = ([" or ".join(KEY_FIELDS)] if not set(KEY_FIELDS) & set(params) else []) + [k for k in REQUIRED if k not in params]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing} (got {clip(repr(sorted(map(str, params))), 200)})")
     key = _name(params, key_field(params))

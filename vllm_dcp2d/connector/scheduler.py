@@ -7,7 +7,7 @@ back what the workers report through ``KVConnectorOutput`` (both in
 
 Producer (prefill, ``kv_role="kv_producer"``), per request that came with
 ``kv_transfer_params={"do_remote_decode": true, ...}``:
-  * decode ranks fetch it by its transfer key: the request's ``transfer_id``
+  * decode ranks fetch it by its transfer key: the client's ``kv_transfer_params["transfer_id"]``
     (if given and not in use by a live request) or its vLLM request id;
   * the step in which its prompt completes lists it in ``computing`` so a
     worker can send each layer right after computing it, for decode ranks
@@ -29,7 +29,7 @@ Producer (prefill, ``kv_role="kv_producer"``), per request that came with
 
 Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
 ``kv_transfer_params={"do_remote_prefill": true, ...}`` from a producer:
-  * ``get_num_new_matched_tokens`` claims the prompt tokens not cached
+  * ``get_num_new_matched_tokens`` counts the prompt tokens not cached
     locally, loaded asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
   * ``update_state_after_alloc`` checks the params (``params.load_params``)
     and records the load for the next step's ``loads``; refused params go there
@@ -64,9 +64,9 @@ from typing import Any
 import numpy as np
 
 from vllm_dcp2d.config import DCP2DConfig
-from vllm_dcp2d.connector.messages import MAX_NAME, clip, prompt_digest
+from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
-from vllm_dcp2d.connector.params import check_bootstrap_addr, key_field, load_params
+from vllm_dcp2d.connector.params import CLIENT_KEY_FIELD, KEY_FIELD, check_bootstrap_addr, key_field, load_params
 from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
@@ -155,7 +155,7 @@ class SchedulerSide:
         if self.is_producer and params.get("do_remote_decode"):
             self._remote_decode[request.request_id] = request.num_prompt_tokens
             self._digests[request.request_id] = prompt_digest(*compat.prompt_ids(request))
-            self._bind_key(request.request_id, params.get("transfer_id"))
+            self._bind_key(request.request_id, params.get(CLIENT_KEY_FIELD))
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
         # One transfer per request: a preempted request recomputes locally.
@@ -213,14 +213,15 @@ class SchedulerSide:
 
     # -- producer ----------------------------------------------------------------------------
 
-    def _bind_key(self, req_id: str, transfer_id) -> None:
+    def _bind_key(self, req_id: str, asked) -> None:
+        """``asked``: the transfer key the client gave (``CLIENT_KEY_FIELD``), if any."""
         key = req_id
-        if isinstance(transfer_id, str) and 0 < len(transfer_id) <= MAX_NAME:
-            if self._key_owner.get(transfer_id, req_id) == req_id:
-                key = transfer_id
+        if isinstance(asked, str) and 0 < len(asked) <= MAX_NAME:
+            if self._key_owner.get(asked, req_id) == req_id:
+                key = asked
             else:
-                log.warning("request %s: transfer_id %r is in use by request %s; decode must fetch it as %r",
-                            req_id, transfer_id, self._key_owner[transfer_id], req_id)
+                log.warning("request %s: transfer key %r is in use by request %s; decode must fetch it as %r",
+                            req_id, asked, self._key_owner[asked], req_id)
         self._keys[req_id] = key
         self._key_owner[key] = req_id
 
@@ -384,10 +385,10 @@ class SchedulerSide:
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_request_id": key,
+            KEY_FIELD: key,
             "remote_bootstrap_addr": self.bootstrap_addr,
             "remote_engine_id": self.engine_id,
             "remote_num_tokens": num_tokens,
             "remote_prompt_digest": digest,
-            "transfer_id": params.get("transfer_id", request.request_id),
+            CLIENT_KEY_FIELD: params.get(CLIENT_KEY_FIELD, request.request_id),
         }

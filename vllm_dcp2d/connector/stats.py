@@ -81,7 +81,7 @@ class DCP2DStats(KVConnectorStats):
     prefix_broadcast_bytes: prefill with layer-split storage: bytes this rank sent
                  or received filling transient slots (``prefill/layer_split.py``).
     stalls:      Mooncake writes (batches) this rank gave up after ``STALL_S`` without
-                 progress (``connector/transport.py``), retried or not.
+                 progress (``transfer/transport.py``), retried or not.
     retries:     batches re-sent on a fresh Mooncake engine after a stall.
     unauthenticated: side-channel frames dropped unread (``auth.py``).
     corrupt:     fetches whose KV failed its checksum (``verify_kv``; counted in ``failed`` too).

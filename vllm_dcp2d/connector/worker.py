@@ -22,7 +22,7 @@ are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
 
 Layer pipelining (``save_kv_layer``): decode ranks may ask for a request
 before its prefill finished (a router that sends the decode request at once,
-with the client's ``transfer_id`` as ``remote_request_id``; see
+with the client's ``"transfer_id"`` as ``"remote_request_id"``; see
 ``vllm-dcp2d proxy --pipelined``). Such fetches wait at the sender, and in the
 step that completes the prompt each layer goes to them right after it is
 computed (``Sender.layer_ready``), overlapping the transfer with the rest of
@@ -43,18 +43,18 @@ import time
 
 import numpy as np
 
-from vllm_dcp2d.connector.auth import Auth, load_secret
-from vllm_dcp2d.connector.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.auth import Auth, load_secret
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.connector.discovery import Registration, registration
-from vllm_dcp2d.connector.http_bootstrap import HttpBootstrap, start_http_bootstrap
+from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.config import ConfigError, DCP2DConfig
-from vllm_dcp2d.connector.messages import Fingerprint
-from vllm_dcp2d.connector.receiver import Fetch, Receiver
+from vllm_dcp2d.transfer.messages import Fingerprint
+from vllm_dcp2d.transfer.receiver import Fetch, Receiver
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
-from vllm_dcp2d.connector.sender import Sender
+from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
-from vllm_dcp2d.connector.transport import MooncakeTransport
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d import page_format
 from vllm_dcp2d.layout import cp_layer_range, kv_head_range, send_shard
 from vllm_dcp2d.prefill import layer_split
@@ -300,7 +300,7 @@ class WorkerSide:
                 continue
             if key in self._loading:
                 why = (f"transfer key {key!r} is already being fetched by request {self._loading[key][0]} on "
-                       f"this decode instance; each request needs its own (remote_request_id)")
+                       f"this decode instance; each request needs its own (kv_transfer_params['remote_request_id'])")
             elif spec.remote_num_tokens is not None and spec.remote_num_tokens != spec.num_tokens:
                 why = (f"length mismatch: the prefill computed remote_num_tokens={spec.remote_num_tokens} prompt "
                        f"tokens, this decode has {spec.num_tokens}")

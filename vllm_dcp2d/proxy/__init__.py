@@ -52,7 +52,7 @@ another prefill instance only if it never connected (nothing was computed).
 
 ``--pipelined``: both calls go out at once once the proxy knows the prefill
 instance's bootstrap address and engine id (learnt from its first answer): the
-decode request carries ``remote_request_id = transfer_id``, its ranks ask the
+decode request carries ``"remote_request_id"`` = its ``"transfer_id"``, its ranks ask the
 prefill ranks right away, and each prefill rank writes every layer to them as
 soon as the layer is computed (layer pipelining). A retried decode asks with the
 same key; the prefill ranks hold its fetch until the prompt is done (up to

@@ -254,7 +254,7 @@ class Proxy:
 
     async def _pipelined(self, request: web.Request, path: str, body: dict, prefill: Upstream, route: dict,
                          started: list) -> web.StreamResponse:
-        """Prefill and decode at once; the decode fetches by ``transfer_id``, so a
+        """Prefill and decode at once; the decode fetches by the transfer key, so a
         decode retried on another instance fetches by it too."""
         transfer_key = uuid.uuid4().hex
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": transfer_key,
@@ -270,8 +270,8 @@ class Proxy:
                 raise
             if answer.get("remote_request_id") != transfer_key:
                 self.metrics.error("prefill", "bad_answer")
-                raise UpstreamError(502, f"prefill {prefill.url} did not take transfer_id {transfer_key!r} as the "
-                                         f"transfer key (answered {answer.get('remote_request_id')!r})")
+                raise UpstreamError(502, f"prefill {prefill.url} did not take transfer key {transfer_key!r} as the "
+                                         f"key it answers with (answered {answer.get('remote_request_id')!r})")
         except BaseException:
             decode.cancel()  # closes the upstream connection: vLLM aborts the decode request
             with contextlib.suppress(asyncio.CancelledError, UpstreamError, NoHealthyUpstream, ClientGone):

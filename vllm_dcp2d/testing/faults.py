@@ -266,10 +266,10 @@ class FaultCluster:
         self._probes += 1
         ids = prompt_ids(1000 + self._probes)  # new to both instances: no prefix-cache hit, a real fetch
         ref = self.reference(ids)
-        tid = uuid.uuid4().hex
+        transfer_key = uuid.uuid4().hex
         req = {"model": self.model, "prompt": ids, "max_tokens": self.cfg.max_tokens,
                "temperature": 0.0, "ignore_eos": True}
-        status, out = post_json(self.procs["prefill"].url + "/v1/completions", prefill_body(req, tid), 60)
+        status, out = post_json(self.procs["prefill"].url + "/v1/completions", prefill_body(req, transfer_key), 60)
         params = out.get("kv_transfer_params") if status == 200 else None
         if not isinstance(params, dict):
             raise RuntimeError(f"probe prefill failed ({status}): {out}")

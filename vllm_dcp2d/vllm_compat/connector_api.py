@@ -10,12 +10,12 @@ parallel state and the KV cache tensor layouts of the CPU and GPU backends
 
 Two pieces reach past the connector API; each is fenced below:
 
-1. ``hold_blocks`` / ``release_blocks``: the block quarantine. A decode fetch
+1. ``quarantine_blocks`` / ``lift_quarantine``: the block quarantine. A decode fetch
    that ends while a prefill rank may still write into its blocks reports the
    request in ``failed_recving``, so vLLM frees its blocks and recomputes it in
    fresh ones. The scheduler-side connector takes one extra reference on each
    such block first (``BlockPool.touch``, the call prefix-cache hits use), so
-   the free leaves them out of the free queue; ``release_blocks`` drops that
+   the free leaves them out of the free queue; ``lift_quarantine`` drops that
    reference (``BlockPool.free_blocks``) once the rank confirmed.
 2. ``kv_element_order``: the order in which the layer's attention backend
    writes a page (on CPU_ATTN, the per-ISA packing that

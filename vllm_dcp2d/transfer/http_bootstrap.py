@@ -5,7 +5,7 @@ Such a router asks each prefill instance ``GET http://host:port/query`` at start
 and expects vLLM's ``MooncakeBootstrapServer`` answer,
 ``{dp_rank: {"engine_id": ..., "worker_addr": {tp_rank: {pp_rank: addr}}}}``; it
 then gives the decode ``remote_bootstrap_addr = "http://host:port"`` (and the
-``transfer_id`` it also gave the prefill). So the prefill instance's TP rank 0 runs
+``"transfer_id"`` it also gave the prefill). So the prefill instance's TP rank 0 runs
 :class:`HttpBootstrap` on ``http_bootstrap_port`` next to the ZMQ ``BootstrapServer``:
 its answer has vLLM's shape (``worker_addr``: the CP ranks' side channels) plus a
 ``"dcp2d"`` entry, the ZMQ bootstrap's address and its rank table
@@ -32,9 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.auth import Auth
-from vllm_dcp2d.connector.messages import MessageError, RankTable, Reply, clip
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.messages import MessageError, RankTable, Reply, clip
 
 __all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER"]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, fields
 import msgpack
 import numpy as np
 
-from vllm_dcp2d.connector.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
+from vllm_dcp2d.transfer.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
                                         Str, StrList, fields_from_wire, fields_to_wire)
 from vllm_dcp2d.layout import cp_layer_range, per_head_layout
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, region_ends
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 # History: 1 = first release. 2 = the transfer key and the per-attempt id are
-# ``transfer_key`` / ``attempt_id`` (were request_id / transfer_id);
+# ``transfer_key`` / ``attempt_id`` (renamed from the vLLM request id and a per-attempt id);
 # TransferRequest/TransferOutcome carry num_tokens (a length mismatch fails the
 # fetch); TransferOutcome.settled; Fingerprint.model_config. 3 = KV cache
 # groups: TransferRequest.block_ids holds one table per group (group_sizes),
@@ -194,7 +194,7 @@ class TransferRequest(_Message):
     """Decode DCP rank -> one prefill CP rank: "write your layers of my pages".
 
     transfer_key:  the request's transfer key (``kv_transfer_params["remote_request_id"]``):
-                   the client's ``transfer_id``, or the prefill's vLLM request id.
+                   the client's ``kv_transfer_params["transfer_id"]``, or the prefill's vLLM request id.
     attempt_id:    this request to this rank, unique per consumer rank; echoed in the outcome.
     engine_id:     consumer (decode instance) identity.
     consumer_rank, consumer_size: this worker and how many workers of the consumer
@@ -218,8 +218,8 @@ class TransferRequest(_Message):
     page_stride, page_bytes: int64 ``[R]``; layer_group: int64 ``[L]``;
     group_sharded: int64 ``[G]`` (1 or 0): the consumer's ``KVRegions``.
     fingerprint:   the consumer's KV format.
-    wait_s:        how long the producer may hold the request if it does not know
-                   ``request_id`` yet (prefill still running); 0 = answer at once. The
+    wait_s:        how long the producer may wait for the request if it does not know
+                   ``transfer_key`` yet (prefill still running); 0 = answer at once. The
                    producer cuts it to its own ``max_prefill_wait_s``.
     head_start, head_end: the KV heads ``[head_start, head_end)`` of ``fingerprint.num_kv_heads``
                    this consumer rank holds (default: all); the producer sends only

@@ -63,17 +63,17 @@ from functools import partial
 import numpy as np
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.auth import Auth, AuthError, PeerLog
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.auth import Auth, AuthError, PeerLog
+from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
                                            clip, decode)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
-from vllm_dcp2d.connector.checksum import checksum
-from vllm_dcp2d.connector.send_ledger import Attempt, Request, SendLedger
-from vllm_dcp2d.connector.staging import StagingPool, write
-from vllm_dcp2d.connector.transport import MooncakeTransport, TransportError
-from vllm_dcp2d.connector.writers import Writers
+from vllm_dcp2d.transfer.checksum import checksum
+from vllm_dcp2d.transfer.send_ledger import Attempt, Request, SendLedger
+from vllm_dcp2d.transfer.staging import StagingPool, write
+from vllm_dcp2d.transfer.transport import MooncakeTransport, TransportError
+from vllm_dcp2d.transfer.writers import Writers
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 
 __all__ = ["Sender"]

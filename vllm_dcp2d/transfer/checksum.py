@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from vllm_dcp2d.connector.hostmem import gather
+from vllm_dcp2d.transfer.hostmem import gather
 from vllm_dcp2d.plan import Descriptors, KVRegions, Memory, plan_path
 
 __all__ = ["checksum", "path_ranges", "CHUNK_BYTES"]

@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 
-from vllm_dcp2d.connector.messages import MessageError, Reply, clip, decode, encode
+from vllm_dcp2d.transfer.messages import MessageError, Reply, clip, decode, encode
 
 __all__ = ["Auth", "AuthError", "PeerLog", "load_secret", "ENV", "MAX_SKEW_S", "MIN_SECRET_BYTES"]
 

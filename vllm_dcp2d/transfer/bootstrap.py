@@ -41,8 +41,8 @@ import time
 import numpy as np
 import zmq
 
-from vllm_dcp2d.connector.auth import Auth, AuthError, PeerLog
-from vllm_dcp2d.connector.messages import (MAX_MESSAGE_BYTES, MessageError, QueryRanks, RankTable, RegisterRank,
+from vllm_dcp2d.transfer.auth import Auth, AuthError, PeerLog
+from vllm_dcp2d.transfer.messages import (MAX_MESSAGE_BYTES, MessageError, QueryRanks, RankTable, RegisterRank,
                                            Reply, encode)
 
 __all__ = ["BootstrapError", "BootstrapServer", "Backoff", "TableQuery", "Waker", "request", "register_rank",

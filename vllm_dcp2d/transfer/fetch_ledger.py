@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 
-from vllm_dcp2d.connector.fetch import Fetch, FetchError
+from vllm_dcp2d.transfer.fetch import Fetch, FetchError
 
 __all__ = ["FetchLedger"]
 
@@ -42,7 +42,7 @@ class FetchLedger:
         self.on_output = on_output  # called (no arguments) after a fetch ends or a quarantine lifts
         self._active: dict[str, Fetch] = {}  # transfer key -> fetch not ended
         self._inflight: dict[tuple[str, int], tuple[Fetch, int]] = {}  # (addr, attempt) -> (fetch, cp rank)
-        self._limbo: dict[tuple[str, int], tuple[Fetch, int]] = {}  # quarantined attempts, same keys
+        self._unsettled: dict[tuple[str, int], tuple[Fetch, int]] = {}  # quarantined attempts, same keys
         self._out = threading.Lock()
         self._done: list[Fetch] = []
         self._lifted: list[Fetch] = []
@@ -98,7 +98,7 @@ class FetchLedger:
             log.warning("%s%s", error, f" (blocks quarantined: {f.quarantined})" if f.quarantined else "")
         with self._out:
             self._done.append(f)
-            if f.quarantined and not f.limbo:  # every quarantined attempt settled before the fetch ended
+            if f.quarantined and not f.unsettled:  # every quarantined attempt settled before the fetch ended
                 self._lifted.append(f)
         self._announce()
 
@@ -106,16 +106,16 @@ class FetchLedger:
 
     def answered(self, addr: str, attempt: int) -> tuple[str, Fetch | None, int]:
         """An answer came from ``addr`` for ``attempt``: ``("inflight", fetch, cp_rank)``
-        (no longer in flight), ``("limbo", fetch, cp_rank)`` (quarantined; the caller
+        (no longer in flight), ``("quarantined", fetch, cp_rank)`` (quarantined; the caller
         settles it if the answer is settled), or ``("unknown", None, -1)`` (late)."""
         hit = self._inflight.pop((addr, attempt), None)
         if hit is not None:
             f, cp_rank = hit
             f.inflight.pop(cp_rank, None)
             return "inflight", f, cp_rank
-        hit = self._limbo.get((addr, attempt))
+        hit = self._unsettled.get((addr, attempt))
         if hit is not None:
-            return "limbo", hit[0], hit[1]
+            return "quarantined", hit[0], hit[1]
         return "unknown", None, -1
 
     def on_rank(self, addr: str) -> list[tuple[Fetch, int, int]]:
@@ -126,23 +126,23 @@ class FetchLedger:
         """Attempt ``where`` of ``f`` (CP rank ``cp_rank``) may still write into its blocks."""
         self._inflight.pop(where, None)
         f.inflight.pop(cp_rank, None)
-        self._limbo[where] = (f, cp_rank)
-        f.limbo[cp_rank] = where
+        self._unsettled[where] = (f, cp_rank)
+        f.unsettled[cp_rank] = where
         f.quarantined[cp_rank] = why
 
-    def limbo_on(self, addr: str) -> list[tuple[int, Fetch]]:
+    def unsettled_on(self, addr: str) -> list[tuple[int, Fetch]]:
         """``(attempt, fetch)`` quarantined on ``addr`` (their cancels are re-sent)."""
-        return [(a, f) for (ad, a), (f, _) in self._limbo.items() if ad == addr]
+        return [(a, f) for (ad, a), (f, _) in self._unsettled.items() if ad == addr]
 
     def settle(self, where: tuple[str, int], how: str) -> None:
         """Quarantined attempt ``where`` can no longer write (invariant 2)."""
-        hit = self._limbo.pop(where, None)
+        hit = self._unsettled.pop(where, None)
         if hit is None:
             return
         f, cp_rank = hit
-        f.limbo.pop(cp_rank, None)
+        f.unsettled.pop(cp_rank, None)
         log.info("fetch of %r: quarantined cp rank %d settled (%s)", f.transfer_key, cp_rank, how)
-        if not f.limbo and self._active.get(f.transfer_key) is not f:
+        if not f.unsettled and self._active.get(f.transfer_key) is not f:
             with self._out:
                 self._lifted.append(f)
             self._announce()
@@ -150,13 +150,13 @@ class FetchLedger:
     def settle_rank(self, addr: str, bootstrap: str, how: str) -> None:
         """Every attempt quarantined on ``addr`` for a prefill at ``bootstrap`` settled
         (that rank's old process is gone)."""
-        for attempt, f in self.limbo_on(addr):
+        for attempt, f in self.unsettled_on(addr):
             if f.bootstrap == bootstrap:
                 self.settle((addr, attempt), how)
 
     def busy(self, addr: str) -> bool:
         """Whether anything is in flight or quarantined on ``addr``."""
-        return any(ad == addr for ad, _ in self._inflight) or any(ad == addr for ad, _ in self._limbo)
+        return any(ad == addr for ad, _ in self._inflight) or any(ad == addr for ad, _ in self._unsettled)
 
     # ---- outputs (any thread) ----
 

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_dcp2d.connector.hostmem import gather
-from vllm_dcp2d.connector.transport import RETIRED_KEPT, STALL_S
+from vllm_dcp2d.transfer.hostmem import gather
+from vllm_dcp2d.transfer.transport import RETIRED_KEPT, STALL_S
 from vllm_dcp2d.plan import Descriptors, Memory
 
 __all__ = ["Staged", "stage", "Slot", "StagingPool", "write"]

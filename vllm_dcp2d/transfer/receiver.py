@@ -55,17 +55,17 @@ import uuid
 
 import zmq
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.auth import Auth
-from vllm_dcp2d.connector.http_bootstrap import HttpTableQuery
-from vllm_dcp2d.connector.checksum import checksum, path_ranges
-from vllm_dcp2d.connector.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
-from vllm_dcp2d.connector.fetch_ledger import FetchLedger
-from vllm_dcp2d.connector.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.http_bootstrap import HttpTableQuery
+from vllm_dcp2d.transfer.checksum import checksum, path_ranges
+from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
+from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
+from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest)
 from vllm_dcp2d.layout import askers
 from vllm_dcp2d.plan import KVRegions, Memory, ShardError, block_tables, blocks_within, senders_for
-from vllm_dcp2d.connector.transport import STALL_S, MooncakeTransport, TransportError
+from vllm_dcp2d.transfer.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError", "MAX_QUERIES", "IDLE_S"]
 
@@ -477,7 +477,7 @@ class Receiver:
                 self.ledger.quarantine(f, cp_rank, where, why)
                 self._fail(f, FetchError(f.transfer_key, cp_rank, why), peer_fault=True)
             return
-        if how == "limbo":
+        if how == "quarantined":
             if msg.settled:
                 self.ledger.settle(where, "answered")
             return
@@ -587,9 +587,9 @@ class Receiver:
             self._queries[bootstrap].ask(now)
         self._send_releases()
         for rank in self._ranks.values():  # ask quarantining ranks again, less and less often
-            limbo = self.ledger.limbo_on(rank.address)
-            if limbo and now >= rank.cancel_at:
-                for attempt, f in limbo:
+            unsettled = self.ledger.unsettled_on(rank.address)
+            if unsettled and now >= rank.cancel_at:
+                for attempt, f in unsettled:
                     if not rank.send(CancelTransfer(f.transfer_key, attempt)):
                         break  # its queue is full: nothing more to queue until it reads
                 rank.cancel_at = now + rank.backoff.next()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from vllm_dcp2d.connector import bootstrap as bs
-from vllm_dcp2d.connector.messages import RankTable
+from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.messages import RankTable
 
 __all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
 
@@ -64,7 +64,7 @@ class Fetch:
     peer_fault: bool = False
     settle_by: float = 0.0
     quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
-    limbo: dict = field(default_factory=dict)        # quarantined cp_rank -> (rank address, attempt_id)
+    unsettled: dict = field(default_factory=dict)    # quarantined cp_rank -> (rank address, attempt_id), until it settles
 
     @property
     def ok(self) -> bool:

@@ -50,8 +50,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_dcp2d.connector.messages import ReleaseTransfer, TransferOutcome, TransferRequest
-from vllm_dcp2d.connector.transport import STALL_S
+from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferOutcome, TransferRequest
+from vllm_dcp2d.transfer.transport import STALL_S
 
 __all__ = ["Attempt", "Request", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
 
@@ -313,7 +313,7 @@ class SendLedger:
                     "(digest %s)", self.name, what, key[:80], req.num_tokens, req.prompt_digest[:12] or "none",
                     state.num_tokens, state.prompt_digest[:12] or "none")
         mine = f", the prefill has {state.num_tokens}" if self.reveal else " (not the prefill's request)"
-        return (f"{what} mismatch on {self.name}: the decode claims {req.num_tokens} prompt tokens"
+        return (f"{what} mismatch on {self.name}: the decode asks for {req.num_tokens} prompt tokens"
                 + (f" with prompt digest {req.prompt_digest[:12] or 'none'}" if what == "prompt" else "") + mine)
 
     def end_answer(self, a: Attempt, state: Request, error: str) -> None:
