@@ -53,3 +53,14 @@ def cp_size(vllm_config) -> tuple[int, str]:
     from vllm_dcp2d.layout import default_cp_size
 
     return default_cp_size(num_kv_heads(vllm_config), tp)
+
+
+def spec_patches_act(vllm_config) -> bool:
+    """Whether the speculative-decoding patches act on this instance: DCP > 1 on CPU (where
+    vLLM has DCP only through this plugin) or on a DCP2DConnector instance. Other GPU
+    instances keep vLLM's own behaviour."""
+    if vllm_config.parallel_config.decode_context_parallel_size <= 1:
+        return False
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() or is_dcp2d(vllm_config)

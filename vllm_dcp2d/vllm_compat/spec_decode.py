@@ -62,24 +62,11 @@ import logging
 from vllm_dcp2d.spec_decode.draft import dcp_disabled, effective_dcp
 from vllm_dcp2d.spec_decode.group import TorchGroup
 from vllm_dcp2d.spec_decode.verify import agree_sampled
+from vllm_dcp2d.vllm_compat.instance import spec_patches_act as _active
 
 log = logging.getLogger(__name__)
 
 __all__ = ["install_group_order", "install_draft", "install_agreement"]
-
-
-
-def _active(vllm_config) -> bool:
-    """Whether these patches act on this instance: DCP > 1 on CPU (where vLLM has DCP
-    only through this plugin) or on a DCP2DConnector instance. Other GPU instances
-    keep vLLM's own behaviour."""
-    if vllm_config.parallel_config.decode_context_parallel_size <= 1:
-        return False
-    from vllm.platforms import current_platform
-
-    from vllm_dcp2d.vllm_compat.instance import is_dcp2d
-
-    return current_platform.is_cpu() or is_dcp2d(vllm_config)
 
 
 def _draft_layers(runner) -> set[str]:

@@ -18,7 +18,7 @@ which subclasses it) runs Model Runner V2. Two of the V1 patches
   rank keep the MIN over the TP group (which contains the DCP group) before vLLM
   commits, proposes or copies anything. (Patch ``agreed_acceptance``, 0.34.0.)
 
-Both act only where ``spec_decode._active`` says (DCP > 1, on CPU or on a DCP2D
+Both act only where ``instance.spec_patches_act`` says (DCP > 1, on CPU or on a DCP2D
 instance); other engines keep vLLM's behaviour. Neither has run: no 0.34 engine
 runs on this project's CPU machine (``tests/test_vllm_sources.py`` checks them
 against the 0.34.0 sources).
@@ -100,7 +100,7 @@ def install_agreement(version: str) -> None:
     from vllm.distributed import get_tp_group
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    from vllm_dcp2d.vllm_compat.spec_decode import _active
+    from vllm_dcp2d.vllm_compat.instance import spec_patches_act as _active
 
     def make(stock):
         def sample(self, hidden_states, input_batch, grammar_output):
