@@ -104,7 +104,9 @@ def _index(name: str) -> int:
 @pytest.mark.vllm
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind,layers", [("llama-mqa", 4), ("llama-mqa-8", 8)])
+# 4 layers only: the 8-layer model checked the same mechanism at a larger ratio (1.6x against
+# 1.33x) for ~110 s of the suite's 20-minute budget (BENCHMARKS.md "Test suite", 2026-12-05).
+@pytest.mark.parametrize("kind,layers", [("llama-mqa", 4)])
 def test_layer_split_same_tokens_more_capacity(kind, layers, tmp_path):
     from vllm_dcp2d.testing.tiny_models import build_tiny_model
 
