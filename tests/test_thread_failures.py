@@ -286,8 +286,9 @@ def test_worker_fails_the_engine_when_a_connector_thread_died():
     from vllm_dcp2d.connector.worker import WorkerSide
 
     w = WorkerSide.__new__(WorkerSide)
-    w.tp_rank, w.bootstrap, w.receiver = 1, None, None
-    w.sender = type("Sender", (), {"failed": "dcp2d-send-io-1 died: boom"})()
+    sender = type("Sender", (), {"failed": "dcp2d-send-io-1 died: boom"})()
+    w.tp_rank, w.consumer = 1, None
+    w.producer = type("ProducerWorker", (), {"threads": lambda self: (sender,)})()
     with pytest.raises(RuntimeError, match="Sender of TP rank 1 stopped: dcp2d-send-io-1 died: boom"):
         w._check_threads()
 

@@ -15,8 +15,8 @@ from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip
 
-__all__ = ["REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "check_bootstrap_addr",
-           "load_params", "timeout_s"]
+__all__ = ["REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "key_of",
+           "bootstrap_addr", "check_bootstrap_addr", "load_params", "timeout_s"]
 
 # The transfer key travels in two kv_transfer_params fields whose names others chose (the
 # only places those names appear): "remote_request_id", the prefill's answer (vLLM's NIXL
@@ -40,9 +40,20 @@ def check_bootstrap_addr(addr) -> str:
     return addr.rstrip("/")
 
 
+def bootstrap_addr(cfg: DCP2DConfig) -> str:
+    """The producer's bootstrap address, as it answers it (``remote_bootstrap_addr``) and
+    as its ranks register with it."""
+    return f"tcp://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
+
+
 def key_field(params: dict) -> str:
     """The field of ``params`` that carries the transfer key (the first of ``KEY_FIELDS`` present)."""
     return KEY_FIELD if KEY_FIELD in params else CLIENT_KEY_FIELD
+
+
+def key_of(params: dict):
+    """What ``params`` give as the transfer key (``key_field``), unchecked: None if absent."""
+    return params.get(key_field(params))
 
 
 def _name(params: dict, key: str) -> str:

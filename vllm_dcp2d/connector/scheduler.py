@@ -66,7 +66,8 @@ import numpy as np
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
-from vllm_dcp2d.connector.params import CLIENT_KEY_FIELD, KEY_FIELD, check_bootstrap_addr, key_field, load_params
+from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, bootstrap_addr, check_bootstrap_addr, load_params,
+                                         key_of)
 from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
@@ -97,7 +98,7 @@ class SchedulerSide:
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.page_size = compat.page_size(vllm_config)
         self.failure_policy = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_load_failure_policy", "fail")
-        self.bootstrap_addr = f"tcp://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
+        self.bootstrap_addr = bootstrap_addr(cfg)
         self.kv_cache_manager = None
         self._loads: dict[str, LoadSpec] = {}
         self._releases: dict[str, ReleaseSpec] = {}
@@ -136,7 +137,7 @@ class SchedulerSide:
         """None: ``request`` may fetch its key. True: a sibling with its prompt fetches it now
         (wait, then reuse its pages through the prefix cache). False: prefill locally (the
         key's fetch ended, or, with ``digest``, its KV is another prompt's)."""
-        key = params.get(key_field(params))
+        key = key_of(params)
         remote = params.get("remote_prompt_digest")
         if digest and isinstance(remote, str) and remote and remote != prompt_digest(*compat.prompt_ids(request)):
             return False  # a batch answered with one prompt's params: the KV is another prompt's
@@ -161,7 +162,7 @@ class SchedulerSide:
         # One transfer per request: a preempted request recomputes locally.
         params["do_remote_prefill"] = False
         if self._sibling_of(request, params) is not None:
-            key = params.get(key_field(params))
+            key = key_of(params)
             holder = self.siblings.loading(key) or self.siblings.ended(key) if isinstance(key, str) else None
             why = (f"transfer key {clip(repr(key), 80)} is fetched by request {holder} on this instance" if holder
                    else "its kv_transfer_params carry another prompt's digest")
@@ -193,7 +194,7 @@ class SchedulerSide:
         """Consumer: this instance will not fetch ``request``'s KV from its producer."""
         if not self.cfg.release_unfetched:
             return
-        key = params.get(key_field(params))
+        key = key_of(params)
         try:
             addr = check_bootstrap_addr(params.get("remote_bootstrap_addr"))
         except ValueError:

@@ -44,7 +44,7 @@ import time
 
 from vllm_dcp2d.plan import Descriptors
 
-__all__ = ["TransportError", "TransferError", "MooncakeTransport"]
+__all__ = ["TransportError", "TransferError", "MooncakeTransport", "unpinned"]
 
 log = logging.getLogger(__name__)
 STALL_S = 10       # renew_on_failure: seconds without progress before a TCP write is given up
@@ -54,7 +54,7 @@ POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3  # a write's status polls back off from 20 
 
 
 @contextlib.contextmanager
-def _unpinned():
+def unpinned():
     """Run the body with the calling thread allowed on every CPU, then restore its affinity.
 
     ``initialize`` starts the engine's threads (the TCP transport's one asio
@@ -62,7 +62,10 @@ def _unpinned():
     inherits its creator's CPU affinity. vLLM's CPU worker pins its main thread
     to one core (``VLLM_CPU_OMP_THREADS_BIND``), so without this the engine
     would share that core with the model's forward and every other thread
-    pinned there, instead of running wherever the kernel finds a free one.
+    pinned there, instead of running wherever the kernel finds a free one. The
+    worker starts its sender and receiver (their threads, ZMQ's I/O thread) inside
+    it too: pinned there, a decode rank's ZMQ handshake with a prefill rank timed
+    out on a loaded 2-core machine.
     """
     if not hasattr(os, "sched_setaffinity"):
         yield
@@ -131,7 +134,7 @@ class MooncakeTransport:
         self._closed = False
 
     def _new_engine(self):
-        with _unpinned():  # importing the module, the constructor and initialize all start threads
+        with unpinned():  # importing the module, the constructor and initialize all start threads
             from mooncake.engine import TransferEngine  # heavy native module: import on use
 
             engine = TransferEngine()

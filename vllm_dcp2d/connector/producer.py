@@ -1,0 +1,238 @@
+"""The producer (prefill) role of a worker: its sender, the bootstrap server,
+layer-split storage and the hand-over of finished requests.
+
+Producer TP ranks that hold the same KV heads split the layers among
+themselves (``layout.send_shard``): with one KV head (MQA, MLA) TP rank ``r`` is
+layer-split CP rank ``r`` and its ``Sender`` serves only ``cp_layer_range(L,
+cp_size, r)``; with KV heads sharded over TP every rank sends every layer of its
+heads. So path ``(r, d)`` carries layers(r) x pages(d) of the heads both hold,
+and nothing else. TP rank 0 also runs the instance's bootstrap server, where
+every CP rank registers its side channel with the token rank 0 handed out.
+
+Layer pipelining (``save_kv_layer``): decode ranks may ask for a request
+before its prefill finished (a router that sends the decode request at once,
+with the client's ``"transfer_id"`` as ``"remote_request_id"``; see
+``vllm-dcp2d proxy --pipelined``). Such fetches wait at the sender, and in the
+step that completes the prompt each layer goes to them right after it is
+computed (``Sender.layer_ready``), overlapping the transfer with the rest of
+the forward. ``request_finished`` then hands the whole request over; the
+sender writes what is left and answers. With the sequential flow (decode asked
+only after the prefill answered) nobody waits yet, so the whole request is
+sent from ``request_finished`` on, on the sender's threads, overlapping the
+next requests' compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from vllm_dcp2d.config import ConfigError, DCP2DConfig
+from vllm_dcp2d.connector.metadata import DCP2DMetadata
+from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
+from vllm_dcp2d.layout import cp_layer_range, send_shard
+from vllm_dcp2d.prefill import layer_split
+from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
+from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, start_http_bootstrap
+from vllm_dcp2d.transfer.sender import Sender
+from vllm_dcp2d.vllm_compat import connector_api as compat
+from vllm_dcp2d.vllm_compat import instance
+from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ProducerWorker"]
+
+
+class ProducerWorker:
+    """One producer TP rank's side of the transfer (see module doc). ``stats`` and
+    ``stats_file`` are the worker's, shared with its consumer role on a kv_both instance."""
+
+    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, tp_rank: int, tp_size: int,
+                 num_kv_heads: int, auth: Auth, stats: DCP2DStats, stats_file: StatsFile):
+        self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, engine_id
+        self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
+        self.auth, self.stats, self.stats_file = auth, stats, stats_file
+        self._one_host = compat.single_host(vllm_config)  # the handover is timed across processes
+        try:  # the layer count does not matter for the check
+            send_shard(1, num_kv_heads, tp_size, tp_rank, cfg.cp_size)
+        except ValueError as e:
+            raise ConfigError(f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}: {e}") from None
+        if tp_rank == 0:
+            cp, why = instance.cp_size(vllm_config)
+            log.info("DCP2D producer: cp_size %d (%s)", cp, why)
+        self.sender: Sender | None = None  # None on a TP rank that sends nothing (layout.send_shard)
+        self.bootstrap: BootstrapServer | None = None  # TP rank 0
+        self.http_bootstrap: HttpBootstrap | None = None
+        self.layer_split: layer_split.LayerSplit | None = None
+        self.layer_ids: dict[str, int] = {}
+        self._sending: dict[str, str] = {}  # transfer key -> request id, until finished
+        # transfer key -> (when its blocks went to the sender, seconds since request_finished)
+        self._handed: dict[str, tuple[float, float | None]] = {}
+        self._finished: set[str] = set()  # request ids finished without the sender
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def start_layer_split(self, kv_caches: dict, layer_ids: dict[str, int], num_blocks: int,
+                          num_layers: int) -> None:
+        """With layer-split storage (``vllm_compat.kv_cache`` laid the memory out in
+        the engine core), check the layout and hook the transient-slot fill.
+        ``kv_caches``: ``{layer_name: tensor}``; ``layer_ids``: layer name -> index."""
+        self.layer_ids = layer_ids
+        plan = storage_plan(self.vllm_config, num_layers)
+        if plan is None:
+            return
+        owned = [n for n in kv_caches if plan.owner(layer_ids[n]) == self.tp_rank]
+        others = [n for n in kv_caches if plan.owner(layer_ids[n]) != self.tp_rank]
+        ptrs = {n: t.data_ptr() for n, t in kv_caches.items()}
+        transient = {ptrs[n] for n in others}
+        if len(transient) != 1 or len({ptrs[n] for n in owned} | transient) != len(owned) + 1:
+            raise RuntimeError(f"layer-split storage is configured (layer_split={self.cfg.layer_split!r}), but the KV "
+                               f"cache of TP rank {self.tp_rank} is not laid out for it: {len(owned)} owned layers "
+                               f"and {len(transient)} distinct regions for the {len(others)} others (expected 1). "
+                               f"Was vllm_dcp2d's plugin loaded in the engine core?")
+        why = graphs_capture_cache_writes(self.vllm_config)
+        if why is not None:
+            raise RuntimeError(f"layer-split storage fills each layer's transient slot from a hook on its KV-cache "
+                               f"write, but {why} (or set layer_split='off').")
+        owners = {n: plan.owner(layer_ids[n]) for n in kv_caches}
+        self.layer_split = layer_split.LayerSplit(compat.tp_cp_group(), owners, num_blocks)
+        hook_cache_writes(self.vllm_config, list(kv_caches), self.layer_split.fill)
+        r = cp_layer_range(num_layers, plan.cp_size, self.tp_rank) if self.tp_rank < plan.cp_size else range(0)
+        log.info("DCP2D layer-split storage: TP rank %d stores layers [%d, %d) plus one transient slot for the "
+                 "other %d (%d layer slots instead of %d)", self.tp_rank, r.start, r.stop, len(others),
+                 len(owned) + 1, num_layers)
+
+    def token(self) -> str:
+        """The instance's registration token, drawn by TP rank 0. A collective: every
+        TP rank calls it at the same point (while it registers its KV caches)."""
+        return compat.tp_broadcast(secrets.token_hex(16) if self.tp_rank == 0 else None)
+
+    def start(self, transport, regions, fingerprint, num_layers: int, staging_bytes: int, token: str,
+              host_kv: bool, bootstrap_addr: str) -> None:
+        """Start the bootstrap server (TP rank 0) and this rank's sender, on ``transport``
+        with the KV memory behind ``regions`` registered."""
+        if self.tp_rank == 0:
+            self.bootstrap = BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port, token, self.auth)
+            self.http_bootstrap = start_http_bootstrap(self.cfg, self.bootstrap, self.engine_id)
+        shard = send_shard(num_layers, self.num_kv_heads, self.tp_size, self.tp_rank, self.cfg.cp_size)
+        if shard is None:
+            return
+        cp_rank, cp_size, layers, heads = shard
+        self.sender = Sender(transport, regions, fingerprint, engine_id=self.engine_id,
+                             cp_rank=cp_rank, cp_size=cp_size, host=self.cfg.local_hostname,
+                             bootstrap=bootstrap_addr, expiry_s=self.cfg.send_timeout_s,
+                             claim_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes,
+                             layers=layers, heads=heads, token=token, auth=self.auth,
+                             max_wait_s=self.cfg.max_prefill_wait_s, host_kv=host_kv)
+        log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) of KV heads [%d, %d) "
+                 "via %s", self.tp_rank, cp_rank, cp_size, layers.start, layers.stop, heads.start,
+                 heads.stop, self.sender.address)
+
+    # -- per step -----------------------------------------------------------------------------
+
+    def bind(self, meta) -> None:
+        """The step's context blocks, which the layer-split fill broadcasts."""
+        if self.layer_split is None:
+            return
+        blocks = meta.context_blocks if isinstance(meta, DCP2DMetadata) else None
+        if isinstance(meta, DCP2DMetadata) and blocks is None:
+            raise RuntimeError("layer-split storage is on in this worker, but the scheduler side sent no "
+                               "context_blocks: the owners cannot fill the transient slots")
+        self.layer_split.bind(blocks)
+
+    def handle_preemptions(self, meta: DCP2DMetadata) -> None:
+        """Attempts of requests preempted after their prompt completed start over
+        (``Sender.restart``); see ``WorkerSide.handle_preemptions``."""
+        if self.sender is None:
+            return
+        for req_id, key in meta.preempted.items():
+            n = self.sender.restart(key)
+            log.info("DCP2D: request %s (transfer key %r) preempted after its prompt completed on CP rank %d; "
+                     "%d waiting fetches rewrite every layer after its re-prefill", req_id, key, self.tp_rank, n)
+
+    def hand_over(self, meta: DCP2DMetadata) -> None:
+        """Finished prefills go to the sender; aborted and dropped ones end there."""
+        for key in meta.dropped.values():
+            if self.sender is not None:
+                self.sender.drop(key)
+        for req_id, key in meta.aborted.items():
+            if self.sender is None:
+                self._finished.add(req_id)
+            else:
+                self._sending[key] = req_id
+                self.sender.abort(key)
+        for req_id, spec in meta.ready.items():
+            if self.sender is None:
+                self._finished.add(req_id)
+                continue
+            self._sending[spec.transfer_key] = req_id
+            now = time.monotonic()
+            handover = now - spec.finished_at
+            # CLOCK_MONOTONIC is one clock for the engine core and its workers on one host
+            if not (spec.finished_at and self._one_host and handover >= 0):
+                handover = None
+            else:
+                self.stats.record_stage("handover_seconds", handover)
+            self._handed[spec.transfer_key] = (now, handover)
+            self.sender.add_request(spec.transfer_key, spec.block_ids, spec.num_tokens, spec.prompt_digest)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, meta: DCP2DMetadata) -> None:
+        """Fetches already waiting for a request whose prompt completes in this step
+        (``meta.computing``) get layer ``layer_name`` (``kv_layer``, its KV cache tensor) now."""
+        if self.sender is None:
+            return
+        waiting = [spec for spec in meta.computing.values() if self.sender.waiting(spec.transfer_key)]
+        if not waiting:  # the usual case: nobody asked before the prefill finished
+            return
+        layer = self.layer_ids[layer_name]
+        # On GPU the KV write is queued on the compute stream: the sender waits for it.
+        event = compat.record_event(kv_layer)
+        for spec in waiting:
+            self.sender.layer_ready(spec.transfer_key, layer, spec.block_ids, spec.num_tokens, event,
+                                    spec.prompt_digest)
+
+    def pop_finished(self) -> set[str]:
+        """Request ids whose blocks vLLM may free now (all decode ranks served,
+        expired, released or aborted; no write reads them any more)."""
+        sending, self._finished = self._finished, set()
+        if self.sender is None:
+            return sending
+        for key, why in self.sender.pop_finished().items():
+            req_id = self._sending.pop(key, key)
+            sending.add(req_id)
+            handed, handover = self._handed.pop(key, (None, None))
+            held = None if handed is None else time.monotonic() - handed
+            if held is not None:
+                self.stats.record_held(held)
+            # side "producer" on a kv_both instance too
+            self.stats_file.write(side="producer", request_id=req_id, transfer_key=key, cp_rank=self.tp_rank,
+                                  event=why, held_seconds=held, handover_seconds=handover)
+            if why == "released":
+                log.debug("DCP2D: request %s released by its decode ranks on CP rank %d", req_id, self.tp_rank)
+            if why in ("expired", "unclaimed"):
+                self.stats.count("expired")
+                after = (f"claim_timeout_s={self.cfg.claim_timeout_s:.0f} s without a decode rank asking for it"
+                         if why == "unclaimed" else f"send_timeout_s={self.cfg.send_timeout_s:.0f} s")
+                log.warning("DCP2D: request %s %s on CP rank %d after %s; blocks freed", req_id, why,
+                            self.tp_rank, after)
+        return sending
+
+    def count_stats(self) -> None:
+        if self.layer_split is not None:
+            self.stats.count("prefix_broadcast_bytes", self.layer_split.take_bytes())
+
+    def threads(self) -> tuple:
+        """What runs threads of this role (each has ``.failed``)."""
+        return tuple(p for p in (self.sender, self.bootstrap) if p is not None)
+
+    def parts(self) -> tuple:
+        """What ``WorkerSide.shutdown`` closes, in order."""
+        return tuple(p for p in (self.sender, self.http_bootstrap, self.bootstrap) if p is not None)
+
+    def unhook(self) -> None:
+        if self.layer_split is not None:
+            unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
+            self.layer_split = None
