@@ -94,7 +94,12 @@ class Decode:
         self.r.start(rid, bootstrap, dst, num_tokens=self.a.tokens)
 
     def wait(self, rid):
-        f = self.r.wait(rid, 600)
+        deadline = time.monotonic() + 600
+        while not (done := [f for f in self.r.poll() if f.transfer_key == rid]):  # one fetch at a time here
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"fetch of {rid!r} not finished within 600 s")
+            time.sleep(0.005)
+        f = done[0]
         if not f.ok:
             raise RuntimeError(str(f.error))
         return {"seconds": f.seconds, "nbytes": f.nbytes, "naive": f.naive_bytes,

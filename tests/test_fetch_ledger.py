@@ -26,7 +26,7 @@ def test_invariant_1_a_fetch_ends_only_when_every_attempt_is_accounted_for():
     sent_to_two(led, f)
     assert led.answered(A, 1) == ("inflight", f, 0)
     assert f.inflight == {1: (B, 2)}
-    assert led.fail(f, FetchError("k", 0, "boom"), grace_s=5.0) == [(B, 2)]  # cancel what is left
+    assert led.fail(f, FetchError("k", 0, "boom"), grace_s=5.0) == ([(B, 2)], False)  # cancel what is left
     assert led.poll() == []
     led.quarantine(f, 1, (B, 2), "no answer to the cancel")
     led.finish(f, f.failing)
@@ -88,32 +88,29 @@ def test_one_fetch_per_key_and_fail_all_quarantines_what_is_in_flight():
     assert led.busy(A) and led.busy(B)
 
 
-def test_on_output_runs_after_the_output_is_visible():
-    """The worker rings the step bell from ``on_output``: by then ``poll`` (or
-    ``poll_lifted``) must return what ended, or the step it wakes sees nothing."""
-    seen = []
+def test_finish_and_settle_say_what_they_output_once_poll_sees_it():
+    """The receiver rings the worker's step bell when ``finish`` or ``settle`` say they
+    ended a fetch or lifted a quarantine: by then ``poll`` (or ``poll_lifted``) must
+    return it, or the step it wakes sees nothing."""
     led = FetchLedger()
-    led.on_output = lambda: seen.append((led.poll(), led.poll_lifted()))
     f = fetch()
     sent_to_two(led, f)
     led.answered(A, 1)
     led.answered(B, 2)
-    assert seen == []  # answers alone end nothing
-    led.finish(f, None)
-    assert seen == [([f], [])]
+    assert led.poll() == []  # answers alone end nothing
+    assert led.finish(f, None) is True
+    assert (led.poll(), led.poll_lifted()) == ([f], [])
+    assert led.finish(f, None) is False  # ended already: nothing new to poll
     g = fetch("g")
     sent_to_two(led, g)
     led.answered(A, 1)
     led.quarantine(g, 1, (B, 2), "silent")
-    led.finish(g, FetchError("g", 1, "deadline"))
-    assert seen[-1] == ([g], [])  # ended, its blocks still quarantined
-    led.settle((B, 2), "cancel confirmed")
-    assert seen[-1] == ([], [g]) and len(seen) == 3
-
-
-def test_on_output_that_raises_is_only_logged():
-    led = FetchLedger(on_output=lambda: 1 / 0)
-    f = fetch()
-    assert led.begin(f)
-    led.finish(f, None)
-    assert led.poll() == [f]
+    assert led.finish(g, FetchError("g", 1, "deadline")) is True
+    assert (led.poll(), led.poll_lifted()) == ([g], [])  # ended, its blocks still quarantined
+    assert led.settle((B, 9), "answered") is False  # no such attempt
+    assert led.settle((B, 2), "cancel confirmed") is True
+    assert (led.poll(), led.poll_lifted()) == ([], [g])
+    h = fetch("h")
+    assert led.begin(h)
+    assert led.fail(h, FetchError("h", None, "boom"), grace_s=5.0) == ([], True)  # nothing in flight: ends now
+    assert led.poll() == [h]

@@ -28,6 +28,7 @@ from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.testing.harness import free_port
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 L = 4
@@ -87,7 +88,7 @@ def test_decode_asks_first_through_the_http_address_and_gets_every_byte(prefill)
     try:
         wait_until(lambda: sender.waiting("xfer-1") == 1, 15)  # the table came over HTTP, the fetch waits
         sender.add_request("xfer-1", SRC_IDS, NUM_TOKENS)
-        f = recv.wait("xfer-1", 30)
+        f = wait_fetch(recv, "xfer-1", 30)
         assert f.ok, f.error
         for layer in range(L):
             assert np.array_equal(prefill["dst"][layer], expected_layer(prefill["src"], layer))
@@ -99,7 +100,7 @@ def test_an_http_address_that_does_not_answer_fails_only_its_fetch(prefill):
     recv = prefill["recv"]
     port = free_port()  # nobody listens
     recv.start("lost", f"http://127.0.0.1:{port}", DST_IDS, timeout_s=5.0, num_tokens=NUM_TOKENS)
-    f = recv.wait("lost", 20)
+    f = wait_fetch(recv, "lost", 20)
     assert not f.ok and f.error.timed_out and f"GET http://127.0.0.1:{port}/query" in f.error.reason
     # the receiver serves the next fetch through the working address
     sender = prefill["start_sender"]()
@@ -107,7 +108,7 @@ def test_an_http_address_that_does_not_answer_fails_only_its_fetch(prefill):
         recv.start("next", prefill["http"].address, DST_IDS, num_tokens=NUM_TOKENS)
         wait_until(lambda: sender.waiting("next") == 1, 15)
         sender.add_request("next", SRC_IDS, NUM_TOKENS)
-        assert recv.wait("next", 30).ok
+        assert wait_fetch(recv, "next", 30).ok
     finally:
         sender.close()
 
@@ -131,7 +132,7 @@ def test_a_bootstrap_of_another_connector_is_named(prefill):
         recv = prefill["recv"]
         addr = f"http://127.0.0.1:{server.server_address[1]}"
         recv.start("other", addr, DST_IDS, timeout_s=1.5, num_tokens=NUM_TOKENS)
-        f = recv.wait("other", 20)
+        f = wait_fetch(recv, "other", 20)
         assert not f.ok and "KeyError: 'dcp2d'" in f.error.reason, f.error
     finally:
         server.shutdown()

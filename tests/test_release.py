@@ -16,6 +16,7 @@ from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_no
 from vllm_dcp2d.transfer import send_ledger
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -50,7 +51,7 @@ def test_release_frees_at_once_and_later_fetches_fail(stack):
     assert time.monotonic() - t0 < 10.0  # not send_timeout_s
     s.recv.release("x", s.boot.address, TOKENS)  # a duplicate: harmless, reported once
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and "unknown request id 'x'" in str(f.error)
     time.sleep(0.3)
     assert s.sender.pop_finished() == {} and not s.gate.entered.is_set()
@@ -66,7 +67,7 @@ def test_release_during_a_write_takes_effect_when_it_settles(stack):
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
     assert s.gate.entered.wait(20)
     deadline_now(s.recv, "x")
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and f.quarantined  # the write never answered the cancel
     s.recv.release("x", s.boot.address, TOKENS)
     time.sleep(1.0)  # the release arrived; the write still reads the blocks
@@ -90,7 +91,7 @@ def test_release_of_one_engine_keeps_what_another_engine_fetches(stack):
     time.sleep(1.0)
     assert s.sender.pop_finished() == {}
     s.gate.open()
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert f.ok and np.array_equal(s.dst, s.expected())
     assert finished_within(s.sender) == {"x": "done"}
 
@@ -106,7 +107,7 @@ def test_a_decode_of_another_kv_format_still_releases_what_it_refused(stack):
     other = receiver(stack, "E", dst, fingerprint=dataclasses.replace(FP, kv_dtype="fp8_e5m2"))
     s.sender.add_request("x", SRC_IDS, TOKENS)
     other.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    f = other.wait("x", 20)
+    f = wait_fetch(other, "x", 20)
     assert not f.ok and "kv_dtype: ours 'fp8_e5m2', peer 'uint8'" in str(f.error), f.error
     t0 = time.monotonic()
     other.release("x", s.boot.address, TOKENS)  # as the worker does for a failed fetch
@@ -140,7 +141,7 @@ def test_release_counts_per_consumer_rank(stack):
     assert s.sender.pop_finished() == {}  # rank 0 has not fetched
     s.gate.open()
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    assert s.recv.wait("x", 20).ok
+    assert wait_fetch(s.recv, "x", 20).ok
     assert finished_within(s.sender) == {"x": "released"}  # one rank fetched, the other released
 
 

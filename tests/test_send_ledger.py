@@ -29,12 +29,20 @@ class Book:
     """A ledger whose answers are recorded: ``answers[attempt key] -> [outcome, ...]``."""
 
     def __init__(self):
-        self.answers: dict[tuple, list[TransferOutcome]] = {}
-        self.ledger = SendLedger(self._reply, self._failed, self._ok, "cp rank 0")
+        self._answers: dict[tuple, list[TransferOutcome]] = {}
+        self.ledger = SendLedger("cp rank 0")
         self.attempts: dict[int, Attempt] = {}
 
-    def _reply(self, identity, outcome):
-        self.answers.setdefault((identity, outcome.attempt_id), []).append(outcome)
+    @property
+    def answers(self) -> dict[tuple, list[TransferOutcome]]:
+        """Every answer the ledger decided so far, taken as its owner takes them."""
+        for ans in self.ledger.take_answers():
+            a = ans.attempt
+            outcome = (self._ok(a, ans.request) if ans.ok
+                       else self._failed(a.req, ans.error, 0 if ans.request is None else ans.request.num_pages,
+                                         a.settled))
+            self._answers.setdefault((a.identity, outcome.attempt_id), []).append(outcome)
+        return self._answers
 
     @staticmethod
     def _outcome(req, ok, reason, settled, num_tokens=0):

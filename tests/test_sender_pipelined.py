@@ -18,6 +18,7 @@ from vllm_dcp2d.plan import KVRegions, plan_path
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -79,7 +80,7 @@ def test_layers_written_as_they_are_computed(pair):
         assert not dst[layer + 1:].any()
         assert not recv.poll()  # no answer before add_request
     sender.add_request("r", SRC_IDS, NUM_TOKENS)
-    f = recv.wait("r", 20)
+    f = wait_fetch(recv, "r", 20)
     assert f.ok, f.error
     o = f.outcomes[0]
     full = plan_path(regions(src), SRC_IDS, range(L), regions(dst), DST_IDS, 2, 1, 0, NUM_PAGES)
@@ -100,7 +101,7 @@ def test_remaining_layers_at_add_request(pair):
     sender.layer_ready("r", L, SRC_IDS, NUM_TOKENS)  # not this rank's layer: ignored
     wait_until(lambda: np.array_equal(dst[3], expected_layer(src, 3)))
     sender.add_request("r", SRC_IDS, NUM_TOKENS)
-    f = recv.wait("r", 20)
+    f = wait_fetch(recv, "r", 20)
     assert f.ok and f.outcomes[0].early_layers == 2
     assert all(np.array_equal(dst[x], expected_layer(src, x)) for x in range(L))
 
@@ -112,7 +113,7 @@ def test_held_fetch_expires_after_early_layers(pair):
     recv.start("late", boot, DST_IDS, num_tokens=NUM_TOKENS, wait_s=0.5)
     wait_until(lambda: sender.waiting("late") == 1)
     sender.layer_ready("late", 0, SRC_IDS, NUM_TOKENS)
-    f = recv.wait("late", 20)
+    f = wait_fetch(recv, "late", 20)
     assert not f.ok and "not ready" in f.error.reason
     assert sender.waiting("late") == 0
     dst[:] = 0
@@ -121,7 +122,7 @@ def test_held_fetch_expires_after_early_layers(pair):
     assert not dst.any()
     sender.add_request("next", SRC_IDS, NUM_TOKENS)
     recv.start("next", boot, DST_IDS, num_tokens=NUM_TOKENS)
-    f = recv.wait("next", 20)
+    f = wait_fetch(recv, "next", 20)
     assert f.ok and f.outcomes[0].early_layers == 0
     assert all(np.array_equal(dst[x], expected_layer(src, x)) for x in range(L))
 
@@ -133,7 +134,7 @@ def test_deadline_cancels_held_fetch(pair):
     recv.start("c", boot, DST_IDS, num_tokens=NUM_TOKENS)  # the rank would hold it for wait_s = 20 s
     wait_until(lambda: sender.waiting("c") == 1)
     deadline_now(recv, "c")
-    f = recv.wait("c", 10)
+    f = wait_fetch(recv, "c", 10)
     assert f.error.timed_out and f.seconds < 5
     assert sender.waiting("c") == 0
     sender.layer_ready("c", 0, SRC_IDS, NUM_TOKENS)
@@ -167,7 +168,7 @@ def test_fetch_fails_only_after_the_write_in_flight(pair):
     recv.start("w", boot, DST_IDS, num_tokens=NUM_TOKENS)
     wait_until(lambda: slow.started)
     deadline_now(recv, "w")
-    f = recv.wait("w", 20)
+    f = wait_fetch(recv, "w", 20)
     assert f.error.timed_out and f.seconds > 1.4, f.seconds
     # the write had landed before the fetch ended; nothing lands after it
     done = dst.copy()

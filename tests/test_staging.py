@@ -21,6 +21,7 @@ from vllm_dcp2d.transfer.staging import MIN_GAIN, MIN_UNIT, Slot, stage
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.plan import Descriptors, KVRegions, Memory, plan_path
+from _fetch import wait_fetch
 
 
 class Pools:
@@ -168,7 +169,7 @@ class Pair:
     def fetch(self, key: str, src_ids, dst_ids):
         self.sender.add_request(key, src_ids, TOKENS)
         self.recv.start(key, self.boot, dst_ids, num_tokens=TOKENS)
-        return self.recv.wait(key, 30)
+        return wait_fetch(self.recv, key, 30)
 
     def expected(self, src_ids, dst_ids) -> np.ndarray:
         mine = np.arange(self.dcp_size - 1, cdiv(TOKENS, PAGE), self.dcp_size)

@@ -26,6 +26,7 @@ import pytest
 
 from test_transfer_safety import DST_IDS, SRC_IDS, TOKENS, Side, deadline_now, released_then_unchanged, wait_until
 from vllm_dcp2d.transfer import send_ledger
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -98,7 +99,7 @@ def test_ok_answer_after_a_stalled_attempt_keeps_the_blocks_until_settled(stack,
     s, net = stalled_side(stack, monkeypatch)
     s.gate.open()
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert np.array_equal(s.dst, s.expected())  # the retry wrote everything
     hand_back_then_land(s, net, f)
     assert not f.ok and "attempt stalled, then its retry succeeded" in f.quarantined[0], (f.error, f.quarantined)
@@ -115,7 +116,7 @@ def test_cancel_answered_after_a_stalled_attempt_keeps_the_blocks(stack, monkeyp
     # The cancel reached the rank (no write of the fetch may start any more) while one runs.
     wait_until(lambda: any(a.closed for a in list(s.sender.ledger._open.values())))
     s.gate.open()
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert f.error.timed_out, f.error
     hand_back_then_land(s, net, f)
     assert list(f.quarantined) == [0] and "cancelled by the consumer" in f.quarantined[0], f.quarantined

@@ -31,6 +31,7 @@ from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, CancelTransfer, Mess
 from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -58,7 +59,7 @@ def receiver(stack, **kw) -> Receiver:
 
 def fetch_ok(r: Receiver, server, key: str, timeout_s: float = 10.0):
     r.start(key, server.address, DST_IDS, num_tokens=TOKENS)
-    f = r.wait(key, timeout_s)
+    f = wait_fetch(r, key, timeout_s)
     assert f.ok, f.error
     return f
 
@@ -111,7 +112,7 @@ def test_malformed_bootstrap_address_fails_only_its_fetch(stack):
     stack.callback(rank.close)
     for bad in ("tcp://127.0.0.1:notaport", "x"):
         r.start("bad", bad, DST_IDS, num_tokens=TOKENS)
-        f = r.wait("bad", 10)
+        f = wait_fetch(r, "bad", 10)
         assert not f.ok and bad in str(f.error), f.error
         r.release("bad", bad, TOKENS)  # a release to it is dropped, not fatal
     fetch_ok(r, server, "good")
@@ -126,11 +127,11 @@ def test_a_key_the_wire_refuses_fails_only_its_fetch(stack):
     s.recv.start("waiting", s.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=30.0)
     wait_until(lambda: s.sender.waiting("waiting") == 1)
     s.recv.start("k" * 600, s.boot.address, DST_IDS, num_tokens=TOKENS)
-    f = s.recv.wait("k" * 600, 10)
+    f = wait_fetch(s.recv, "k" * 600, 10)
     assert not f.ok and "cannot send the request" in str(f.error) and "512" in str(f.error), f.error
     s.gate.open()
     s.sender.add_request("waiting", SRC_IDS, TOKENS)
-    assert s.recv.wait("waiting", 20).ok
+    assert wait_fetch(s.recv, "waiting", 20).ok
     assert np.array_equal(s.dst, s.expected())
 
 
@@ -147,7 +148,7 @@ def test_answer_naming_another_cp_rank_does_not_end_the_attempt(stack):
     rank = FakeRank(server.address, FP, impostor)
     stack.callback(rank.close)
     r.start("x", server.address, DST_IDS, num_tokens=TOKENS)
-    f = r.wait("x", 5)
+    f = wait_fetch(r, "x", 5)
     assert not f.ok and "names cp rank 1" in str(f.error), f.error
     assert list(f.quarantined) == [0]
 
@@ -158,11 +159,11 @@ def test_engine_id_of_the_rank_table_must_match(stack):
     rank = ok_rank(server)
     stack.callback(rank.close)
     r.start("x", server.address, DST_IDS, num_tokens=TOKENS, remote_engine_id="prefill-before-restart")
-    f = r.wait("x", 10)
+    f = wait_fetch(r, "x", 10)
     assert not f.ok and "'prefill-before-restart'" in str(f.error) and "'P'" in str(f.error), f.error
     assert rank.seen == []  # nothing was asked of the wrong engine
     r.start("y", server.address, DST_IDS, num_tokens=TOKENS, remote_engine_id="P")
-    assert r.wait("y", 10).ok
+    assert wait_fetch(r, "y", 10).ok
 
 
 def test_an_unreadable_answer_fails_only_by_its_deadline(stack, monkeypatch):
@@ -183,7 +184,7 @@ def test_an_unreadable_answer_fails_only_by_its_deadline(stack, monkeypatch):
 
     monkeypatch.setattr(r, "auth", Once())
     r.start("x", server.address, DST_IDS, num_tokens=TOKENS)
-    f = r.wait("x", 10)
+    f = wait_fetch(r, "x", 10)
     assert not f.ok and f.error.timed_out
     fetch_ok(r, server, "y")
 
@@ -201,7 +202,7 @@ def test_receiver_thread_that_dies_fails_its_fetches_and_refuses_new_ones(stack)
 
     r._poller.poll = broken
     r._waker.wake()
-    (f,) = [r.wait("x", 10)]
+    (f,) = [wait_fetch(r, "x", 10)]
     assert not f.ok and "injected outside every guard" in str(f.error)
     assert list(f.quarantined) == [0]  # nobody hears its answer any more
     assert "injected outside every guard" in r.failed
@@ -236,13 +237,13 @@ def test_a_write_that_raises_anything_fails_only_its_fetch(stack):
     for i in range(3):
         s.sender.add_request(f"bad{i}", SRC_IDS, TOKENS)
         s.recv.start(f"bad{i}", s.boot.address, DST_IDS, num_tokens=TOKENS)
-        f = s.recv.wait(f"bad{i}", 10)
+        f = wait_fetch(s.recv, f"bad{i}", 10)
         assert not f.ok and "unexpected TypeError: incompatible function arguments" in str(f.error), f.error
     assert s.sender.writes_in_flight() == 0
     s.gate.transport = real
     s.sender.add_request("good", SRC_IDS, TOKENS)
     s.recv.start("good", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    assert s.recv.wait("good", 10).ok and np.array_equal(s.dst, s.expected())
+    assert wait_fetch(s.recv, "good", 10).ok and np.array_equal(s.dst, s.expected())
     s.sender.ledger.expire(now=time.monotonic() + 120)  # the failed requests can still be freed
     assert {k: v for k, v in s.sender.pop_finished().items() if k.startswith("bad")} == {
         f"bad{i}": "expired" for i in range(3)}
@@ -265,10 +266,10 @@ def test_an_exception_at_any_stage_fails_only_its_attempt(stack, monkeypatch, st
     monkeypatch.setattr(sender_mod, stage, once)
     s.sender.add_request("x", SRC_IDS, TOKENS)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    f = s.recv.wait("x", 10)
+    f = wait_fetch(s.recv, "x", 10)
     assert not f.ok and f"injected into {stage}" in str(f.error), f.error
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)  # the same request, asked again
-    assert s.recv.wait("x", 10).ok and np.array_equal(s.dst, s.expected())
+    assert wait_fetch(s.recv, "x", 10).ok and np.array_equal(s.dst, s.expected())
 
 
 def test_sender_thread_that_dies_is_reported(stack):

@@ -19,6 +19,7 @@ from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.plan import KVRegions
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 
@@ -100,7 +101,7 @@ def test_sub_page_writes_land_byte_exact(tp_p, tp_d, staging, nhd):
             r.start("x", addr, DST_IDS, num_tokens=TOKENS, prompt_digest=DIGEST)
         heads = K // tp_d
         for rank, (r, dst) in enumerate(ranks):
-            f = r.wait("x", 30)
+            f = wait_fetch(r, "x", 30)
             assert f.ok, f.error
             # decode rank `rank` asked every prefill rank holding one of its heads
             assert sorted(f.outcomes) == [p for p in range(tp_p) if {p * (K // tp_p), (p + 1) * (K // tp_p) - 1}
@@ -125,6 +126,6 @@ def test_a_rank_asked_for_heads_it_does_not_hold_refuses_naming_both(monkeypatch
         addr, _, _ = stack.enter_context(prefill(2, False, 0))
         (_, _), (r, dst) = decode(stack, 2, False)
         r.start("x", addr, DST_IDS, num_tokens=TOKENS, prompt_digest=DIGEST)
-        f = r.wait("x", 30)
+        f = wait_fetch(r, "x", 30)
         assert not f.ok and f.error.cp_rank == 0
         assert "cp rank 0 holds KV heads [0, 1) of 2, the decode rank [1, 2): no head in common" in f.error.reason

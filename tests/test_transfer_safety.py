@@ -25,6 +25,7 @@ from vllm_dcp2d.plan import KVRegions
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -135,7 +136,7 @@ def test_expiry_waits_for_the_write_in_flight(stack):
     assert s.sender.pop_finished() == {}, "blocks freed while a write reads them"
     assert s.sender.writes_in_flight() == 1
     s.gate.open()
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     wait_until(lambda: s.sender.writes_in_flight() == 0)
     finished = {}
     wait_until(lambda: finished.update(s.sender.pop_finished()) or finished)
@@ -156,11 +157,11 @@ def test_cancel_overtakes_queued_work(stack):
     s.recv.start("b", s.boot.address, other, num_tokens=TOKENS)
     wait_until(lambda: any(a.req.transfer_key == "b" for a in list(s.sender.ledger._open.values())))
     deadline_now(s.recv, "b")
-    f = s.recv.wait("b", 20)  # failed at its deadline; the cancel was confirmed while a still writes
+    f = wait_fetch(s.recv, "b", 20)  # failed at its deadline; the cancel was confirmed while a still writes
     assert f.error.timed_out and not f.quarantined and f.seconds < 4, (f.error, f.quarantined, f.seconds)
     assert not s.gate.ended
     s.gate.open()
-    assert s.recv.wait("a", 20).ok
+    assert wait_fetch(s.recv, "a", 20).ok
     released_then_unchanged(s)
     assert not s.dst[:, [2, 5, 6]].any(), "the cancelled fetch was written after its cancel"
     assert len(s.gate.ended) == 1
@@ -176,7 +177,7 @@ def test_stalled_write_past_the_deadline_is_quarantined_until_it_ends(stack):
     assert s.gate.entered.wait(20)
     (active,) = s.recv.ledger.active()
     active.deadline = time.monotonic()  # the deadline passes now, with the write in flight (not by luck)
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert f.error.timed_out and list(f.quarantined) == [0] and "no answer to the cancel" in f.quarantined[0]
     assert not s.gate.ended and s.recv.poll_lifted() == []
     time.sleep(1.5)  # cancels go out again; the rank still writes, so it does not confirm
@@ -212,7 +213,7 @@ def test_rank_that_never_answers_stays_quarantined_until_it_answers(silent):
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
     wait_until(lambda: rank.seen)
     deadline_now(recv, "x")
-    f = recv.wait("x", 20)
+    f = wait_fetch(recv, "x", 20)
     assert f.error.timed_out and list(f.quarantined) == [0]
     wait_until(lambda: rank.cancels() >= 3, 20)  # the cancel, then again 1 s and 3 s after the grace
     assert rank.cancels() <= 4, rank.cancels()  # backoff, not a flood
@@ -230,7 +231,7 @@ def test_unsettled_answer_keeps_the_quarantine(silent):
     rank.answer_cancels, rank.settled = True, False
     rank.reply = lambda msg: outcome(msg, ok=False, settled=False, layers=L)
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
-    f = recv.wait("x", 20)
+    f = wait_fetch(recv, "x", 20)
     assert not f.ok and not f.error.timed_out and list(f.quarantined) == [0]
     assert "a write timed out" in f.quarantined[0]
     time.sleep(1.5)
@@ -245,7 +246,7 @@ def test_unsettled_answer_keeps_the_quarantine(silent):
     assert recv.transport.session_id != first
     rank.reply = lambda msg: outcome(msg, ok=True, num_tokens=msg.num_tokens, layers=L)
     recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10)
-    assert recv.wait("y", 20).ok
+    assert wait_fetch(recv, "y", 20).ok
     assert [m.session for m in rank.seen if getattr(m, "transfer_key", "") == "y"] == [recv.transport.session_id]
 
 
@@ -264,7 +265,7 @@ def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
     s.gate.open()
     s.sender.add_request("x", SRC_IDS, TOKENS)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and "a write timed out" in f.quarantined[0]
     got = []
     wait_until(lambda: got.extend(s.recv.poll_lifted()) or got, 20)
@@ -337,7 +338,7 @@ def test_dropped_link_during_a_write_does_not_release_blocks(stack):
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
     assert s.gate.entered.wait(20)
     relays[0].cut()
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert "connection lost" in f.error.reason and list(f.quarantined) == [0], (f.error, f.quarantined)
     assert s.recv.poll_lifted() == [] and not s.gate.ended
     s.gate.open()
@@ -355,12 +356,12 @@ def test_length_mismatch_is_a_fetch_error(stack):
     s.gate.open()
     s.sender.add_request("x", SRC_IDS, TOKENS)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS + 9, timeout_s=10)
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and not f.quarantined
     assert f"the decode asks for {TOKENS + 9} prompt tokens (not the prefill's request)" in f.error.reason
     assert not s.dst.any() and not s.gate.ended
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)  # the right claim is served
-    assert s.recv.wait("x", 20).ok and np.array_equal(s.dst, s.expected())
+    assert wait_fetch(s.recv, "x", 20).ok and np.array_equal(s.dst, s.expected())
 
 
 def test_decode_checks_the_count_the_prefill_answers(silent):
@@ -368,7 +369,7 @@ def test_decode_checks_the_count_the_prefill_answers(silent):
     boot, recv, rank = silent
     rank.reply = lambda msg: outcome(msg, ok=True, num_tokens=msg.num_tokens - 16, layers=L)
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10)
-    f = recv.wait("x", 20)
+    f = wait_fetch(recv, "x", 20)
     assert not f.ok and not f.quarantined and f.error.cp_rank == 0
     assert (f"this decode expects {TOKENS} tokens (4 pages), the prefill wrote {TOKENS - 16} tokens (3 pages)"
             in f.error.reason)
@@ -389,7 +390,7 @@ def test_abort_waits_for_layer_writes(stack):
     finished = {}
     wait_until(lambda: finished.update(s.sender.pop_finished()) or finished)
     assert finished == {"x": "aborted"} and s.gate.ended[-1] <= time.monotonic()
-    f = s.recv.wait("x", 20)
+    f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and "aborted on the prefill" in f.error.reason and not f.quarantined
     s.sender.layer_ready("x", 1, SRC_IDS, TOKENS)  # nothing is held any more
     time.sleep(0.2)
@@ -409,7 +410,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
     wait_until(lambda: rank.seen)
     deadline_now(recv, "x")
-    f = recv.wait("x", 20)
+    f = wait_fetch(recv, "x", 20)
     assert list(f.quarantined) == [0]
     old = rank.address
     rank.close()  # its loop closes the socket: the port is free
@@ -421,7 +422,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
         fresh = FakeRank(boot.address, FP, lambda m: outcome(m, True, num_tokens=m.num_tokens, layers=L))
         try:
             recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS)  # reads the new table
-            assert recv.wait("y", 20).ok
+            assert wait_fetch(recv, "y", 20).ok
             got = []
             wait_until(lambda: got.extend(recv.poll_lifted()) or got, 10)
             assert got == [f]

@@ -28,6 +28,7 @@ from vllm_dcp2d.transfer.messages import prompt_digest
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
+from _fetch import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -67,7 +68,7 @@ class Decode:
 
     def fetch(self, bootstrap: str, key: str = "x", digest: str = DIGEST, timeout_s: float = 20.0):
         self.recv.start(key, bootstrap, DST_IDS, num_tokens=TOKENS, prompt_digest=digest, remote_engine_id="P")
-        return self.recv.wait(key, timeout_s)
+        return wait_fetch(self.recv, key, timeout_s)
 
     def expected(self, src) -> np.ndarray:
         want = np.zeros_like(self.dst)
@@ -199,7 +200,7 @@ def test_a_frozen_decode_holds_up_only_its_own_fetches(stack):
     f = h.fetch(p.boot.address, "c")
     assert f.ok and time.monotonic() - t0 < 5 and np.array_equal(h.dst, h.expected(p.src))
     frozen[0].thaw()
-    assert f1.recv.wait("a", 20).ok and f1.recv.wait("b", 20).ok
+    assert wait_fetch(f1.recv, "a", 20).ok and wait_fetch(f1.recv, "b", 20).ok
 
 
 def test_waits_and_open_attempts_are_bounded(stack):
@@ -214,7 +215,7 @@ def test_waits_and_open_attempts_are_bounded(stack):
     d = Decode(stack)
     t0 = time.monotonic()
     d.recv.start("never", short.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=3600.0)
-    f = d.recv.wait("never", 20)
+    f = wait_fetch(d.recv, "never", 20)
     assert "not ready on cp rank 0 after waiting 0.5s" in f.error.reason and time.monotonic() - t0 < 10
     big = stranger("big", p.boot.address)["big"][p.sender.address]
     assert big == "silence" and p.sender.malformed == 0
@@ -287,11 +288,11 @@ def test_idle_table_queries_and_links_are_closed(stack, monkeypatch):
     d = Decode(stack, timeout_s=0.3)
     for i in range(6):  # nobody listens at these ports
         d.recv.start(f"k{i}", f"tcp://127.0.0.1:{9 + i}", DST_IDS, num_tokens=TOKENS)
-    errors = [d.recv.wait(f"k{i}", 20).error.reason for i in range(6)]
+    errors = [wait_fetch(d.recv, f"k{i}", 20).error.reason for i in range(6)]
     assert sum("talks to 4 prefill instances already (at most 4)" in e for e in errors) == 2, errors
     wait_until(lambda: not d.recv._queries and not d.recv._ranks, 10)
     d.recv.start("again", "tcp://127.0.0.1:9", DST_IDS, num_tokens=TOKENS)  # room again
-    assert "no rank table" in d.recv.wait("again", 20).error.reason
+    assert "no rank table" in wait_fetch(d.recv, "again", 20).error.reason
 
 
 def test_a_socket_is_closed_when_its_monitor_cannot_be_made(monkeypatch):
@@ -359,7 +360,7 @@ def test_verify_kv_catches_an_ok_answer_with_nothing_written(stack):
     stack.callback(liar.close)
     d.dst[:] = 3  # stale KV of an earlier request
     d.recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
-    f = d.recv.wait("x", 20)
+    f = wait_fetch(d.recv, "x", 20)
     assert not f.ok and f.error.corrupt
 
 
@@ -393,7 +394,7 @@ def test_a_decode_rank_gets_the_kv_of_its_own_heads_or_a_refusal(stack):
                      buffers=[(dst.ctypes.data, dst.nbytes)], timeout_s=20.0)
         stack.callback(r.close)
         r.start("x", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=DIGEST)
-        f = r.wait("x", 20)
+        f = wait_fetch(r, "x", 20)
         if ok:
             assert f.ok and sorted(f.outcomes) == [1]
             assert (dst[:, DST_IDS] == 11).all() and not dst[:, [0, 2, 5, 6]].any()

@@ -15,6 +15,7 @@ import os
 import traceback
 
 import numpy as np
+from _fetch import wait_fetch
 
 STRIDE = 1024                  # bytes per block row of one layer
 K_BYTES, V_OFF, V_BYTES = 256, 384, 512
@@ -123,7 +124,7 @@ class DecodeRank:
                             num_tokens=PAGE_SIZE * n)
 
     def wait(self, request_id, timeout_s=30.0):
-        return _fetch_dict(self.receiver.wait(request_id, timeout_s))
+        return _fetch_dict(wait_fetch(self.receiver, request_id, timeout_s))
 
     def fetch(self, request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, num_pages=None):
         self.start(request_id, bootstrap, block_ids, first_page, timeout_s, wait_s, num_pages)
@@ -134,7 +135,7 @@ class DecodeRank:
         from vllm_dcp2d.transfer.receiver import Receiver
         with Receiver(self.transport, self.regions, fingerprint(**fp), timeout_s=10.0, **self.args) as r:
             r.start(request_id, bootstrap, block_ids, num_tokens=PAGE_SIZE * len(block_ids) * self.args["dcp_size"])
-            return _fetch_dict(r.wait(request_id, 15.0))
+            return _fetch_dict(wait_fetch(r, request_id, 15.0))
 
     def lifted(self):
         return [f.transfer_key for f in self.receiver.poll_lifted()]

@@ -4,7 +4,8 @@
 A ``Receiver`` (one per decode DCP rank) owns the sockets; its ledger owns what
 every fetch is waiting for and decides when a fetch ends and when its blocks may
 be used again. The receiver's background thread is the only writer; ``poll`` and
-``poll_lifted`` may be called from any thread.
+``poll_lifted`` may be called from any thread. The methods that can end a fetch or
+lift a quarantine say so in what they return; the receiver then tells its owner.
 
 Every attempt is known by where it was sent: ``(rank address, attempt_id)``.
 An answer is matched by that pair only, never by the CP rank or transfer key
@@ -38,8 +39,7 @@ log = logging.getLogger(__name__)
 class FetchLedger:
     """What one decode rank's fetches wait for (see the module doc)."""
 
-    def __init__(self, on_output=None):
-        self.on_output = on_output  # called (no arguments) after a fetch ends or a quarantine lifts
+    def __init__(self):
         self._active: dict[str, Fetch] = {}  # transfer key -> fetch not ended
         self._inflight: dict[tuple[str, int], tuple[Fetch, int]] = {}  # (addr, attempt) -> (fetch, cp rank)
         self._unsettled: dict[tuple[str, int], tuple[Fetch, int]] = {}  # quarantined attempts, same keys
@@ -68,23 +68,25 @@ class FetchLedger:
         self._inflight[(addr, attempt)] = (f, cp_rank)
         f.inflight[cp_rank] = (addr, attempt)
 
-    def fail(self, f: Fetch, error: FetchError, grace_s: float, peer_fault: bool = False) -> list[tuple[str, int]]:
-        """``f`` failed. Returns the ``(addr, attempt)`` still in flight, to cancel;
-        ``f`` ends when each answered (``answered``), at the latest ``grace_s`` later
-        (``overdue``). With none in flight it ends now."""
+    def fail(self, f: Fetch, error: FetchError, grace_s: float,
+             peer_fault: bool = False) -> tuple[list[tuple[str, int]], bool]:
+        """``f`` failed. Returns the ``(addr, attempt)`` still in flight, to cancel, and
+        whether ``f`` ended now (none was in flight: ``finish``); else ``f`` ends when each
+        answered (``answered``), at the latest ``grace_s`` later."""
         if not f.inflight:
-            self.finish(f, error, peer_fault=peer_fault)
-            return []
+            return [], self.finish(f, error, peer_fault=peer_fault)
         if f.failing is None:
             f.failing, f.peer_fault = error, peer_fault
             f.settle_by = time.monotonic() + grace_s
-        return list(f.inflight.values())
+        return list(f.inflight.values()), False
 
-    def finish(self, f: Fetch, error: FetchError | None, track: bool = True, peer_fault: bool = False) -> None:
-        """End ``f`` (invariant 1: the caller quarantined or heard from every attempt)."""
+    def finish(self, f: Fetch, error: FetchError | None, track: bool = True, peer_fault: bool = False) -> bool:
+        """End ``f`` (invariant 1: the caller quarantined or heard from every attempt).
+        Returns whether it ended now (False: it had ended already); ``poll`` returns it
+        from then on."""
         if track:
             if self._active.get(f.transfer_key) is not f:
-                return
+                return False
             del self._active[f.transfer_key]
         for where in f.inflight.values():
             self._inflight.pop(where, None)
@@ -100,7 +102,7 @@ class FetchLedger:
             self._done.append(f)
             if f.quarantined and not f.unsettled:  # every quarantined attempt settled before the fetch ended
                 self._lifted.append(f)
-        self._announce()
+        return True
 
     # ---- attempts ----
 
@@ -134,25 +136,29 @@ class FetchLedger:
         """``(attempt, fetch)`` quarantined on ``addr`` (their cancels are re-sent)."""
         return [(a, f) for (ad, a), (f, _) in self._unsettled.items() if ad == addr]
 
-    def settle(self, where: tuple[str, int], how: str) -> None:
-        """Quarantined attempt ``where`` can no longer write (invariant 2)."""
+    def settle(self, where: tuple[str, int], how: str) -> bool:
+        """Quarantined attempt ``where`` can no longer write (invariant 2). Returns whether
+        that lifted its fetch's quarantine (``poll_lifted`` returns the fetch from then on)."""
         hit = self._unsettled.pop(where, None)
         if hit is None:
-            return
+            return False
         f, cp_rank = hit
         f.unsettled.pop(cp_rank, None)
         log.info("fetch of %r: quarantined cp rank %d settled (%s)", f.transfer_key, cp_rank, how)
         if not f.unsettled and self._active.get(f.transfer_key) is not f:
             with self._out:
                 self._lifted.append(f)
-            self._announce()
+            return True
+        return False
 
-    def settle_rank(self, addr: str, bootstrap: str, how: str) -> None:
+    def settle_rank(self, addr: str, bootstrap: str, how: str) -> bool:
         """Every attempt quarantined on ``addr`` for a prefill at ``bootstrap`` settled
-        (that rank's old process is gone)."""
+        (that rank's old process is gone). Returns whether a quarantine lifted."""
+        lifted = False
         for attempt, f in self.unsettled_on(addr):
             if f.bootstrap == bootstrap:
-                self.settle((addr, attempt), how)
+                lifted = self.settle((addr, attempt), how) or lifted
+        return lifted
 
     def busy(self, addr: str) -> bool:
         """Whether anything is in flight or quarantined on ``addr``."""
@@ -160,32 +166,23 @@ class FetchLedger:
 
     # ---- outputs (any thread) ----
 
-    def _announce(self) -> None:
-        if self.on_output is not None:
-            try:
-                self.on_output()
-            except Exception:  # only a wake-up: whoever polls sees the output at its next poll anyway
-                log.exception("fetch ledger: on_output failed")
-
     def poll(self) -> list[Fetch]:
         with self._out:
             out, self._done = self._done, []
         return out
-
-    def unpoll(self, fetches: list[Fetch]) -> None:
-        """Put fetches taken by ``poll`` back, ahead of later ones."""
-        with self._out:
-            self._done[:0] = fetches
 
     def poll_lifted(self) -> list[Fetch]:
         with self._out:
             out, self._lifted = self._lifted, []
         return out
 
-    def fail_all(self, reason: str) -> None:
+    def fail_all(self, reason: str) -> bool:
         """The receiver is closing or its thread died: every fetch ends failed, what
-        is still in flight quarantined (nobody will hear its answer)."""
+        is still in flight quarantined (nobody will hear its answer). Returns whether
+        any ended."""
+        ended = False
         for f in self.active():
             for cp_rank, where in list(f.inflight.items()):
                 self.quarantine(f, cp_rank, where, reason)
-            self.finish(f, FetchError(f.transfer_key, None, reason))
+            ended = self.finish(f, FetchError(f.transfer_key, None, reason)) or ended
+        return ended

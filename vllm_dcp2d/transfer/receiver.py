@@ -24,24 +24,10 @@ blocks (a rank that stopped reading fails the fetches sent to it). A thread
 that dies anyway sets ``failed``: every fetch in flight fails, ``start``
 raises, and the owner turns it into an engine error.
 
-Public API
-----------
-``class FetchError(RuntimeError)``: ``.transfer_key``, ``.cp_rank`` (None if not rank-specific), ``.reason``,
-    ``.timed_out`` (the deadline passed).
-``Fetch``: ``.transfer_key``, ``.ok``, ``.error: FetchError | None``, ``.outcomes: dict[int, TransferOutcome]``,
-    ``.quarantined: dict[int, str]`` (cp rank -> why its writes may still land), ``.seconds``;
-    ``.nbytes`` / ``.naive_bytes`` summed over CP ranks.
-``Receiver(transport, regions, fingerprint, *, engine_id, consumer_rank=0, consumer_size=1,
-           dcp_size=1, dcp_rank=0, buffers=(), timeout_s=30.0, wait_s=0.0, cancel_grace_s=2.0, on_output=None)``
-    ``.start(transfer_key, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, *, num_tokens,
-             remote_engine_id=None)``
-    ``.release(transfer_key, bootstrap, num_tokens, remote_engine_id=None)``  this rank will never fetch
-                                 it: tell every CP rank (if the instance there is that engine).
-    ``.poll() -> list[Fetch]``           finished fetches since the last call (any thread).
-    ``.poll_lifted() -> list[Fetch]``    quarantined fetches whose attempts all settled since.
-    ``.wait(transfer_key, timeout_s) -> Fetch``  blocking helper (tests, benches).
-    ``.failed -> str``                   why the thread died ("" while it runs).
-    ``.close()``                         fails what is in flight, unregisters ``buffers``.
+The owner's calls: ``start`` a fetch, ``release`` a request this rank will never
+fetch, ``poll`` the fetches that ended and ``poll_lifted`` the quarantines that
+lifted (any thread), ``failed``, ``close``. What a ``Fetch`` and a ``FetchError``
+hold: ``fetch.py``.
 """
 
 from __future__ import annotations
@@ -118,7 +104,8 @@ class Receiver:
         self.memory = Memory.of(transport.registered().items())
         self.num_blocks = blocks_within(regions, self.memory)
         self.failed = ""
-        self.ledger = FetchLedger(on_output)
+        self.on_output = on_output
+        self.ledger = FetchLedger()
         self._attempts = itertools.count(1)
         self._identity = b"dcp2d-" + uuid.uuid4().bytes
         self._new: queue.Queue = queue.Queue()
@@ -185,19 +172,6 @@ class Receiver:
         the last call: their blocks may be used again."""
         return self.ledger.poll_lifted()
 
-    def wait(self, transfer_key: str, timeout_s: float) -> Fetch:
-        """Block until ``transfer_key`` finishes (other finished fetches stay for ``poll``)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            done = self.poll()
-            mine = [f for f in done if f.transfer_key == transfer_key]
-            self.ledger.unpoll([f for f in done if f.transfer_key != transfer_key])
-            if mine:
-                return mine[0]
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"fetch of {transfer_key!r} not finished within {timeout_s}s")
-            time.sleep(0.005)
-
     def close(self, timeout_s: float = 5.0) -> None:
         if not self._stop.is_set():
             self._stop.set()
@@ -224,9 +198,11 @@ class Receiver:
             reason = self.failed = f"{threading.current_thread().name} died: {type(e).__name__}: {e}"
             log.exception("decode rank %d: %s", self.dcp_rank, reason)
         finally:
-            self.ledger.fail_all(reason)
+            ended = self.ledger.fail_all(reason)
             for f in drain(self._new):
-                self.ledger.finish(f, FetchError(f.transfer_key, None, reason), track=False)
+                ended = self.ledger.finish(f, FetchError(f.transfer_key, None, reason), track=False) or ended
+            if ended:
+                self._announce()
             for q in self._queries.values():
                 q.close()
             for r in self._ranks.values():
@@ -265,8 +241,8 @@ class Receiver:
 
     def _begin(self, f: Fetch):
         if not self.ledger.begin(f):
-            self.ledger.finish(f, FetchError(f.transfer_key, None, "a fetch of this request is already running"),
-                               track=False)
+            self._announce(self.ledger.finish(f, FetchError(f.transfer_key, None, "a fetch of this request is "
+                                                            "already running"), track=False))
             return
         q = self._query(f.bootstrap)
         if q.table is not None:
@@ -443,7 +419,7 @@ class Receiver:
         for addr, rank in list(self._ranks.items()):
             if not rank.down or addr in table.addresses:
                 continue
-            self.ledger.settle_rank(addr, bootstrap, "restarted")
+            self._announce(self.ledger.settle_rank(addr, bootstrap, "restarted"))
             if not self.ledger.busy(addr):
                 rank.close(self._poller)
                 del self._ranks[addr]
@@ -479,7 +455,7 @@ class Receiver:
             return
         if how == "quarantined":
             if msg.settled:
-                self.ledger.settle(where, "answered")
+                self._announce(self.ledger.settle(where, "answered"))
             return
         if not msg.settled:
             why = msg.reason or "a Mooncake write attempt stalled, then its retry succeeded"  # may still land
@@ -539,14 +515,26 @@ class Receiver:
         """Fail ``f`` once no CP rank can still write into its blocks: the attempts still
         in flight get a ``CancelTransfer``; ``f`` ends when each answered, at the
         latest ``cancel_grace_s`` later with the silent ones quarantined."""
-        for addr, attempt in self.ledger.fail(f, error, self.cancel_grace_s, peer_fault):
+        cancels, ended = self.ledger.fail(f, error, self.cancel_grace_s, peer_fault)
+        self._announce(ended)
+        for addr, attempt in cancels:
             if addr in self._ranks:  # a full queue: the attempt is quarantined at the grace
                 self._ranks[addr].send(CancelTransfer(f.transfer_key, attempt))
 
     def _finish(self, f: Fetch, error: FetchError | None, peer_fault: bool = False):
-        self.ledger.finish(f, error, peer_fault=peer_fault)
+        self._announce(self.ledger.finish(f, error, peer_fault=peer_fault))
         if (peer_fault or f.peer_fault) and f.bootstrap in self._queries:
             self._queries[f.bootstrap].forget()  # re-query: a rank may have moved
+
+    def _announce(self, output: bool = True) -> None:
+        """After the ledger ended a fetch or lifted a quarantine (``output``): tell the owner
+        (``on_output``), once ``poll``/``poll_lifted`` return it."""
+        if not output or self.on_output is None:
+            return
+        try:
+            self.on_output()
+        except Exception:  # only a wake-up: whoever polls sees the output at its next poll anyway
+            log.exception("decode rank %d: on_output failed", self.dcp_rank)
 
     def _backoff(self, rank: Rank) -> None:
         """A new attempt is quarantined on ``rank``: ask it again from the first wait."""

@@ -47,13 +47,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferOutcome, TransferRequest
+from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferRequest
 from vllm_dcp2d.transfer.transport import STALL_S
 
-__all__ = ["Attempt", "Request", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
+__all__ = ["Attempt", "Request", "Answer", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
 
 log = logging.getLogger(__name__)
 
@@ -118,25 +118,32 @@ class Request:
             self.expires, self.expires_if_claimed = self.expires_if_claimed, None
 
 
-Failed = Callable[..., TransferOutcome]  # (req, reason, num_pages=0, settled=True) -> outcome
+class Answer(NamedTuple):
+    """An attempt's one answer: ok if ``request`` (what its final write read) is set and
+    ``error`` is "", else failed with ``error``."""
+
+    attempt: Attempt
+    request: Request | None
+    error: str
+
+    @property
+    def ok(self) -> bool:
+        return self.request is not None and not self.error
 
 
 class SendLedger:
     """Block lifetime of one prefill CP rank (see the module doc for the invariants).
 
-    reply:  called with ``(identity, outcome)`` for each attempt's one answer, under
-            the ledger's lock (it must only queue it).
-    failed: builds a failed outcome ``(req, reason, num_pages=0, settled=True)``.
-    ok:     builds the ok outcome of an attempt ``(attempt, request)``.
+    Each attempt's one answer is decided here and queued; the owner takes them
+    (``take_answers``), builds each ``TransferOutcome`` and sends it.
+
     name:   how log lines name this rank ("cp rank 1").
     reveal: whether answers may name the request's own prompt length (peers are
             authenticated); it is always logged here.
     """
 
-    def __init__(self, reply: Callable[[bytes, TransferOutcome], None], failed: Failed,
-                 ok: Callable[[Attempt, Request], TransferOutcome], name: str, reveal: bool = False):
-        self._reply_fn, self._failed, self._ok, self.name = reply, failed, ok, name
-        self.reveal = reveal
+    def __init__(self, name: str, reveal: bool = False):
+        self.name, self.reveal = name, reveal
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}
         self._waiting: dict[str, list[Attempt]] = {}  # key -> attempts waiting for add()
@@ -150,6 +157,7 @@ class SendLedger:
         self._per_peer: dict[bytes, int] = {}  # decode socket -> its open attempts (invariant 8)
         self._open_bytes = 0
         self._writes = 0
+        self._answers: list[Answer] = []  # decided, not taken by the owner yet
 
     # ---- requests: the owner's side ----
 
@@ -212,6 +220,16 @@ class SendLedger:
         with self._lock:
             out, self._finished = self._finished, {}
             return out
+
+    def take_answers(self) -> list[Answer]:
+        """The answers decided since the last call, each attempt's once (invariant 2),
+        in the order decided: the owner sends them."""
+        with self._lock:
+            out, self._answers = self._answers, []
+            return out
+
+    def has_answers(self) -> bool:
+        return bool(self._answers)  # a hint for waking the owner's I/O thread: take_answers decides
 
     def writes_in_flight(self) -> int:
         with self._lock:
@@ -395,12 +413,6 @@ class SendLedger:
 
     def _answer(self, a: Attempt) -> None:
         """The one answer of closed attempt ``a``, none of whose writes is in flight."""
-        if a.result is None:
-            return self._reply(a, self._failed(a.req, a.closed, settled=a.settled))
-        state, error = a.result
-        self._reply(a, self._failed(a.req, error, state.num_pages, a.settled) if error else self._ok(a, state))
-
-    def _reply(self, a: Attempt, outcome: TransferOutcome) -> None:
         if a.answered:
             return
         a.answered = True
@@ -409,9 +421,10 @@ class SendLedger:
             if left:
                 self._per_peer[a.identity] = left
             self._open_bytes -= a.size
-        if not outcome.settled:
+        if not a.settled:
             self._unsettled[a.key] = time.monotonic() + STALL_S
-        self._reply_fn(a.identity, outcome)
+        state, error = a.result if a.result is not None else (None, a.closed)
+        self._answers.append(Answer(a, state, error))
 
     def _begin(self, a: Attempt, state: Request | None) -> bool:
         if a.closed or (state is not None and state.closing):

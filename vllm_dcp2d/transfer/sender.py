@@ -27,34 +27,14 @@ Each message and each job runs in its own guard: one bad input fails only its
 attempt, with the reason in the answer. A thread that dies anyway sets
 ``failed``, which the owner turns into an engine error (never a hang).
 
-Public API
-----------
-``Sender(transport, regions, fingerprint, *, engine_id, cp_rank, cp_size, host="127.0.0.1",
-         port=0, bootstrap=None, expiry_s=300.0, claim_s=inf, num_workers=4, register_timeout_s=10.0,
-         staging_bytes=0)``
-    ``staging_bytes``: host-memory KV only; > 0 gathers each path's pages into
-    ``num_workers`` registered slots of ``staging_bytes // num_workers`` bytes (a writer
-    that finds none free writes in place) before
-    writing them (``staging.py``: fewer, larger Mooncake descriptors).
-    ``.address -> str``               this rank's side channel ("tcp://host:port").
-    ``.layers -> range``              the layers this rank sends.
-    ``.layer_ready(key, layer, block_ids, num_tokens, event=None)``  one layer of it is computed.
-    ``.add_request(key, block_ids, num_tokens)``  KV of the request is ready.
-    ``.restart(key)``                 vLLM preempted it: written layers count for nothing.
-    ``.abort(key)`` / ``.drop(key)``  it will not be added; fail its waiting attempts
-                                      (``abort``: reported "aborted" once no layer write reads it).
-    ``.waiting(key) -> int``          attempts of it waiting for its KV.
-    ``.pop_finished() -> dict[str, str]``  key -> "done" | "released" | "expired" | "unclaimed" | "aborted".
-    ``.writes_in_flight() -> int``    writes running now (all requests).
-    ``.errors -> deque[str]``         the last 100 failure reasons; ``.malformed``: messages rejected.
-    ``.failed -> str``                why a thread of it died ("" while all run).
-    ``.close()``                      stops threads; leaves the transport to its owner.
+The owner's calls: ``add_request``, ``layer_ready``, ``restart``, ``abort`` /
+``drop``, ``waiting``, ``pop_finished``, ``failed``, ``close``; ``errors`` keeps the
+last 100 failure reasons and ``malformed`` counts the messages rejected.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -70,7 +50,7 @@ from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageEr
                                            clip, decode)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
 from vllm_dcp2d.transfer.checksum import checksum
-from vllm_dcp2d.transfer.send_ledger import Attempt, Request, SendLedger
+from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Request, SendLedger
 from vllm_dcp2d.transfer.staging import StagingPool, write
 from vllm_dcp2d.transfer.transport import MooncakeTransport, TransportError
 from vllm_dcp2d.transfer.writers import Writers
@@ -98,7 +78,9 @@ class Sender:
     max_wait_s:  the longest an attempt may wait for its request (a decode's ``wait_s``
                  is cut to it).
     host_kv:     the KV is in host memory (a checksum can read it: ``TransferRequest.verify``).
-    staging_bytes: 0, or (KV in host memory) bytes of send staging (``staging.py``).
+    staging_bytes: 0, or (KV in host memory) bytes of send staging (``staging.py``): each path's pages
+                 are gathered into ``num_workers`` registered slots of ``staging_bytes // num_workers``
+                 bytes (a writer that finds none free writes in place), for fewer, larger descriptors.
     """
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
@@ -124,9 +106,7 @@ class Sender:
         self.errors: deque[str] = deque(maxlen=100)
         self.malformed = 0
         self._failed_why = ""
-        self._out: queue.Queue = queue.Queue()  # (identity, message) for the I/O thread
-        self.ledger = SendLedger(lambda ident, msg: self._out.put((ident, msg)), self._failed, self._ok,
-                                 f"cp rank {cp_rank}", reveal=auth.enabled)
+        self.ledger = SendLedger(f"cp rank {cp_rank}", reveal=auth.enabled)
         self._writers = Writers(f"cp rank {cp_rank}", after=self._flush)
         self._stop = threading.Event()
         self._sock = bs.socket(zmq.ROUTER)
@@ -252,7 +232,8 @@ class Sender:
         return tables, pages
 
     def _flush(self) -> None:
-        if not self._out.empty():
+        """Wake the I/O thread if the ledger has answers for it to send."""
+        if self.ledger.has_answers():
             self._waker.wake()
 
     def _guarded(self, loop) -> None:
@@ -278,8 +259,8 @@ class Sender:
                 if self._waker.socket in events:
                     self._waker.drain()
                 self.ledger.expire(time.monotonic())
-                while not self._out.empty():
-                    self._send(*self._out.get())
+                for answer in self.ledger.take_answers():
+                    self._send(answer.attempt.identity, self._outcome(answer))
         finally:
             self._sock.close()
 
@@ -450,6 +431,12 @@ class Sender:
     def _common(self, req: TransferRequest) -> int:
         """KV heads this rank holds of those the request's rank holds."""
         return len(range(max(req.head_start, self.heads.start), min(req.head_end, self.heads.stop)))
+
+    def _outcome(self, answer: Answer) -> TransferOutcome:
+        a, state = answer.attempt, answer.request
+        if answer.ok:
+            return self._ok(a, state)
+        return self._failed(a.req, answer.error, 0 if state is None else state.num_pages, a.settled)
 
     def _ok(self, a: Attempt, state: Request) -> TransferOutcome:
         naive = (len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())

@@ -1,37 +1,19 @@
 """Mooncake transfer engine behind a small, typed API (design §6.3).
 
-Facts this wraps (mooncake-transfer-engine 0.3.13, see notes/mooncake-transfer-engine.md):
+Facts this wraps (mooncake-transfer-engine 0.3.13, found by running it):
 the Python API returns int codes (0 ok, negative error) and never raises; one
 batch of more than ~2048 entries to one peer fails part-way (per-peer TCP queue
 1024 + 1024 pending), so writes go out in batches of at most ``max_batch``
 (1024) entries, one batch in flight per peer; a failed batch leaves the
 destination partly written ("content unknown"); the ``protocol`` argument does
 not choose the transport, ``MC_FORCE_TCP=1`` does; a frozen peer blocks a call
-for ``MC_TRANSFER_TIMEOUT`` seconds (>= 5, read by the engine).
+for ``MC_TRANSFER_TIMEOUT`` seconds (>= 5, read by the engine); 0.3.13.post1's
+TCP sessions can stall for minutes (``renew_on_failure``).
 
-Public API
-----------
-``class TransportError(RuntimeError)``: engine start or memory registration failed.
-``class TransferError(TransportError)``: a write failed; ``.peer``, ``.entries``
-    (descriptors in the failed batch), ``.code``, ``.done_bytes`` (bytes of the
-    batches that completed before it). The destination of the whole write is
-    undefined.
-``MooncakeTransport(hostname="127.0.0.1", *, protocol="tcp", max_batch=1024,
-                    transfer_timeout_s=None, renew_on_failure=False)``
-    ``renew_on_failure``: a write-only transport gives a TCP write up after
-    ``STALL_S`` seconds without progress and retries it on a fresh engine
-    (``.renew()``), up to ``STALL_RETRIES`` times: 0.3.13.post1's TCP sessions
-    can stall for minutes. Writes that fail at once (dead peer) are not retried.
-    ``.session_id -> str``                  "host:rpc_port", what peers write to.
-    ``.register(addr: int, nbytes: int)``   idempotent for the same range.
-    ``.unregister(addr: int)``              no-op if not registered.
-    ``.registered() -> dict[int, int]``     addr -> nbytes currently registered.
-    ``.write(peer: str, desc: Descriptors) -> int``  bytes written; raises TransferError.
-    ``.take_counts() -> {"stalls": int, "retries": int}``  since the last call.
-    ``.close()``                            unregisters everything; idempotent.
-All methods are thread-safe; writes to one peer are serialized (they share the
-engine's per-peer queue). ``write`` never spins: it submits each descriptor as a
-one-entry transfer and sleeps between status polls (``_write_batch`` says why).
+Every method of ``MooncakeTransport`` is thread-safe; writes to one peer are
+serialized (they share the engine's per-peer queue). ``write`` never spins: it
+submits each descriptor as a one-entry transfer and sleeps between status polls
+(``_write_batch`` says why).
 """
 
 from __future__ import annotations
@@ -87,7 +69,9 @@ class TransportError(RuntimeError):
 
 
 class TransferError(TransportError):
-    """A Mooncake write failed; the destination content is undefined."""
+    """A Mooncake write failed; the destination of the whole write is undefined.
+    ``entries``: descriptors in the failed batch; ``done_bytes``: bytes of the batches
+    that completed before it."""
 
     def __init__(self, peer: str, entries: int, code: int, done_bytes: int = 0, detail: str = ""):
         self.peer, self.entries, self.code, self.done_bytes = peer, entries, code, done_bytes
@@ -105,6 +89,10 @@ class MooncakeTransport:
     max_batch:          descriptors per engine call (<= 1024 with the default queues).
     transfer_timeout_s: sets ``MC_TRANSFER_TIMEOUT`` (engine clamps to >= 5 s)
                         before the engine starts; None keeps the environment's.
+    renew_on_failure:   a write-only transport gives a TCP write up after ``STALL_S``
+                        seconds without progress and retries it on a fresh engine
+                        (``renew``), up to ``STALL_RETRIES`` times. Writes that fail
+                        at once (dead peer) are not retried.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", max_batch: int = 1024,
@@ -225,8 +213,8 @@ class MooncakeTransport:
         Raises TransferError on the first failed batch; later batches are not sent.
         stalls: if given, gets the return code of every attempt that stalled
         (no descriptor completed for ``STALL_S``, retried or not). The engine
-        may still deliver such an attempt's queued bytes later (notes: "-1 may come
-        back while work is still queued"), so its destination is not settled.
+        may still deliver such an attempt's queued bytes later (0.3.13 returns -1
+        while work is still queued), so its destination is not settled.
         """
         with self._lock:
             self._check_open()
