@@ -7,7 +7,7 @@ import threading
 
 import zmq
 
-from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.bootstrap import register_rank
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, RegisterRank, ReleaseTransfer,
                                            TransferOutcome, TransferRequest, decode, encode)
@@ -29,8 +29,8 @@ class FakeRank:
     message received."""
 
     def __init__(self, bootstrap: str, fingerprint: Fingerprint, reply=None, engine_id: str = "P"):
-        self.sock = bs.socket(zmq.ROUTER)
-        self.address = bs.bind(self.sock, "127.0.0.1")
+        self.sock = sockets.socket(zmq.ROUTER)
+        self.address = sockets.bind(self.sock, "127.0.0.1")
         register_rank(bootstrap, RegisterRank(engine_id, 0, 1, self.address, fingerprint), 5)
         self.reply, self.answer_cancels, self.settled = reply, False, True
         self.layers = fingerprint.num_layers

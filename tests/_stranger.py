@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, Fingerprint, MessageError, QueryRanks, RankTable,
                                            RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
                                            decode, encode)
@@ -41,10 +41,10 @@ WAIT_S = 5.0
 
 def ask(address: str, payload: bytes, wait_s: float = WAIT_S) -> str:
     """Send one frame on a fresh DEALER; what came back: a reply's text, "silence" or "closed"."""
-    sock = bs.socket(zmq.DEALER)
+    sock = sockets.socket(zmq.DEALER)
     try:
         sock.connect(address)
-        if not bs.send_nowait(sock, payload):
+        if not sockets.send_nowait(sock, payload):
             return "queue full"
         if not sock.poll(int(wait_s * 1000)):
             return "silence"
@@ -59,7 +59,7 @@ def ask(address: str, payload: bytes, wait_s: float = WAIT_S) -> str:
 
 
 def table(bootstrap: str) -> RankTable | None:
-    sock = bs.socket(zmq.DEALER)
+    sock = sockets.socket(zmq.DEALER)
     try:
         sock.connect(bootstrap)
         sock.send(encode(QueryRanks("stranger")))
@@ -97,7 +97,7 @@ def long(bootstrap: str, **_) -> dict:
 
 def big(bootstrap: str, **_) -> dict:
     t = table(bootstrap)
-    frame = b"\x80" * (bs.MAX_FRAME + 1)
+    frame = b"\x80" * (sockets.MAX_FRAME + 1)
     return {addr: ask(addr, frame, 2.0) for addr in (t.addresses if t else ())}
 
 
@@ -140,11 +140,11 @@ def flood(bootstrap: str, **_) -> dict:
     memory = np.zeros(fp.num_layers * 4 * fp.page_bytes, np.uint8)
     out = {}
     for addr in t.addresses:
-        sock = bs.socket(zmq.DEALER)
+        sock = sockets.socket(zmq.DEALER)
         sock.connect(addr)
         for i in range(300):
             req = _request(t, f"unknown-{i}", 1, memory, wait_s=3600.0, attempt=i + 1)
-            bs.send_nowait(sock, encode(req))
+            sockets.send_nowait(sock, encode(req))
         answers, deadline = [], time.monotonic() + 2 * WAIT_S
         while len(answers) < 300 and time.monotonic() < deadline:
             if sock.poll(100):

@@ -7,9 +7,10 @@ import time
 import pytest
 import zmq
 
-from vllm_dcp2d.transfer import bootstrap as bs
-from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer, query_ranks, register_rank
+from vllm_dcp2d.transfer import sockets
+from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer, register_rank
 from vllm_dcp2d.transfer.messages import Fingerprint, RankTable, RegisterRank, Reply, decode, encode
+from _transfer import query_ranks
 
 pytestmark = pytest.mark.timeout(30)
 FP = Fingerprint("m", 5, 16, "bfloat16", 1024, "test", "cfg")
@@ -48,8 +49,8 @@ def test_a_refusal_outlives_a_later_silence():
     (The retry before the deadline gets no reply; on a loaded host the last retry
     always gets too little time to be answered, and its 'no reply' used to replace
     the server's reason.)"""
-    router = bs.socket(zmq.ROUTER)
-    address = bs.bind(router, "127.0.0.1")
+    router = sockets.socket(zmq.ROUTER)
+    address = sockets.bind(router, "127.0.0.1")
 
     def refuse_once():
         ident, _ = router.recv_multipart()
@@ -67,7 +68,7 @@ def test_a_refusal_outlives_a_later_silence():
 
 def test_malformed_message_gets_error_and_server_keeps_serving(server):
     for junk in (b"", b"\xff\x00garbage", b"\x81\xa1v\x02"):
-        sock = bs.socket(zmq.DEALER)
+        sock = sockets.socket(zmq.DEALER)
         sock.connect(server.address)
         sock.send(junk)
         assert sock.poll(5000)
@@ -94,7 +95,7 @@ def test_server_gone_mid_session():
 
 
 def test_waker_interrupts_poll():
-    w = bs.Waker()
+    w = sockets.Waker()
     assert not w.socket.poll(0)
     for _ in range(10):  # more wakes than the queue holds never block
         w.wake()

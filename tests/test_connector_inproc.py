@@ -125,6 +125,7 @@ def test_loaded_kv_is_used_and_only_for_its_own_prompt(llm, monkeypatch):
     to pass (both sides' digests made equal), the output follows A's KV: what is
     loaded is what the decode attends over."""
     import vllm_dcp2d.connector.scheduler as scheduler
+    import vllm_dcp2d.connector.siblings as siblings
 
     engine, _ = llm
     a = prompts()["pages"]
@@ -133,7 +134,8 @@ def test_loaded_kv_is_used_and_only_for_its_own_prompt(llm, monkeypatch):
     (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local_b.outputs[0].token_ids
-    monkeypatch.setattr(scheduler, "prompt_digest", lambda ids, extras=(): "same")
+    monkeypatch.setattr(scheduler, "prompt_digest", lambda ids, extras=(): "same")  # the prefill's
+    monkeypatch.setattr(siblings, "prompt_digest", lambda ids, extras=(): "same")  # the decode's
     (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids != local_b.outputs[0].token_ids

@@ -528,3 +528,23 @@ def test_a_refused_stand_in_is_released_though_its_prompt_is_not_the_producers()
     s.update_state_after_alloc(request("f", n=1600, params=dict(params)), NS(get_block_ids=lambda: ([1],)), 1600)
     s.request_finished(request("g", n=1, params=dict(params), status=RequestStatus.FINISHED_ABORTED), ([],))
     assert s.build_connector_meta(sched_out()).releases == {}
+
+
+def test_a_waiting_request_s_prompt_is_hashed_once(monkeypatch):
+    """vLLM asks ``get_num_new_matched_tokens`` every step a request waits: its prompt
+    digest is computed once, kept until it is admitted, and the load carries it."""
+    from vllm_dcp2d.connector import siblings
+
+    calls = []
+    monkeypatch.setattr(siblings, "prompt_digest", lambda *a: calls.append(a) or prompt_digest(*a))
+    s = side(consumer=True)
+    req = request(params={**REMOTE, "remote_prompt_digest": prompt_digest(list(range(100)))})
+    for _ in range(3):
+        assert s.get_num_new_matched_tokens(req, 0) == (100, True)
+    s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
+    assert len(calls) == 1 and s.siblings._digests == {}
+    assert s.build_connector_meta(sched_out()).loads["r"].prompt_digest == prompt_digest(list(range(100)))
+    other = request("o", params={**REMOTE, "remote_prompt_digest": "0" * 32})  # another prompt's KV
+    assert s.get_num_new_matched_tokens(other, 0) == (0, False)
+    s.request_finished(other, ([],))  # never admitted: its digest goes with it
+    assert s.siblings._digests == {}

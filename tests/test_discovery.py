@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import zmq
 
-from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.connector.discovery import Registration
 from vllm_dcp2d.testing.harness import free_port, router_server
 
@@ -89,7 +89,7 @@ def _received(router: zmq.Socket, timeout_s: float) -> list[dict]:
 
 def test_registers_exactly_while_health_answers(fakes):
     inst = fakes("P")
-    router = bs.socket(zmq.ROUTER)
+    router = sockets.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     reg = Registration(f"127.0.0.1:{port}", inst.address, ("P", "D"), "10.0.0.1:17500", ping_s=0.1)
     try:

@@ -28,7 +28,7 @@ from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.testing.harness import free_port
-from _fetch import wait_fetch
+from _transfer import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 L = 4

@@ -30,6 +30,7 @@ import pytest
 
 from vllm_dcp2d.transfer.messages import prompt_digest
 from vllm_dcp2d.testing.harness import free_port
+from _transfer import writes_in_flight
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(300)]
 
@@ -258,4 +259,4 @@ def test_abort_after_preemption_fails_the_waiting_fetch_at_once(engine):
         assert not f.ok and "aborted" in str(f.error), f.error
         assert time.monotonic() - t0 < 10  # not after the fetch's wait_s (120 s)
         run_until(probe, lambda: not probe.llm.has_unfinished_requests())
-        assert probe.sender.writes_in_flight() == 0
+        assert writes_in_flight(probe.sender.ledger) == 0

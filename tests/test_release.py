@@ -16,7 +16,7 @@ from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_no
 from vllm_dcp2d.transfer import send_ledger
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from _fetch import wait_fetch
+from _transfer import wait_fetch, writes_in_flight
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -72,7 +72,7 @@ def test_release_during_a_write_takes_effect_when_it_settles(stack):
     s.recv.release("x", s.boot.address, TOKENS)
     time.sleep(1.0)  # the release arrived; the write still reads the blocks
     assert s.sender.pop_finished() == {}, "blocks freed while a write reads them"
-    assert s.sender.writes_in_flight() == 1
+    assert writes_in_flight(s.sender.ledger) == 1
     s.gate.open()
     finished = finished_within(s.sender)
     released_at = time.monotonic()
@@ -123,7 +123,7 @@ def test_a_release_for_another_prefill_engine_is_not_sent(stack):
     s = Side(stack, sender_kw={"expiry_s": 120.0})
     s.sender.add_request("x", SRC_IDS, TOKENS)
     s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P-old")
-    wait_until(lambda: "x" not in str(s.recv._unsent))  # the table came and the release was dropped
+    wait_until(lambda: "x" not in str(s.recv._dir.unsent))  # the table came and the release was dropped
     time.sleep(0.5)
     assert s.sender.pop_finished() == {} and not s.sender.ledger._early
     s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P")
@@ -174,5 +174,5 @@ def test_release_without_a_prefill_gives_up(stack):
     receiver's timeout, then is dropped (the prefill's send_timeout_s is the backstop)."""
     r = receiver(stack, "D", np.zeros((2, 8, 256), np.uint8), timeout_s=0.3)
     r.release("x", "tcp://127.0.0.1:1", TOKENS)
-    wait_until(lambda: r._unsent)
-    wait_until(lambda: not r._unsent, 3.0)
+    wait_until(lambda: r._dir.unsent)
+    wait_until(lambda: not r._dir.unsent, 3.0)

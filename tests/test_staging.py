@@ -21,7 +21,7 @@ from vllm_dcp2d.transfer.staging import MIN_GAIN, MIN_UNIT, Slot, stage
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.plan import Descriptors, KVRegions, Memory, plan_path
-from _fetch import wait_fetch
+from _transfer import wait_fetch
 
 
 class Pools:

@@ -26,7 +26,7 @@ import pytest
 
 from test_transfer_safety import DST_IDS, SRC_IDS, TOKENS, Side, deadline_now, released_then_unchanged, wait_until
 from vllm_dcp2d.transfer import send_ledger
-from _fetch import wait_fetch
+from _transfer import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 

@@ -22,6 +22,7 @@ from test_transfer_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_no
 
 from vllm_dcp2d.transfer.auth import Auth
 from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer import fetch as fetch_mod
 from vllm_dcp2d.transfer import sender as sender_mod
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
@@ -31,7 +32,7 @@ from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, CancelTransfer, Mess
 from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from _fetch import wait_fetch
+from _transfer import wait_fetch, writes_in_flight
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -70,7 +71,7 @@ def test_dead_rank_with_a_full_queue_never_blocks_the_receiver(stack, monkeypatc
     """Defect 2: quarantined fetches re-send their cancels to a rank that is gone.
     Once its queue is full (SNDHWM; 4 here instead of 1000), a blocking send would
     stop the receiver thread for good. Fetches to a live prefill must still work."""
-    make = bs.socket
+    make = sockets.socket
 
     def small_queue(kind):
         s = make(kind)
@@ -239,7 +240,7 @@ def test_a_write_that_raises_anything_fails_only_its_fetch(stack):
         s.recv.start(f"bad{i}", s.boot.address, DST_IDS, num_tokens=TOKENS)
         f = wait_fetch(s.recv, f"bad{i}", 10)
         assert not f.ok and "unexpected TypeError: incompatible function arguments" in str(f.error), f.error
-    assert s.sender.writes_in_flight() == 0
+    assert writes_in_flight(s.sender.ledger) == 0
     s.gate.transport = real
     s.sender.add_request("good", SRC_IDS, TOKENS)
     s.recv.start("good", s.boot.address, DST_IDS, num_tokens=TOKENS)
@@ -307,7 +308,7 @@ def _raw(req: TransferRequest, **fields) -> bytes:
 def _ask(address: str, payload: bytes, more_ms: int = 0) -> TransferOutcome | Reply:
     """Send one raw message and return its answer; with ``more_ms``, check that no
     second answer follows within that time."""
-    sock = bs.socket(zmq.DEALER)
+    sock = sockets.socket(zmq.DEALER)
     try:
         sock.connect(address)
         sock.send(payload)

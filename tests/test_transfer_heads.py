@@ -19,7 +19,7 @@ from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.plan import KVRegions
-from _fetch import wait_fetch
+from _transfer import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 

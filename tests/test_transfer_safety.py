@@ -25,7 +25,7 @@ from vllm_dcp2d.plan import KVRegions
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError
-from _fetch import wait_fetch
+from _transfer import wait_fetch, writes_in_flight
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -134,10 +134,10 @@ def test_expiry_waits_for_the_write_in_flight(stack):
     s.sender.ledger._requests["x"].expires = time.monotonic()  # send_timeout_s passes now, not by luck
     time.sleep(0.5)  # several expiry polls, write still in flight
     assert s.sender.pop_finished() == {}, "blocks freed while a write reads them"
-    assert s.sender.writes_in_flight() == 1
+    assert writes_in_flight(s.sender.ledger) == 1
     s.gate.open()
     f = wait_fetch(s.recv, "x", 20)
-    wait_until(lambda: s.sender.writes_in_flight() == 0)
+    wait_until(lambda: writes_in_flight(s.sender.ledger) == 0)
     finished = {}
     wait_until(lambda: finished.update(s.sender.pop_finished()) or finished)
     released_at = time.monotonic()
@@ -404,7 +404,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
     shows a rank process is alive, so the new rank table still lifts the quarantine."""
     import zmq
 
-    from vllm_dcp2d.transfer import bootstrap as bs
+    from vllm_dcp2d.transfer import sockets
 
     boot, recv, rank = silent
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
@@ -415,7 +415,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
     old = rank.address
     rank.close()  # its loop closes the socket: the port is free
     time.sleep(0.5)  # the receiver sees the link drop
-    impostor = bs.socket(zmq.ROUTER)
+    impostor = sockets.socket(zmq.ROUTER)
     impostor.bind(old)  # the old port answers connects again, but no rank is behind it
     try:
         time.sleep(1.0)  # ZMQ reconnects (every 100 ms)

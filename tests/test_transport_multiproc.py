@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.messages import PROTOCOL_VERSION, Reply, TransferOutcome, TransferRequest, decode, encode
 from vllm_dcp2d.layout import cdiv
 
@@ -198,7 +199,7 @@ def test_malformed_and_version_mismatch(cluster):
     other = good.replace(bytes([0xA1, ord("v"), PROTOCOL_VERSION]), bytes([0xA1, ord("v"), PROTOCOL_VERSION + 1]))
     for junk, match in [(b"\x00\xffjunk", "not a valid msgpack"), (other, f"unsupported protocol version {PROTOCOL_VERSION + 1}"),
                         (good, "expected TransferRequest/CancelTransfer/ReleaseTransfer, got Reply")]:
-        sock = bs.socket(zmq.DEALER)
+        sock = sockets.socket(zmq.DEALER)
         sock.connect(address)
         sock.send(junk)
         assert sock.poll(5000), "no answer to a malformed message"

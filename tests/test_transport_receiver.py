@@ -11,7 +11,7 @@ from vllm_dcp2d.transfer.messages import CancelTransfer, Fingerprint, RegisterRa
 from vllm_dcp2d.plan import KVRegions
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from _fetch import wait_fetch
+from _transfer import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
 FP = Fingerprint("m", 2, 16, "uint8", 256, "test", "cfg")

@@ -19,16 +19,16 @@ import zmq
 
 from _stranger import run as stranger
 from test_transfer_safety import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions, wait_until
-from vllm_dcp2d.transfer import bootstrap as bs
-from vllm_dcp2d.transfer import http_bootstrap, receiver as receiver_mod
-from vllm_dcp2d.transfer.auth import Auth
-from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer, query_ranks
+from vllm_dcp2d.transfer import sockets
+from vllm_dcp2d.transfer import directory, http_bootstrap
+from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
+from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, HttpTableQuery
 from vllm_dcp2d.transfer.messages import prompt_digest
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from _fetch import wait_fetch
+from _transfer import query_ranks, wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -40,7 +40,7 @@ SECRET = b"k" * 32
 class Prefill:
     """One prefill instance of one CP rank: bootstrap with a registration token, a Sender."""
 
-    def __init__(self, stack, auth: Auth = bs.NO_AUTH, token: str = "t0k3n", transport=None, **kw):
+    def __init__(self, stack, auth: Auth = NO_AUTH, token: str = "t0k3n", transport=None, **kw):
         rng = np.random.default_rng(5)
         self.src = rng.integers(1, 255, (L, 8, PAGE_BYTES), dtype=np.uint8)
         self.transport = MooncakeTransport()
@@ -57,7 +57,7 @@ class Prefill:
 
 
 class Decode:
-    def __init__(self, stack, auth: Auth = bs.NO_AUTH, **kw):
+    def __init__(self, stack, auth: Auth = NO_AUTH, **kw):
         self.dst = np.zeros((L, 8, PAGE_BYTES), np.uint8)
         self.transport = MooncakeTransport()
         stack.callback(self.transport.close)
@@ -283,14 +283,14 @@ def test_idle_table_queries_and_links_are_closed(stack, monkeypatch):
     """Finding 9: every bootstrap address a request named kept a socket and its monitor
     reconnecting forever (~500 bogus ones exhausted file descriptors). Unused ones close
     after IDLE_S, and at most MAX_QUERIES are open at once."""
-    monkeypatch.setattr(receiver_mod, "IDLE_S", 0.5)
-    monkeypatch.setattr(receiver_mod, "MAX_QUERIES", 4)
+    monkeypatch.setattr(directory, "IDLE_S", 0.5)
+    monkeypatch.setattr(directory, "MAX_QUERIES", 4)
     d = Decode(stack, timeout_s=0.3)
     for i in range(6):  # nobody listens at these ports
         d.recv.start(f"k{i}", f"tcp://127.0.0.1:{9 + i}", DST_IDS, num_tokens=TOKENS)
     errors = [wait_fetch(d.recv, f"k{i}", 20).error.reason for i in range(6)]
     assert sum("talks to 4 prefill instances already (at most 4)" in e for e in errors) == 2, errors
-    wait_until(lambda: not d.recv._queries and not d.recv._ranks, 10)
+    wait_until(lambda: not d.recv._dir.queries and not d.recv._dir.ranks, 10)
     d.recv.start("again", "tcp://127.0.0.1:9", DST_IDS, num_tokens=TOKENS)  # room again
     assert "no rank table" in wait_fetch(d.recv, "again", 20).error.reason
 
@@ -298,7 +298,7 @@ def test_idle_table_queries_and_links_are_closed(stack, monkeypatch):
 def test_a_socket_is_closed_when_its_monitor_cannot_be_made(monkeypatch):
     """Finding 9: a DEALER leaked when its disconnect monitor failed."""
     made = []
-    real = bs.socket
+    real = sockets.socket
 
     def spy(kind):
         s = real(kind)
@@ -308,10 +308,10 @@ def test_a_socket_is_closed_when_its_monitor_cannot_be_made(monkeypatch):
     def no_monitor(self, *a, **k):
         raise zmq.ZMQError(24)  # EMFILE
 
-    monkeypatch.setattr(bs, "socket", spy)
+    monkeypatch.setattr(sockets, "socket", spy)
     monkeypatch.setattr(zmq.Socket, "get_monitor_socket", no_monitor)
     with pytest.raises(ValueError, match="cannot connect"):
-        bs.dealer("tcp://127.0.0.1:9")
+        sockets.dealer("tcp://127.0.0.1:9")
     assert made and all(s.closed for s in made)
 
 

@@ -15,7 +15,7 @@ import os
 import traceback
 
 import numpy as np
-from _fetch import wait_fetch
+from _transfer import wait_fetch
 
 STRIDE = 1024                  # bytes per block row of one layer
 K_BYTES, V_OFF, V_BYTES = 256, 384, 512

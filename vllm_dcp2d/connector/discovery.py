@@ -24,7 +24,7 @@ import urllib.error
 import msgpack
 import zmq
 
-from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.http_bootstrap import direct_get
 
 __all__ = ["PING_S", "Registration", "registration"]
@@ -59,7 +59,7 @@ class Registration:
         self._payloads = [msgpack.packb({"type": k, "http_address": http_address, "zmq_address": zmq_address})
                           for k in kinds]
         self.sent = self.skipped = 0
-        self._sock = bs.socket(zmq.DEALER)
+        self._sock = sockets.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.SNDHWM, 4)
         try:
@@ -78,7 +78,7 @@ class Registration:
         while not self._stop.is_set():
             if healthy(self.http_address, min(HEALTH_TIMEOUT_S, self.ping_s)):
                 for payload in self._payloads:
-                    if bs.send_nowait(self._sock, payload):
+                    if sockets.send_nowait(self._sock, payload):
                         self.sent += 1
             else:
                 self.skipped += 1

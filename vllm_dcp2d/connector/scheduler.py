@@ -121,33 +121,17 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Called by the scheduler for a waiting request, possibly several times
-        before it is admitted; must not change state. Returns the prompt tokens
+        before it is admitted; changes no state but a cache of the prompt's digest. Returns the prompt tokens
         the producer will write beyond the ``num_computed_tokens`` cached locally,
         and True (loaded asynchronously)."""
         params = transfer_params(request.kv_transfer_params)
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return 0, False
-        shared = self._sibling_of(request, params)
+        shared = self.siblings.verdict(request, params)
         if shared is not None:  # another request fetches (or fetched) this key: never twice
             return (None, False) if shared else (0, False)
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
-
-    def _sibling_of(self, request, params: dict, digest: bool = True) -> bool | None:
-        """None: ``request`` may fetch its key. True: a sibling with its prompt fetches it now
-        (wait, then reuse its pages through the prefix cache). False: prefill locally (the
-        key's fetch ended, or, with ``digest``, its KV is another prompt's)."""
-        key = key_of(params)
-        remote = params.get("remote_prompt_digest")
-        if digest and isinstance(remote, str) and remote and remote != prompt_digest(*compat.prompt_ids(request)):
-            return False  # a batch answered with one prompt's params: the KV is another prompt's
-        if not isinstance(key, str):
-            return None
-        holder = self.siblings.loading(key)
-        if holder is not None and holder != request.request_id:
-            return True
-        ended = self.siblings.ended(key)
-        return False if ended is not None and ended != request.request_id else None
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Called by the scheduler once blocks are allocated for a newly admitted
@@ -159,9 +143,16 @@ class SchedulerSide:
             self._bind_key(request.request_id, params.get(CLIENT_KEY_FIELD))
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
+        try:
+            self._admit(request, params, blocks, num_external_tokens)
+        finally:
+            self.siblings.admitted(request.request_id)
+
+    def _admit(self, request, params: dict, blocks, num_external_tokens: int) -> None:
+        """Consumer: record the load of a newly admitted ``request`` (or why it has none)."""
         # One transfer per request: a preempted request recomputes locally.
         params["do_remote_prefill"] = False
-        if self._sibling_of(request, params) is not None:
+        if self.siblings.verdict(request, params) is not None:
             key = key_of(params)
             holder = self.siblings.loading(key) or self.siblings.ended(key) if isinstance(key, str) else None
             why = (f"transfer key {clip(repr(key), 80)} is fetched by request {holder} on this instance" if holder
@@ -177,7 +168,7 @@ class SchedulerSide:
         ids, first_page = compat.block_ids(blocks), (num_tokens - num_external_tokens) // self.page_size
         try:
             spec, warning = load_params(params, self.cfg, block_ids=ids, num_tokens=num_tokens, first_page=first_page,
-                                        prompt_digest=prompt_digest(*compat.prompt_ids(request)))
+                                        prompt_digest=self.siblings.prompt_digest(request))
         except ValueError as e:
             log.warning("request %s: %s; its load fails (kv_load_failure_policy %r applies)", request.request_id,
                         clip(str(e), 400), self.failure_policy)
@@ -206,7 +197,7 @@ class SchedulerSide:
         remote = params.get("remote_num_tokens")
         own = type(remote) is not int or remote == request.num_prompt_tokens
         num_tokens = request.num_prompt_tokens if own or remote < 0 else remote
-        digest = prompt_digest(*compat.prompt_ids(request)) if own else params.get("remote_prompt_digest", "")
+        digest = self.siblings.prompt_digest(request) if own else params.get("remote_prompt_digest", "")
         engine = params.get("remote_engine_id")
         engine = engine if isinstance(engine, str) and 0 < len(engine) <= MAX_NAME else None
         if isinstance(key, str) and 0 < len(key) <= MAX_NAME and isinstance(digest, str) and len(digest) <= 64:
@@ -365,8 +356,9 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
             # Not while a sibling fetches the key (it needs the prefill's blocks); the digest is not
             # asked: vLLM's stand-in for a request its front end refused has a one-token prompt.
-            if self._sibling_of(request, params, digest=False) is None:
+            if self.siblings.verdict(request, params, digest=False) is None:
                 self._release(request, params)
+        self.siblings.admitted(request.request_id)  # never admitted, or finished: its digest goes
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         has_blocks = any(block_ids)

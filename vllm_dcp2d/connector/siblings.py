@@ -9,7 +9,9 @@ vLLM's prefix cache hands it the fetched pages; a sibling with another prompt (a
 whose front sent one answer's params to all) prefills locally at once.
 
 Runs in the scheduler (``scheduler.SchedulerSide``), so no locks: every call comes from
-the engine-core thread.
+the engine-core thread. vLLM asks about a waiting request every step it waits
+(``get_num_new_matched_tokens``), so its prompt's digest is computed once and kept
+until it is admitted or finished.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+from vllm_dcp2d.connector.params import key_of
+from vllm_dcp2d.transfer.messages import prompt_digest
+from vllm_dcp2d.vllm_compat import connector_api as compat
+
 __all__ = ["Siblings"]
 
 MAX_ENDED = 4096  # keys remembered after their fetch ended (a sibling may arrive late)
 ENDED_TTL_S = 600.0  # ... for this long: siblings arrive within one request's lifetime
+MAX_DIGESTS = 65536  # prompt digests of requests not admitted yet (a backstop: the oldest is computed again)
 
 
 class Siblings:
@@ -31,6 +38,37 @@ class Siblings:
         self._key_of: dict[str, str] = {}  # request -> the key it fetches
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (request, when it ended)
         self._max_ended, self._ttl_s, self._clock = max_ended, ttl_s, clock
+        self._digests: dict[str, str] = {}  # request not admitted yet -> its prompt's digest
+
+    def verdict(self, request, params: dict, digest: bool = True) -> bool | None:
+        """None: ``request`` (with its ``kv_transfer_params``) may fetch its key. True: a
+        sibling with its prompt fetches it now (wait, then reuse its pages through the
+        prefix cache). False: prefill locally (the key's fetch ended, or, with ``digest``,
+        its KV is another prompt's)."""
+        key = key_of(params)
+        remote = params.get("remote_prompt_digest")
+        if digest and isinstance(remote, str) and remote and remote != self.prompt_digest(request):
+            return False  # a batch answered with one prompt's params: the KV is another prompt's
+        if not isinstance(key, str):
+            return None
+        holder = self.loading(key)
+        if holder is not None and holder != request.request_id:
+            return True
+        ended = self.ended(key)
+        return False if ended is not None and ended != request.request_id else None
+
+    def prompt_digest(self, request) -> str:
+        """``messages.prompt_digest`` of ``request``'s prompt, computed once until ``admitted``."""
+        digest = self._digests.get(request.request_id)
+        if digest is None:
+            if len(self._digests) >= MAX_DIGESTS:
+                del self._digests[next(iter(self._digests))]
+            digest = self._digests[request.request_id] = prompt_digest(*compat.prompt_ids(request))
+        return digest
+
+    def admitted(self, req_id: str) -> None:
+        """``req_id`` was admitted (or finished): vLLM asks no more about it."""
+        self._digests.pop(req_id, None)
 
     def loading(self, key: str) -> str | None:
         """The request fetching ``key`` now, if any."""

@@ -46,7 +46,7 @@ from collections import deque
 
 from vllm_dcp2d.transfer.messages import MessageError, Reply, clip, decode, encode
 
-__all__ = ["Auth", "AuthError", "PeerLog", "load_secret", "ENV", "MAX_SKEW_S", "MIN_SECRET_BYTES"]
+__all__ = ["Auth", "AuthError", "PeerLog", "load_secret", "ENV", "MAX_SKEW_S", "MIN_SECRET_BYTES", "NO_AUTH"]
 
 ENV = "DCP2D_AUTH_SECRET"
 MAGIC = b"\xc1D2A"
@@ -182,6 +182,9 @@ def load_secret(path: str) -> bytes | None:
         raise ConfigError(f"the auth secret in {where} has {len(secret)} bytes; expected at least "
                           f"{MIN_SECRET_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
     return hashlib.sha256(b"dcp2d-auth-v1" + secret).digest()
+
+
+NO_AUTH = Auth()  # frames go unsealed: the default where no secret is configured
 
 
 class PeerLog:

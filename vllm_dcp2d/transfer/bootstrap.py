@@ -10,147 +10,33 @@ addressed explicitly and the per-request DCP topology rides in each
 sockets have ``linger=0``, so a peer that disappears yields ``BootstrapError``
 (or a failed fetch upstream), never a hang.
 
-Public API
-----------
-``class BootstrapError(RuntimeError)``: no answer in time, or an error answer.
-``BootstrapServer(host="127.0.0.1", port=0, token="", auth=Auth())``: registry thread of one
-    prefill instance; registrations must carry ``token``, every frame passes ``auth``.
-    ``.address -> str`` ("tcp://host:port"), ``.port -> int``,
-    ``.ranks() -> dict[int, str]``, ``.table() -> RankTable | Reply``, ``.close()``; a context manager.
-``request(address, msg, expect, timeout_s, auth=Auth()) -> message``: one round trip on a fresh socket.
-``register_rank(server, msg: RegisterRank, timeout_s=10.0, auth=Auth()) -> None``: retries until acknowledged.
-``query_ranks(server, engine_id, timeout_s=10.0, auth=Auth()) -> RankTable``: retries until all ranks registered.
-``socket(kind) -> zmq.Socket``: every side-channel socket: no linger, no handshake deadline,
-    inbound messages bounded (``MAXMSGSIZE``, ``RCVHWM``: a peer that sends more is cut off).
-``TableQuery(address, engine_id, accept, auth=Auth())``: the non-blocking client a decode rank's poll loop
-    uses (``ask(now)``, ``read()``, ``forget()``, ``.table``); ``accept(table)`` raises
-    ``FingerprintMismatch`` for a table this rank cannot fetch from.
-``Backoff``: the one resend schedule (1, 2, 4, ... s) of every unanswered message.
-``Waker``: lets any thread interrupt a poll loop (``wake()``, ``.socket``, ``drain()``, ``close()``).
+Here: the server (``BootstrapServer``), a rank's registration with it
+(``register_rank``) and a decode rank's non-blocking client of it for its poll loop
+(``TableQuery``; ``http_bootstrap.HttpTableQuery`` asks over HTTP); the sockets
+they all open are ``sockets``.
 """
 
 from __future__ import annotations
 
 import hmac
-import itertools
 import logging
-import os
 import threading
 import time
 
 import numpy as np
 import zmq
 
-from vllm_dcp2d.transfer.auth import Auth, AuthError, PeerLog
-from vllm_dcp2d.transfer.messages import (MAX_MESSAGE_BYTES, MessageError, QueryRanks, RankTable, RegisterRank,
-                                           Reply, encode)
+from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, AuthError, PeerLog
+from vllm_dcp2d.transfer.messages import MessageError, QueryRanks, RankTable, RegisterRank, Reply, encode
+from vllm_dcp2d.transfer.sockets import POLL_S, Backoff, bind, dealer, send_nowait, socket
 
-__all__ = ["BootstrapError", "BootstrapServer", "Backoff", "TableQuery", "Waker", "request", "register_rank",
-           "query_ranks", "bind", "send_nowait", "dealer", "socket"]
+__all__ = ["BootstrapError", "BootstrapServer", "RankTableQuery", "TableQuery", "request", "register_rank"]
 
 log = logging.getLogger(__name__)
-_ids = itertools.count()
-POLL_S = 0.1  # how often background loops check their stop flag
-RESEND_S, RESEND_MAX_S = 1.0, 8.0  # an unanswered bootstrap message is sent again after 1, 2, 4, 8, 8, ... s
-MAX_FRAME = MAX_MESSAGE_BYTES + 1024  # a message plus its seal (``auth``)
-RCV_HWM = 64  # frames queued from one peer before ZMQ stops reading it: at most RCV_HWM x MAX_FRAME held
-NO_AUTH = Auth()
 
 
 class BootstrapError(RuntimeError):
     """A bootstrap exchange failed: timeout, error reply or malformed reply."""
-
-
-def context() -> zmq.Context:
-    return zmq.Context.instance()
-
-
-def socket(kind: int) -> zmq.Socket:
-    s = context().socket(kind)
-    s.setsockopt(zmq.LINGER, 0)
-    # No ZMTP handshake deadline (ZMQ's default is 30 s): on an overloaded host a
-    # handshake can take longer, and ZMQ then drops the connection and reports it
-    # as lost. Every wait here has its own deadline; a dead peer closes its TCP
-    # connection, which the disconnect monitors see.
-    s.setsockopt(zmq.HANDSHAKE_IVL, 0)
-    # A frame over the wire's limit is not buffered (ZMQ drops the peer), and one peer
-    # cannot queue more than RCV_HWM frames: what a peer can make this process hold is
-    # bounded before any byte of it is decoded.
-    s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-    s.setsockopt(zmq.RCVHWM, RCV_HWM)
-    return s
-
-
-def send_nowait(sock: zmq.Socket, payload: bytes) -> bool:
-    """Queue ``payload`` on ``sock`` without blocking: False when its queue is full
-    (``SNDHWM`` messages for a peer that does not read). No thread here ever blocks
-    on a peer: a dead one fills a queue, and the caller gives up on that message."""
-    try:
-        sock.send(payload, zmq.NOBLOCK)
-    except zmq.Again:
-        return False
-    return True
-
-
-def dealer(address: str, options: dict | None = None) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER connected to ``address`` (``options``: socket options set first) and its
-    disconnect monitor. If ZMQ refuses anything (the address, no file descriptor left
-    for the monitor), closes what it opened and raises ValueError naming the address:
-    the caller fails only what needed that peer, and no socket leaks."""
-    sock, monitor = socket(zmq.DEALER), None
-    try:
-        for opt, value in (options or {}).items():
-            sock.setsockopt(opt, value)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(address)
-    except zmq.ZMQError as e:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close()
-        sock.close()
-        raise ValueError(f"cannot connect to {address!r}: {e}") from None
-    return sock, monitor
-
-
-def bind(sock: zmq.Socket, host: str, port: int = 0) -> str:
-    """Bind ``sock`` to ``tcp://host:port`` (0 = a free port); returns the address."""
-    if port:
-        sock.bind(f"tcp://{host}:{port}")
-    else:
-        port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
-
-
-class Waker:
-    """An inproc PUSH/PULL pair: ``wake()`` from any thread makes ``.socket`` readable."""
-
-    def __init__(self):
-        name = f"inproc://dcp2d-wake-{os.getpid()}-{next(_ids)}"
-        self.socket = socket(zmq.PULL)
-        self.socket.bind(name)
-        self._push = socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 4)
-        self._push.connect(name)
-        self._lock = threading.Lock()
-
-    def wake(self) -> None:
-        with self._lock:
-            try:
-                self._push.send(b"", zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # a wake-up is already queued
-
-    def drain(self) -> None:
-        while True:
-            try:
-                self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-
-    def close(self) -> None:
-        with self._lock:
-            self._push.close()
-        self.socket.close()
 
 
 def request(address: str, msg, expect, timeout_s: float, auth: Auth = NO_AUTH):
@@ -172,24 +58,6 @@ def request(address: str, msg, expect, timeout_s: float, auth: Auth = NO_AUTH):
             raise BootstrapError(f"bad reply from {address}: {e}") from None
     finally:
         sock.close()
-
-
-class Backoff:
-    """How long to wait for an answer before asking again: 1, 2, 4, ... ``max_s``.
-    With a fixed short wait, a host too loaded to connect and answer within it
-    never succeeds; asking ever more rarely keeps a silent peer from being flooded."""
-
-    def __init__(self, max_s: float = RESEND_MAX_S):
-        self.max_s = max_s
-        self.reset()
-
-    def reset(self) -> None:
-        self.wait_s = RESEND_S
-
-    def next(self) -> float:
-        """The current wait; the following one is twice as long (capped)."""
-        wait, self.wait_s = self.wait_s, min(2 * self.wait_s, self.max_s)
-        return wait
 
 
 def _retry(what: str, server: str, timeout_s: float, attempt):
@@ -223,13 +91,6 @@ def register_rank(server: str, msg: RegisterRank, timeout_s: float = 10.0, auth:
     (the server may start after the rank) until acknowledged or ``timeout_s``."""
     _retry(f"registering cp rank {msg.cp_rank}", server, timeout_s,
            lambda t: request(server, msg, Reply, t, auth))
-
-
-def query_ranks(server: str, engine_id: str, timeout_s: float = 10.0, auth: Auth = NO_AUTH) -> RankTable:
-    """The rank table of the prefill instance behind ``server``; retried until every
-    CP rank has registered or ``timeout_s`` passes."""
-    return _retry("querying the rank table", server, timeout_s,
-                  lambda t: request(server, QueryRanks(engine_id), (RankTable, Reply), t, auth))
 
 
 class BootstrapServer:
@@ -366,31 +227,59 @@ class BootstrapServer:
                          np.array([(m.head_start, m.head_end) for m in ranks], np.int64).reshape(-1))
 
 
-class TableQuery:
-    """A decode rank's client of one prefill instance's ``BootstrapServer``, for a
-    poll loop that owns it (the receiver's thread): a DEALER (``.sock``) and its
-    disconnect monitor (``.monitor``) to register with the loop's poller.
-
-    ``ask(now)`` sends ``QueryRanks`` when one is due: at once, again after
-    ``Backoff`` waits without an answer (on the same socket: ZMQ reconnects to a
-    restarted server by itself), and ``QUERY_RETRY_S`` after a "not every rank
-    registered" reply. ``read()`` takes one reply: the ``RankTable`` (also kept
-    in ``.table``), or None; raises ``MessageError`` for a malformed reply, or what
+class RankTableQuery:
+    """What a decode rank's two clients of a prefill instance's bootstrap share
+    (``TableQuery`` over ZMQ, ``http_bootstrap.HttpTableQuery`` over HTTP), for a
+    poll loop that owns them (the receiver's thread): ``.sock`` and ``.monitor`` to
+    register with the loop's poller; ``ask(now)`` sends a query when one is due;
+    ``read()`` takes one answer: the ``RankTable`` (also kept in ``.table``), or None;
+    it raises ``MessageError`` for a malformed answer or a refusal, or what
     ``accept(table)`` raises (``FingerprintMismatch``: a table of another KV format or
     sharding, kept in ``.refused``). ``forget()`` drops the table (ask again).
     """
 
-    QUERY_RETRY_S = 0.05
+    QUERY_RETRY_S = 0.05  # asked again this soon after a "not every rank registered" answer
 
     def __init__(self, address: str, engine_id: str, accept, auth: Auth = NO_AUTH):
         self.address, self.engine_id, self.accept, self.auth = address, engine_id, accept, auth
-        self.sock, self.monitor = dealer(address)
         self.table: RankTable | None = None
         self.refused: RankTable | None = None  # the last table read, if its fingerprint differs
         self.last_reason = "no answer"
         self._asked = 0.0      # when the unanswered query went out (0: none out)
         self._retry_at = 0.0
         self._backoff = Backoff()
+
+    def _take(self, payload: bytes) -> RankTable | None:
+        """One sealed answer of the bootstrap: the table, or None (asked again later)."""
+        msg = self.auth.unpack(payload, (RankTable, Reply))
+        if isinstance(msg, Reply):
+            self.last_reason = msg.reason
+            if msg.reason.startswith(("refused:", "rejected:")):  # will not change by asking again
+                raise MessageError(f"the bootstrap server {msg.reason}")
+            self._backoff.reset()
+            self._retry_at = time.monotonic() + self.QUERY_RETRY_S  # not every rank registered yet
+            return None
+        self._backoff.reset()
+        self.refused = msg  # a table of another KV format: its ranks can still be told to free a request
+        self.accept(msg)
+        self.refused = None
+        self.table = msg
+        return msg
+
+    def forget(self) -> None:
+        self.table, self._asked = None, 0.0
+
+
+class TableQuery(RankTableQuery):
+    """``RankTableQuery`` over ZMQ: a DEALER (``.sock``) and its disconnect monitor
+    (``.monitor``). ``ask(now)`` sends ``QueryRanks`` at once, again after ``Backoff``
+    waits without an answer (on the same socket: ZMQ reconnects to a restarted server
+    by itself), and ``QUERY_RETRY_S`` after a "not every rank registered" answer.
+    """
+
+    def __init__(self, address: str, engine_id: str, accept, auth: Auth = NO_AUTH):
+        super().__init__(address, engine_id, accept, auth)
+        self.sock, self.monitor = dealer(address)
 
     def ask(self, now: float) -> None:
         if self.table is not None:
@@ -407,21 +296,7 @@ class TableQuery:
         payload = self.sock.recv()
         self._asked = 0.0
         self._backoff.reset()
-        msg = self.auth.unpack(payload, (RankTable, Reply))
-        if isinstance(msg, Reply):
-            self.last_reason = msg.reason
-            if msg.reason.startswith(("refused:", "rejected:")):  # will not change by asking again
-                raise MessageError(f"the bootstrap server {msg.reason}")
-            self._retry_at = time.monotonic() + self.QUERY_RETRY_S  # not every rank registered yet
-            return None
-        self.refused = msg  # a table of another KV format: its ranks can still be told to free a request
-        self.accept(msg)
-        self.refused = None
-        self.table = msg
-        return msg
-
-    def forget(self) -> None:
-        self.table, self._asked = None, 0.0
+        return self._take(payload)
 
     def close(self) -> None:
         self.sock.disable_monitor()

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from vllm_dcp2d.transfer import bootstrap as bs
+from vllm_dcp2d.transfer.auth import NO_AUTH
+from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.messages import RankTable
 
 __all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
@@ -86,7 +87,7 @@ class Rank:
     def __init__(self, address: str, poller: zmq.Poller, identity: bytes, auth=None):
         self.address, self.auth = address, auth
         # Same routing id after a reconnect: the rank's answers still reach us.
-        self.sock, self.monitor = bs.dealer(address, {zmq.ROUTING_ID: identity, zmq.SNDHWM: SEND_HWM})
+        self.sock, self.monitor = sockets.dealer(address, {zmq.ROUTING_ID: identity, zmq.SNDHWM: SEND_HWM})
         for s in (self.sock, self.monitor):
             poller.register(s, zmq.POLLIN)
         # Disconnected, and nothing read from the rank since. Only an answer clears it,
@@ -95,12 +96,12 @@ class Rank:
         self.down = False
         self.cancel_at = 0.0                  # when the quarantined attempts' cancels go out again
         self.used = time.monotonic()          # last asked or heard from (``Receiver`` closes idle links)
-        self.backoff = bs.Backoff(CANCEL_RESEND_MAX_S)
+        self.backoff = sockets.Backoff(CANCEL_RESEND_MAX_S)
 
     def send(self, msg) -> bool:
         """Queue ``msg`` without blocking; False if ``SEND_HWM`` messages already wait
         for a rank that does not read them (unreachable, or gone)."""
-        return bs.send_nowait(self.sock, (self.auth or bs.NO_AUTH).pack(msg))
+        return sockets.send_nowait(self.sock, (self.auth or NO_AUTH).pack(msg))
 
     def close(self, poller: zmq.Poller) -> None:
         for s in (self.sock, self.monitor):

@@ -33,8 +33,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
-from vllm_dcp2d.transfer.auth import Auth
-from vllm_dcp2d.transfer.messages import MessageError, RankTable, Reply, clip
+from vllm_dcp2d.transfer import sockets
+from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
+from vllm_dcp2d.transfer.messages import RankTable, clip
 
 __all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER"]
 
@@ -101,7 +102,7 @@ class HttpBootstrap:
         self._http = _BoundedServer((host, port), Handler)
         self.port = self._http.server_address[1]
         self.address = f"http://{host}:{self.port}"
-        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": bs.POLL_S},
+        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": sockets.POLL_S},
                                         name=f"dcp2d-http-bootstrap-{self.port}", daemon=True)
         self._thread.start()
 
@@ -174,30 +175,21 @@ def start_http_bootstrap(cfg, server: bs.BootstrapServer, engine_id: str) -> Htt
     return http
 
 
-class HttpTableQuery:
-    """``bootstrap.TableQuery`` for an ``http://host:port`` bootstrap address, for the
-    same poll loop: ``ask(now)`` starts one ``GET /query`` in a short-lived thread when
-    one is due (the same resend schedule), whose answer arrives on ``.sock`` (a ZMQ
-    PULL socket the loop polls); ``read()`` takes it. ``.monitor`` never fires (there is
-    no connection to lose between queries)."""
+class HttpTableQuery(bs.RankTableQuery):
+    """``bootstrap.RankTableQuery`` for an ``http://host:port`` bootstrap address:
+    ``ask(now)`` starts one ``GET /query`` in a short-lived thread when one is due (the
+    same resend schedule), whose answer arrives on ``.sock`` (a ZMQ PULL socket the loop
+    polls); ``read()`` takes it. ``.monitor`` never fires (there is no connection to
+    lose between queries)."""
 
-    QUERY_RETRY_S = bs.TableQuery.QUERY_RETRY_S
-
-    def __init__(self, address: str, engine_id: str, accept, auth: Auth = bs.NO_AUTH):
-        self.address = check_http_addr(address)
-        self.engine_id, self.accept, self.auth = engine_id, accept, auth
+    def __init__(self, address: str, engine_id: str, accept, auth: Auth = NO_AUTH):
+        super().__init__(check_http_addr(address), engine_id, accept, auth)
         self._inproc = f"inproc://dcp2d-http-query-{next(_ids)}"
-        self.sock = bs.context().socket(zmq.PULL)
+        self.sock = sockets.context().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(self._inproc)
-        self.monitor = bs.context().socket(zmq.PAIR)  # polled like TableQuery's monitor; nothing writes it
+        self.monitor = sockets.context().socket(zmq.PAIR)  # polled like TableQuery's monitor; nothing writes it
         self.monitor.setsockopt(zmq.LINGER, 0)
-        self.table: RankTable | None = None
-        self.refused: RankTable | None = None  # the last table read, if its fingerprint differs
-        self.last_reason = "no answer"
-        self._asked = 0.0
-        self._retry_at = 0.0
-        self._backoff = bs.Backoff()
         self._busy = threading.Event()  # a GET is in flight
 
     def ask(self, now: float) -> None:
@@ -219,7 +211,7 @@ class HttpTableQuery:
             frame = b"T" + base64.b64decode(entry["rank_table"], validate=True)
         except Exception as e:  # noqa: BLE001 - a peer's answer of any shape (http.client.HTTPException too)
             frame = b"E" + clip(f"GET {self.address}/query: {type(e).__name__}: {e}", 400).encode()
-        push = bs.context().socket(zmq.PUSH)
+        push = sockets.context().socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         try:
             push.connect(self._inproc)
@@ -237,23 +229,7 @@ class HttpTableQuery:
             self.last_reason = frame[1:].decode(errors="replace")
             self._retry_at = time.monotonic() + self._backoff.next()
             return None
-        msg = self.auth.unpack(frame[1:], (RankTable, Reply))
-        if isinstance(msg, Reply):  # the ranks are not all registered yet
-            self.last_reason = msg.reason
-            if msg.reason.startswith(("refused:", "rejected:")):
-                raise MessageError(f"the bootstrap server {msg.reason}")
-            self._backoff.reset()
-            self._retry_at = time.monotonic() + self.QUERY_RETRY_S
-            return None
-        self._backoff.reset()
-        self.refused = msg  # a table of another KV format: its ranks can still be told to free a request
-        self.accept(msg)
-        self.refused = None
-        self.table = msg
-        return msg
-
-    def forget(self) -> None:
-        self.table, self._asked = None, 0.0
+        return self._take(frame[1:])
 
     def close(self) -> None:
         self.sock.close()

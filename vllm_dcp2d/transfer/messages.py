@@ -11,21 +11,12 @@ and range, and the size of every string, list and array; any malformed or
 hostile input raises :class:`MessageError` (and nothing else), with memory
 bounded by ``MAX_MESSAGE_BYTES``.
 
-Public API
-----------
-``PROTOCOL_VERSION: int``, ``MAX_MESSAGE_BYTES: int``
-``class MessageError(ValueError)``: malformed input or unsupported version.
-``class FingerprintMismatch(MessageError)``: both sides' values named.
-``Fingerprint(model, num_layers, page_size, kv_dtype, page_bytes, layout, model_config, draft_layers=0, kv_scales="none")``
-    ``.check(other: Fingerprint, heads=0, other_heads=0) -> None``: raises ``FingerprintMismatch`` (per KV head where the head counts differ).
-``TransferRequest(...)``: decode rank -> prefill rank, one per request and rank;
-    ``.regions() -> plan.KVRegions`` (the consumer's KV).
-``TransferOutcome(...)``: prefill rank -> decode rank, the answer to one request.
-``CancelTransfer``: decode rank -> prefill rank, stop one fetch; ``ReleaseTransfer``: decode rank ->
-    prefill rank, this consumer rank will never fetch the request (free it).
-``RegisterRank``, ``QueryRanks``, ``RankTable``, ``Reply``: bootstrap messages.
-``encode(msg) -> bytes``; ``decode(data: bytes, expect=None) -> message``:
-    ``expect`` is a message class (or tuple of them) the caller accepts.
+The message types: ``TransferRequest`` (a decode rank's attempt at one prefill
+rank) and its one ``TransferOutcome``, ``CancelTransfer``, ``ReleaseTransfer``; the
+bootstrap's ``RegisterRank``, ``QueryRanks``, ``RankTable``, ``Reply``; and the
+``Fingerprint`` both sides compare. Over ~400 lines on purpose: this is the whole
+wire schema, every type beside the version history that names its changes, read
+as one when the protocol moves.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Decode side of the 2D reshard: one ``Receiver`` per decode DCP rank (design §6.7).
 
 ``start(transfer_key, bootstrap, block_ids, num_tokens=...)`` gets the rank table
-of the prefill instance behind ``bootstrap`` (``bootstrap.TableQuery``, cached
-per instance), sends every prefill CP rank one ``TransferRequest`` carrying this
+of the prefill instance behind ``bootstrap`` (``directory.Directory``: the rank
+tables, cached per instance, the side channels and the releases), sends every prefill CP rank one ``TransferRequest`` carrying this
 rank's ``(dcp_size, dcp_rank)``, block table, token count, KV regions and the
 memory it registered, and collects their ``TransferOutcome``s. The pages are in
 place when every CP rank answered ok for the same token count; any failure,
@@ -15,8 +15,10 @@ Block lifetime (docs/connector.md): a failing fetch cancels the CP ranks still
 writing and may end with some of them quarantined. The ``FetchLedger``
 (``fetch_ledger.py``, with its invariants) records every attempt by the address
 it went to and decides when a fetch ends and when its blocks may be used again
-(``poll_lifted``); this module holds the public API, the socket loop, dispatch
-and reading answers; ``fetch`` the state of one fetch and one rank's link.
+(``poll_lifted``); this module holds the fetch protocol: the public API, the
+socket loop, dispatch, reading answers, cancels and deadlines; ``fetch`` the state
+of one fetch and one rank's link. Over ~400 lines on purpose: those steps are one
+state machine on one thread, each acting on the same fetches and ledger.
 
 Failure rule: each fetch, release, answer and timer runs in its own guard, so
 one bad input fails only its own fetch, with a reason naming it; no send
@@ -41,23 +43,21 @@ import uuid
 
 import zmq
 
-from vllm_dcp2d.transfer import bootstrap as bs
-from vllm_dcp2d.transfer.auth import Auth
-from vllm_dcp2d.transfer.http_bootstrap import HttpTableQuery
+from vllm_dcp2d.transfer import sockets
+from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
+from vllm_dcp2d.transfer.bootstrap import RankTableQuery
 from vllm_dcp2d.transfer.checksum import checksum, path_ranges
+from vllm_dcp2d.transfer.directory import Directory
 from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
-                                           ReleaseTransfer, Reply, TransferOutcome, TransferRequest)
-from vllm_dcp2d.layout import askers
-from vllm_dcp2d.plan import KVRegions, Memory, ShardError, block_tables, blocks_within, senders_for
+                                           Reply, TransferOutcome, TransferRequest)
+from vllm_dcp2d.plan import KVRegions, Memory, block_tables, blocks_within, senders_for
 from vllm_dcp2d.transfer.transport import STALL_S, MooncakeTransport, TransportError
 
-__all__ = ["Receiver", "Fetch", "FetchError", "MAX_QUERIES", "IDLE_S"]
+__all__ = ["Receiver", "Fetch", "FetchError"]
 
 log = logging.getLogger(__name__)
-MAX_QUERIES = 256  # prefill instances (bootstrap addresses) one decode rank talks to at once
-IDLE_S = 60.0      # a table query or rank link unused this long is closed
 
 
 class Receiver:
@@ -88,7 +88,7 @@ class Receiver:
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
                  dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
                  cancel_grace_s: float = 2.0, on_output=None, heads: range | None = None,
-                 auth: Auth = bs.NO_AUTH, verify: bool = False):
+                 auth: Auth = NO_AUTH, verify: bool = False):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
                              f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
@@ -112,7 +112,7 @@ class Receiver:
         self._releases: queue.Queue = queue.Queue()  # (transfer key, bootstrap, num_tokens, deadline) to announce
         self._renewed = 0.0  # when the transport was last renewed after a timed-out write
         self._stop = threading.Event()
-        self._waker = bs.Waker()
+        self._waker = sockets.Waker()
         self._thread = threading.Thread(target=self._run, name=f"dcp2d-recv-{dcp_rank}", daemon=True)
         self._thread.start()
 
@@ -186,10 +186,9 @@ class Receiver:
     def _run(self):
         self._poller = zmq.Poller()
         self._poller.register(self._waker.socket, zmq.POLLIN)
-        self._ranks: dict[str, Rank] = {}
-        self._queries: dict[str, bs.TableQuery] = {}
+        self._dir = Directory(self._poller, self._identity, self.engine_id, self.fingerprint, self.heads,
+                              self.consumer_rank, self.consumer_size, self.dcp_rank, self.dcp_size, self.auth)
         self._waiting: dict[str, list[Fetch]] = {}  # bootstrap -> fetches waiting for its table
-        self._unsent: dict[str, list[tuple]] = {}  # bootstrap -> releases waiting for its table
         self._collect_at = 0.0  # when idle queries and links are next closed
         reason = "receiver closed"
         try:
@@ -203,27 +202,24 @@ class Receiver:
                 ended = self.ledger.finish(f, FetchError(f.transfer_key, None, reason), track=False) or ended
             if ended:
                 self._announce()
-            for q in self._queries.values():
-                q.close()
-            for r in self._ranks.values():
-                r.close(self._poller)
+            self._dir.close()
 
     def _loop(self):
         while not self._stop.is_set():
-            events = dict(self._poller.poll(int(bs.POLL_S * 1000)))
+            events = dict(self._poller.poll(int(sockets.POLL_S * 1000)))
             if self._waker.socket in events:
                 self._waker.drain()
             for f in drain(self._new):
                 self._guard(self._begin, f, fetch=f)
             for rel in drain(self._releases):
                 self._guard(self._queue_release, rel)
-            self._guard(self._send_releases)
-            for q in list(self._queries.values()):
+            self._guard(self._dir.send_releases)
+            for q in list(self._dir.queries.values()):
                 if q.monitor in events and link_events(q.monitor):
                     self._guard(self._no_table, q, "connection lost")
                 if q.sock in events:
                     self._guard(self._read_table, q)
-            for r in list(self._ranks.values()):
+            for r in list(self._dir.ranks.values()):
                 if r.monitor in events:
                     self._guard(self._link, r)
                 if r.sock in events:
@@ -250,112 +246,23 @@ class Receiver:
         else:
             self._waiting.setdefault(f.bootstrap, []).append(f)
 
-    def _query(self, bootstrap: str) -> bs.TableQuery:
-        q = self._queries.get(bootstrap)
-        if q is None:  # each raises on a malformed address
-            if len(self._queries) >= MAX_QUERIES:
-                self._collect(float("inf"))
-            if len(self._queries) >= MAX_QUERIES:
-                raise ValueError(f"this decode rank talks to {len(self._queries)} prefill instances already (at "
-                                 f"most {MAX_QUERIES}); {bootstrap!r} is one more")
-            kind = HttpTableQuery if bootstrap.startswith("http://") else bs.TableQuery
-            q = kind(bootstrap, self.engine_id, self._accept, self.auth)
-            self._queries[bootstrap] = q
-            for s in (q.sock, q.monitor):
-                self._poller.register(s, zmq.POLLIN)
-        q.used = time.monotonic()
-        return q
+    def _query(self, bootstrap: str) -> RankTableQuery:
+        if self._dir.full(bootstrap):
+            self._collect(float("inf"))
+        return self._dir.query(bootstrap)
 
     def _collect(self, idle_s: float | None = None) -> None:
         """Close the table queries and rank links nothing has used for ``idle_s`` (inf: none
-        in use now): no fetch, release or quarantined attempt needs them. Each holds
-        sockets and a reconnect timer, and any request may name a new address."""
-        now, idle_s = time.monotonic(), IDLE_S if idle_s is None else idle_s
-        active = {f.bootstrap for f in self.ledger.active()}
-        for bootstrap, q in list(self._queries.items()):
-            if (bootstrap in active or self._waiting.get(bootstrap) or bootstrap in self._unsent
-                    or now - q.used < idle_s):
-                continue
-            for s in (q.sock, q.monitor):
-                self._poller.unregister(s)
-            q.close()
-            del self._queries[bootstrap]
+        in use now; None: ``directory.IDLE_S``): no fetch, release or quarantined attempt
+        needs them."""
+        in_use = {f.bootstrap for f in self.ledger.active()} | {b for b, fs in self._waiting.items() if fs}
+        busy = {addr for addr in self._dir.ranks if self.ledger.busy(addr)}
+        for bootstrap in self._dir.collect(in_use, busy, idle_s):
             self._waiting.pop(bootstrap, None)
-        for addr, rank in list(self._ranks.items()):
-            if not self.ledger.busy(addr) and now - rank.used >= idle_s:
-                rank.close(self._poller)
-                del self._ranks[addr]
-
-    def _accept(self, table: RankTable) -> None:
-        """Raise ``FingerprintMismatch`` unless this rank can fetch its KV from ``table``'s
-        ranks: the same model shape first (the shard check needs it), then each of this
-        rank's KV heads and layers held by exactly one of them, then the page format
-        (a page format that differs only because the heads do is named as the heads)."""
-        mine, theirs = self.fingerprint, table.fingerprint
-        if (mine.num_layers, mine.num_kv_heads) == (theirs.num_layers, theirs.num_kv_heads):
-            try:
-                senders_for(table.layers, table.heads, mine.num_layers, mine.num_kv_heads, self.heads)
-            except ShardError as e:
-                raise FingerprintMismatch(f"{e} (this decode: TP rank {self.consumer_rank} of "
-                                          f"{self.consumer_size}, DCP rank {self.dcp_rank} of {self.dcp_size})") from None
-        theirs_heads = int(table.heads[1] - table.heads[0])  # every rank of a prefill holds as many
-        try:
-            mine.check(theirs, len(self.heads), theirs_heads)
-        except FingerprintMismatch as e:  # name both sides' shape: what differs may be the TP split
-            raise FingerprintMismatch(
-                f"{e}. Prefill {table.engine_id!r}: {table.cp_size} sending rank(s), each holding {theirs_heads} of "
-                f"{theirs.num_kv_heads} KV heads; this decode: TP rank {self.consumer_rank} of {self.consumer_size} "
-                f"holding {len(self.heads)}, DCP {self.dcp_size}") from None
-
-    def _rank(self, addr: str) -> Rank:
-        rank = self._ranks.get(addr)
-        if rank is None:
-            rank = self._ranks[addr] = Rank(addr, self._poller, self._identity, self.auth)
-        rank.used = time.monotonic()
-        return rank
 
     def _queue_release(self, rel: tuple) -> None:
         self._query(rel[1])
-        self._unsent.setdefault(rel[1], []).append(rel)
-
-    def _send_releases(self):
-        """Send the releases whose prefill's rank table is known; drop those whose
-        table did not come in time (the prefill's ``send_timeout_s`` frees them)."""
-        now = time.monotonic()
-        for bootstrap, items in list(self._unsent.items()):
-            table = self._queries[bootstrap].table
-            keep = []
-            for key, _, num_tokens, deadline, engine, digest in items:
-                if table is not None:
-                    self._release(table, key, num_tokens, engine, digest)
-                elif deadline <= now:
-                    log.info("release of %r not sent: no rank table from %s (%s)", key, bootstrap,
-                             self._queries[bootstrap].last_reason)
-                else:
-                    keep.append((key, bootstrap, num_tokens, deadline, engine, digest))
-            if keep:
-                self._unsent[bootstrap] = keep
-            else:
-                del self._unsent[bootstrap]
-
-    def _release(self, table: RankTable, key: str, num_tokens: int, engine: str | None, digest: str) -> None:
-        if engine is not None and engine != table.engine_id:
-            log.info("release of %r not sent: %s serves engine %r, the request named %r", key,
-                     ",".join(table.addresses), table.engine_id, engine)
-            return
-        for cp_rank, addr in enumerate(table.addresses):
-            if not set(table.shard(cp_rank)[1]) & set(self.heads):
-                continue  # that rank holds none of this rank's heads: it never counts this rank
-            msg = ReleaseTransfer(key, self.engine_id, *self._askers(table, cp_rank), num_tokens, digest)
-            if not self._rank(addr).send(msg):
-                log.info("release of %r not sent to %s: its queue is full", key, addr)
-
-    def _askers(self, table: RankTable, cp_rank: int) -> tuple[int, int]:
-        """``(consumer_rank, consumer_size)`` this rank names to ``cp_rank``: its place among
-        the decode's TP ranks that fetch from it (those holding its heads), and how many
-        they are: the prefill rank frees a request once each of them is served."""
-        ranks = askers(self.fingerprint.num_kv_heads, self.consumer_size, table.shard(cp_rank)[1])
-        return (ranks.index(self.consumer_rank), len(ranks)) if self.consumer_rank in ranks else (0, 1)
+        self._dir.queue_release(rel)
 
     def _dispatch(self, f: Fetch, table: RankTable):
         f.table = table
@@ -371,14 +278,14 @@ class Receiver:
             attempt = next(self._attempts)
             msg = TransferRequest.build(
                 regions=self.regions, memory=self.memory, transfer_key=f.transfer_key, attempt_id=attempt,
-                engine_id=self.engine_id, consumer_rank=self._askers(table, cp_rank)[0],
-                consumer_size=self._askers(table, cp_rank)[1], session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
+                engine_id=self.engine_id, consumer_rank=self._dir.askers(table, cp_rank)[0],
+                consumer_size=self._dir.askers(table, cp_rank)[1], session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                 block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
                 num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s,
                 head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,
                 verify=self.verify)
             try:
-                sent = self._rank(addr).send(msg)
+                sent = self._dir.rank(addr).send(msg)
             except MessageError as e:  # this request cannot be put on the wire (a key too long, ...)
                 return self._fail(f, FetchError(f.transfer_key, cp_rank, f"cannot send the request: {e}"))
             if not sent:
@@ -389,15 +296,12 @@ class Receiver:
 
     # ---- the bootstrap server ----
 
-    def _read_table(self, q: bs.TableQuery):
+    def _read_table(self, q: RankTableQuery):
         try:
             table = q.read()
         except MessageError as e:
             if isinstance(e, FingerprintMismatch) and q.refused is not None:
-                # This side will never fetch from an instance of another KV format, and a
-                # release moves no KV: free its blocks now, not at its claim_timeout_s.
-                for key, _, num_tokens, _, engine, digest in self._unsent.pop(q.address, []):
-                    self._release(q.refused, key, num_tokens, engine, digest)
+                self._dir.release_to_refused(q)
             return self._no_table(q, str(e))
         if table is None:
             return
@@ -405,9 +309,9 @@ class Receiver:
         for f in self._waiting.pop(q.address, []):
             if self.ledger.is_active(f):
                 self._guard(self._dispatch, f, table, fetch=f)
-        self._send_releases()
+        self._dir.send_releases()
 
-    def _no_table(self, q: bs.TableQuery, why: str):
+    def _no_table(self, q: RankTableQuery, why: str):
         q.forget()
         for f in self._waiting.pop(q.address, []):
             self._finish(f, FetchError(f.transfer_key, None, f"bootstrap {q.address}: {why}"))
@@ -416,13 +320,12 @@ class Receiver:
         """Quarantined attempts on ranks of ``bootstrap`` whose link is down and whose
         address the instance's new rank table no longer lists were restarted: their
         old process, the only one that could write into those blocks, is gone."""
-        for addr, rank in list(self._ranks.items()):
+        for addr, rank in list(self._dir.ranks.items()):
             if not rank.down or addr in table.addresses:
                 continue
             self._announce(self.ledger.settle_rank(addr, bootstrap, "restarted"))
             if not self.ledger.busy(addr):
-                rank.close(self._poller)
-                del self._ranks[addr]
+                self._dir.close_rank(addr)
 
     # ---- the CP ranks ----
 
@@ -502,9 +405,7 @@ class Receiver:
         """``rank``'s link failed, or it sent something we cannot read: fail the fetches
         in flight to it. They stay in flight (it may still be writing) until it
         answers their cancel, which waits in ZMQ's queue until the link is back."""
-        for q in self._queries.values():
-            if q.table is not None and rank.address in q.table.addresses:
-                q.forget()  # the rank may come back elsewhere: ask the bootstrap again
+        self._dir.forget_tables_with(rank.address)  # the rank may come back elsewhere
         for f, cp_rank, _ in self.ledger.on_rank(rank.address):
             if f.failing is None:
                 self._fail(f, FetchError(f.transfer_key, cp_rank, f"{why} ({rank.address})"), peer_fault=True)
@@ -518,13 +419,13 @@ class Receiver:
         cancels, ended = self.ledger.fail(f, error, self.cancel_grace_s, peer_fault)
         self._announce(ended)
         for addr, attempt in cancels:
-            if addr in self._ranks:  # a full queue: the attempt is quarantined at the grace
-                self._ranks[addr].send(CancelTransfer(f.transfer_key, attempt))
+            if addr in self._dir.ranks:  # a full queue: the attempt is quarantined at the grace
+                self._dir.ranks[addr].send(CancelTransfer(f.transfer_key, attempt))
 
     def _finish(self, f: Fetch, error: FetchError | None, peer_fault: bool = False):
         self._announce(self.ledger.finish(f, error, peer_fault=peer_fault))
-        if (peer_fault or f.peer_fault) and f.bootstrap in self._queries:
-            self._queries[f.bootstrap].forget()  # re-query: a rank may have moved
+        if peer_fault or f.peer_fault:
+            self._dir.forget_table(f.bootstrap)  # re-query: a rank may have moved
 
     def _announce(self, output: bool = True) -> None:
         """After the ledger ended a fetch or lifted a quarantine (``output``): tell the owner
@@ -570,11 +471,10 @@ class Receiver:
         for bootstrap, waiting in list(self._waiting.items()):
             self._waiting[bootstrap] = [f for f in waiting if self.ledger.is_active(f)]
             if self._waiting[bootstrap]:
-                self._queries[bootstrap].ask(now)
-        for bootstrap in self._unsent:
-            self._queries[bootstrap].ask(now)
-        self._send_releases()
-        for rank in self._ranks.values():  # ask quarantining ranks again, less and less often
+                self._dir.queries[bootstrap].ask(now)
+        self._dir.ask_for_releases(now)
+        self._dir.send_releases()
+        for rank in self._dir.ranks.values():  # ask quarantining ranks again, less and less often
             unsettled = self.ledger.unsettled_on(rank.address)
             if unsettled and now >= rank.cancel_at:
                 for attempt, f in unsettled:
@@ -584,11 +484,11 @@ class Receiver:
         for f in [f for f in self.ledger.active() if f.failing is not None and f.settle_by <= now]:
             for cp_rank, where in list(f.inflight.items()):
                 self.ledger.quarantine(f, cp_rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
-                self._backoff(self._ranks[where[0]])
+                self._backoff(self._dir.ranks[where[0]])
             self._finish(f, f.failing, peer_fault=f.peer_fault)
         for f in [f for f in self.ledger.active() if f.failing is None and f.deadline <= now]:
             if f.table is None:
-                q = self._queries.get(f.bootstrap)
+                q = self._dir.queries.get(f.bootstrap)
                 cp_rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({q and q.last_reason})"
             else:
                 pending = sorted(f.inflight)

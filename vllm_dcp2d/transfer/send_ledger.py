@@ -3,7 +3,8 @@
 
 A ``Sender`` (one per prefill CP rank) moves bytes; its ledger decides when.
 Every decision that can free a block or answer a decode rank is made here,
-under the ledger's one lock, and no other object holds that state.
+under the ledger's one lock, and no other object holds that state. Over ~400
+lines on purpose: the invariants below hold across all of it, under that one lock.
 
 Records
 -------
@@ -156,7 +157,6 @@ class SendLedger:
         self._releasing: set[str] = set()  # covered keys waiting for another engine's open attempts
         self._per_peer: dict[bytes, int] = {}  # decode socket -> its open attempts (invariant 8)
         self._open_bytes = 0
-        self._writes = 0
         self._answers: list[Answer] = []  # decided, not taken by the owner yet
 
     # ---- requests: the owner's side ----
@@ -230,10 +230,6 @@ class SendLedger:
 
     def has_answers(self) -> bool:
         return bool(self._answers)  # a hint for waking the owner's I/O thread: take_answers decides
-
-    def writes_in_flight(self) -> int:
-        with self._lock:
-            return self._writes
 
     def busy_reason(self, a: Attempt) -> str:
         """Why ``arrive`` refused ``a`` ("busy")."""
@@ -430,14 +426,12 @@ class SendLedger:
         if a.closed or (state is not None and state.closing):
             return False
         a.writes += 1
-        self._writes += 1
         if state is not None:
             state.writes += 1
         return True
 
     def _end(self, a: Attempt, state: Request | None, key: str) -> None:
         a.writes -= 1
-        self._writes -= 1
         if a.closed and a.writes == 0 and not a.answered:
             self._answer(a)
         held = self._aborting.get(key)

@@ -19,7 +19,9 @@ vLLM preempted; ``abort`` / ``drop`` end a request that will never be added.
 
 When blocks may be freed and when each attempt is answered is decided by the
 rank's ``SendLedger`` (``send_ledger.py``, with its invariants); this module
-moves the bytes: the owner API, the I/O loop and the plan + write workers.
+moves the bytes: the owner API, the I/O loop and the plan + write workers. Over
+~400 lines on purpose: a write's plan, its checksum and its answer read the same
+attempt and regions, and split apart they would pass each other that state.
 
 Threads: an I/O thread owns the socket; a writer thread per decode rank writing
 (``writers.Writers``) plans and writes, so a frozen decode holds up only its own.
@@ -44,7 +46,8 @@ import numpy as np
 import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
-from vllm_dcp2d.transfer.auth import Auth, AuthError, PeerLog
+from vllm_dcp2d.transfer import sockets
+from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, AuthError, PeerLog
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
                                            clip, decode)
@@ -88,7 +91,7 @@ class Sender:
                  bootstrap: str | None = None, expiry_s: float = 300.0, claim_s: float = float("inf"),
                  num_workers: int = 4, register_timeout_s: float = 10.0, staging_bytes: int = 0,
                  layers: range | None = None, heads: range | None = None, token: str = "",
-                 auth: Auth = bs.NO_AUTH, max_wait_s: float = 60.0, host_kv: bool = True):
+                 auth: Auth = NO_AUTH, max_wait_s: float = 60.0, host_kv: bool = True):
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank) if layers is None else layers
@@ -109,12 +112,12 @@ class Sender:
         self.ledger = SendLedger(f"cp rank {cp_rank}", reveal=auth.enabled)
         self._writers = Writers(f"cp rank {cp_rank}", after=self._flush)
         self._stop = threading.Event()
-        self._sock = bs.socket(zmq.ROUTER)
+        self._sock = sockets.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not blocks
         # A consumer that reconnects keeps its routing id: answers reach it again.
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.address = bs.bind(self._sock, host, port)
-        self._waker = bs.Waker()
+        self.address = sockets.bind(self._sock, host, port)
+        self._waker = sockets.Waker()
         self._threads = [threading.Thread(target=self._guarded, args=(self._io_loop,), name=f"dcp2d-send-io-{cp_rank}",
                                           daemon=True)]
         for t in self._threads:
@@ -205,9 +208,6 @@ class Sender:
         in flight or can start one."""
         return self.ledger.pop_finished()
 
-    def writes_in_flight(self) -> int:
-        return self.ledger.writes_in_flight()
-
     @property
     def failed(self) -> str:
         """Why a thread of this rank died ("" while all run)."""
@@ -253,7 +253,7 @@ class Sender:
         poller.register(self._waker.socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(int(bs.POLL_S * 1000)))
+                events = dict(poller.poll(int(sockets.POLL_S * 1000)))
                 if self._sock in events:
                     self._receive()
                 if self._waker.socket in events:
