@@ -26,6 +26,7 @@ Public API
     ``.enabled -> bool``; ``.seal(body) -> bytes``; ``.open(frame) -> bytes``;
     ``.pack(msg) -> bytes`` (encode, seal); ``.unpack(frame, expect) -> message``
     (open, decode); ``.take_refused() -> int`` (frames refused since the last call).
+``NO_AUTH``: an ``Auth()`` without a secret, the default everywhere none is configured.
 ``load_secret(path: str) -> bytes | None``: the secret a config names, else the
     environment's, else None; raises ``ConfigError`` naming the file and the fix.
 ``PeerLog(logger, every_s=10.0)``: ``.warn(kind, fmt, *args)`` logs what a peer sent at

@@ -16,8 +16,9 @@ Public API
 ----------
 ``checksum(memory, src, length, order) -> str``: 32 hex digits over ``length[k]`` bytes
     at ``src[k]`` taken in the order ``order`` (int64 ``[n]`` each).
-``path_ranges(regions, block_ids, layers, dcp_size, dcp_rank, first_page, num_pages)
-    -> Descriptors``: the destination ranges of a path on the consumer (``dst``, ``length``).
+``path_ranges(regions, block_ids, layers, dcp_size, dcp_rank, first_page, num_pages, heads=None,
+    sender_heads=None) -> Descriptors``: the destination ranges of a path on the consumer
+    (``dst``, ``length``), of the KV heads both ranks hold.
 """
 
 from __future__ import annotations

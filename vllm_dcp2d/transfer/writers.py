@@ -13,6 +13,7 @@ Public API
 ``Writers(name, max_threads=MAX_THREADS, after=None)``
     ``.submit(peer: str, job: Callable[[], None])``  run ``job`` after ``peer``'s earlier jobs.
     ``.close(timeout_s)``                              stop taking jobs; join the threads.
+    ``.alive() -> bool``                               whether a thread still runs.
     ``.failed -> str``                                 why a thread died ("" while all run).
 ``after`` is called (no arguments) on the writer's thread after every job.
 """
