@@ -128,3 +128,24 @@ def test_an_address_that_cannot_be_bound_leaves_a_plain_sleep():
     t0 = time.monotonic()
     assert bell.sleep(0.2) is False and time.monotonic() - t0 >= 0.19
     bell.close()
+
+
+def test_a_rope_aimed_at_another_bell_rings_that_one():
+    """The worker hands ``rope.ring`` to its receiver once; each step's metadata may name
+    another bell (a restarted scheduler side), and the rope follows it."""
+    first, second = StepBell(), StepBell()
+    rope = BellRope("")
+    ring = rope.ring
+    try:
+        ring()  # aimed at nothing yet: nothing to ring
+        rope.aim(first.address)
+        ring()
+        assert first.sleep(LONG_S) is True
+        rope.aim(second.address)
+        ring()
+        assert second.sleep(LONG_S) is True
+        assert first.sleep(0.05) is False  # the ring went to the second bell only
+    finally:
+        rope.close()
+        first.close()
+        second.close()

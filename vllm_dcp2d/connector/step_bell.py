@@ -100,13 +100,26 @@ class StepBell:
 class BellRope:
     """Worker side: ``ring()`` from any thread; never blocks and never raises.
 
-    ``address``: a ``StepBell.address`` (``""``: ringing does nothing)."""
+    ``address``: a ``StepBell.address`` (``""``: ringing does nothing); ``aim`` moves
+    the rope to another bell (a step names the scheduler's), so whoever holds ``ring``
+    keeps ringing the current one."""
 
     def __init__(self, address: str):
-        self.address = address
+        self.address = ""
         self._lock = threading.Lock()
-        self._sock = _open(zmq.PUSH, address, "cannot ring the step bell",
-                           "fetches wait for the idle sleep") if address else None
+        self._sock = None
+        self.aim(address)
+
+    def aim(self, address: str) -> None:
+        """Ring the bell at ``address`` from now on (no-op if it is the current one)."""
+        with self._lock:
+            if address == self.address:  # also after a bell that could not be opened: not again each step
+                return
+            if self._sock is not None:
+                self._sock.close()
+            self.address = address
+            self._sock = _open(zmq.PUSH, address, "cannot ring the step bell",
+                               "fetches wait for the idle sleep") if address else None
 
     def ring(self) -> None:
         with self._lock:

@@ -112,7 +112,8 @@ class WorkerSide:
             self.producer.start(self.transport, regions, fingerprint, num_layers, staging_bytes, token, host_kv,
                                 bootstrap_addr(self.cfg))
         if self.consumer is not None:
-            self.consumer.start(self.transport, regions, fingerprint, self._ring)
+            # the receiver rings it when a fetch ended or a quarantine lifted: the idle step wakes
+            self.consumer.start(self.transport, regions, fingerprint, self.rope.ring)
         if self.tp_rank == 0:  # last: the router may send requests from now on
             self.registration = registration(self.cfg, self.is_producer, self.is_consumer)
 
@@ -121,17 +122,12 @@ class WorkerSide:
     def bind(self, meta) -> None:
         """Called every step with its metadata, before the forward (None after it):
         the context blocks the layer-split fill broadcasts, the step bell to ring."""
-        if isinstance(meta, DCP2DMetadata) and meta.bell != self.rope.address:
-            self.rope.close()
-            self.rope = BellRope(meta.bell)
+        if isinstance(meta, DCP2DMetadata):
+            self.rope.aim(meta.bell)
         if self.consumer is not None:
             self.consumer.bind(meta)
         if self.producer is not None:
             self.producer.bind(meta)
-
-    def _ring(self) -> None:
-        # the receiver's thread, when a fetch ended or a quarantine lifted: wake the idle step
-        self.rope.ring()
 
     def handle_preemptions(self, meta) -> None:
         """Called by the model runner first thing in every step, before the forward
