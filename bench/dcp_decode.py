@@ -158,7 +158,7 @@ def bench_merge(reps: int) -> list[tuple]:
     import torch
     from vllm.v1.attention.ops.dcp import _lse_weighted_combine
 
-    from vllm_dcp2d.attention.merge import merge_lse_torch
+    from vllm_dcp2d.attention.merge import merge_lse
 
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -166,13 +166,13 @@ def bench_merge(reps: int) -> list[tuple]:
         o = torch.randn(n, t, h, d, generator=g)
         lse = torch.randn(n, t, h, generator=g)
         lse[0, ::3] = float("-inf")  # some empty shards
-        ours = merge_lse_torch(o, lse)
+        ours = merge_lse(o, lse)
         theirs = _lse_weighted_combine(o, lse, return_lse=True)
         err = max((ours[0] - theirs[0]).abs().max().item(), (ours[1] - theirs[1]).abs().max().item())
 
         # Interleave the two variants rep by rep, so load spikes on this shared
         # machine hit both alike; the min is the steadier figure.
-        fa, fb = (lambda: merge_lse_torch(o, lse)), (lambda: _lse_weighted_combine(o, lse, return_lse=True))
+        fa, fb = (lambda: merge_lse(o, lse)), (lambda: _lse_weighted_combine(o, lse, return_lse=True))
         fa(), fb()
         ta, tb = [], []
         for _ in range(reps):

@@ -130,7 +130,7 @@ def _attention(q, k, v, qsl, layer_kv, table, kv_lens, pool: PagedPool, group):
     o_ctx, lse_ctx = paged_attention_lse(q, kc, vc, pool.layout, pool.layout, table, kv_lens, qsl, scale)
     o_new, lse_new = varlen_attention_lse(q, k, v, qsl, scale)
     if dcp == 1:
-        return merge_lse(torch.stack([o_ctx, o_new]), torch.stack([lse_ctx, lse_new]), backend="torch")[0]
+        return merge_lse(torch.stack([o_ctx, o_new]), torch.stack([lse_ctx, lse_new]))[0]
     return dcp_merge(o_ctx, lse_ctx, group, local=(o_new, lse_new))[0]
 
 
