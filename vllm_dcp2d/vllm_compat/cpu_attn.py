@@ -17,7 +17,7 @@ each rank holds 1/N of every sequence's KV pages and a forward pass is:
 The KV of the step's tokens is written only on the rank that owns each token
 (the CP slot mapping gives the others slot -1, which the writer skips). Chunked
 prefill, prefix-cache hits and mixed batches all reduce to "context" (tokens
-before the step) plus "new" (the step's tokens), so one path serves them all.
+before the step) plus "new" (the step's tokens), so one computation serves them all.
 
 With an fp8 KV cache (``fp8``/``fp8_e4m3``, ``fp8_e5m2``; vLLM's CPU writer needs
 AVX-512 or AMX) pages hold ``x / scale`` per layer and K/V. The layer's scales fold

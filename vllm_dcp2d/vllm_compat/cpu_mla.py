@@ -14,7 +14,7 @@ Verification of speculative drafts (``k + 1`` query tokens per request) runs
 as a decode here: :class:`DCPCPUMLAMetadataBuilder` declares variable-length
 decode queries, and :meth:`DCPCPUMLAImpl.forward_mqa` attends each query token
 over the cache up to its own position (vLLM's stock CPU kernel takes one token
-per request, and vLLM 0.32 sends longer ones down the prefill path, which on
+per request, and vLLM 0.32 sends longer ones to its prefill attention, which on
 CPU gives other tokens than decoding one at a time). A request's pages are read
 once for all its query tokens (``token_kv_lens`` of
 :func:`~vllm_dcp2d.attention.paged.paged_attention_lse`).
