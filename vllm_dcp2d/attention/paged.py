@@ -184,7 +184,7 @@ def gather_pages(cache: torch.Tensor, layout: torch.Tensor, block_table: torch.T
     block_table: ``[R, W]`` integer page ids; token ``j`` of request ``r`` is token
     ``j % block_size`` of page ``block_table[r, j // block_size]``.
     Returns ``[R, length, Hkv, D]`` in cache.dtype; entries past a request's own
-    length hold whatever its table points at and must be masked by the caller.
+    length hold whatever its block table points at and must be masked by the caller.
     """
     bs = layout.shape[0]
     pages = -(-length // bs)
@@ -317,13 +317,13 @@ def paged_attention_lse(
     v_in_k = (v_cache is k_cache and v_layout.shape[1] <= k_layout.shape[1]
               and torch.equal(v_layout, k_layout[:, : v_layout.shape[1]]))
     read_v = None if v_in_k else _page_reader(v_layout, v_cache.shape[-1])
-    table = block_table[:r].long()
+    block_rows = block_table[:r].long()
     flash_ok = token_kv_lens is None and read_v is not None and k_layout.shape[1] == dv
     long = flash.long_requests(q_lens) if flash_ok else []
     if long:
         return _route(query_start_loc, long, (t, h, dv), acc, lambda reqs, sel, qsl: paged_attention_lse(
             q[sel], k_cache, v_cache, k_layout, v_layout, block_table[reqs], kv_lens[reqs], qsl, scale, chunk=chunk),
-            lambda i, s, e: _flash_context(q[s:e], k_cache, v_cache, read_k, read_v, table[i], int(kv_lens[i]),
+            lambda i, s, e: _flash_context(q[s:e], k_cache, v_cache, read_k, read_v, block_rows[i], int(kv_lens[i]),
                                            bs, acc, scale, chunk))
     max_q = int(q_lens.max())
     qf = _fold(pad_tokens(q, query_start_loc, max_q), hkv, acc, scale)  # [R, Hkv, M, Dk]
@@ -336,10 +336,10 @@ def paged_attention_lse(
     state = _OnlineSoftmax(r, hkv, qf.shape[2], dv, acc, q.device)
     num_pages = -(-max_kv_len // bs)
     for p0 in range(0, num_pages, pages_per_chunk):
-        # Columns past a request's table width hold no visible key: clamp and mask.
+        # Columns past a request's block table row hold no visible key: clamp and mask.
         cols = torch.clamp(torch.arange(p0, min(p0 + pages_per_chunk, num_pages), device=q.device),
                            max=block_table.shape[1] - 1)
-        ids = table[:, cols]  # [R, P]
+        ids = block_rows[:, cols]  # [R, P]
         k = read_k(k_cache, ids, "k", acc)  # [R, P, Hkv, bs, Dk]
         v = k[..., :dv] if v_in_k else read_v(v_cache, ids, "v", acc)
         state.add(_hide(_scores(qf, k), p0 * bs, lim), v)

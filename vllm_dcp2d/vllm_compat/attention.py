@@ -3,7 +3,7 @@
 vLLM's DCP needs (a) attention impls that return the softmax LSE during decode
 and (b) a slot mapping that sends each token's KV to the DCP rank owning it.
 On CPU vLLM has neither. The patches below install both; the plugin's patch
-registry (``registry.py``, table in ``patches.py``) installs each one where its
+registry (``registry.py``, the patch table in ``patches.py``) installs each one where its
 target fits the installed vLLM. Each says what it replaces and why:
 
 1. ``register_backend(CPU_ATTN, DCPCPUAttentionBackend)``. The CPU platform

@@ -129,9 +129,9 @@ class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(t), layer.isa,
                                        k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                                        kv_cache_dtype=self.kv_cache_dtype)
-        flat, table = scratch.view(self._fp8).view(n, hkv, 2 * bs * d), torch.arange(n)[None]
-        k = gather_pages(flat[..., : bs * d], k_layout, table, t)[0].float() * layer._k_scale_float
-        v = gather_pages(flat[..., bs * d:], v_layout, table, t)[0].float() * layer._v_scale_float
+        flat, block_table = scratch.view(self._fp8).view(n, hkv, 2 * bs * d), torch.arange(n)[None]
+        k = gather_pages(flat[..., : bs * d], k_layout, block_table, t)[0].float() * layer._k_scale_float
+        v = gather_pages(flat[..., bs * d:], v_layout, block_table, t)[0].float() * layer._v_scale_float
         return k, v
 
 

@@ -182,9 +182,9 @@ def _install_runner() -> None:  # part of install_draft
 
         groups = [g for g in kv_cache_config.kv_cache_groups
                   if get_kv_cache_spec_kind(g.kv_cache_spec) != KVCacheSpecKind.ENCODER_ONLY_ATTENTION]
-        for group, table in zip(groups, self.input_batch.block_table.block_tables):
+        for group, block_table in zip(groups, self.input_batch.block_table.block_tables):
             if not getattr(group.kv_cache_spec, "dcp_sharded", True):
-                table.dcp_world_size, table.dcp_rank = 1, 0
+                block_table.dcp_world_size, block_table.dcp_rank = 1, 0
 
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
