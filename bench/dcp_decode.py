@@ -192,13 +192,13 @@ def bench_local_attention(reps: int) -> list[tuple]:
     each forced on every request by moving ``flash.LONG_QUERY``."""
     import torch
 
-    from vllm_dcp2d.attention import flash, paged
+    from vllm_dcp2d.attention import flash, gather, paged
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     d, h, bs, local = HEAD_DIM, HEADS, BLOCK, 4096
     layout_k = torch.arange(bs * d).view(d, bs).t().contiguous()
-    layout_v = paged.plain_layout(bs, d)
+    layout_v = gather.plain_layout(bs, d)
     rows, stock = [], flash.LONG_QUERY
     cases = [("decode 4 x 1 query", [1, 1, 1, 1], False), ("prefill 1 x 2048", [2048], False),
              ("mixed 2048 + 3 x 1", [2048, 1, 1, 1], False), ("causal new 1 x 2048", [2048], True)]

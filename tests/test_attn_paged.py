@@ -8,15 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from vllm_dcp2d.attention import flash, paged
+from vllm_dcp2d.attention import flash, gather
 from vllm_dcp2d.attention.dcp import dcp_merge
-from vllm_dcp2d.attention.paged import (
-    attention_lse,
-    gather_pages,
-    paged_attention_lse,
-    plain_layout,
-    varlen_attention_lse,
-)
+from vllm_dcp2d.attention.gather import gather_pages, plain_layout
+from vllm_dcp2d.attention.paged import attention_lse, paged_attention_lse, varlen_attention_lse
 from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
 
 
@@ -259,7 +254,7 @@ def test_peak_memory_is_bounded_by_one_chunk(dtype):
         qsl = torch.arange(r + 1)
         run = lambda: paged_attention_lse(q, cache[..., : page * d], cache[..., page * d:], layout,  # noqa: E731
                                           layout, table, lens, qsl, 0.1, max_kv_len=length, chunk=chunk)
-        paged._buffers().clear()  # count the scratch buffers too
+        gather._buffers().clear()  # count the scratch buffers too
         peaks.append(_peak_bytes(run))
     e, a, m = torch.finfo(dtype).bits // 8, 4, h // hkv
     chunk_pages = hkv * chunk * 2 * d * (e + (a if e != a else 0))
@@ -286,7 +281,7 @@ def test_long_query_peak_memory_is_bounded_by_one_chunk():
         run = lambda: paged_attention_lse(q, cache[..., : page * d], cache[..., page * d:], layout,  # noqa: E731
                                           layout, table, torch.tensor([length]), torch.tensor([0, nq]), 0.1,
                                           chunk=chunk)
-        paged._buffers().clear()
+        gather._buffers().clear()
         peaks.append(_peak_bytes(run))
     a = 4
     rows = nq * h * (d + 1) * a  # one [Q, H, D] output with its LSE

@@ -35,7 +35,8 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder, QueryLenSupport
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from vllm_dcp2d.attention.paged import paged_attention_lse, plain_layout
+from vllm_dcp2d.attention.gather import plain_layout
+from vllm_dcp2d.attention.paged import paged_attention_lse
 from vllm_dcp2d.vllm_compat.attention import install_mla_dcp_combine, local_context_lens
 
 __all__ = ["DCPCPUMLABackend", "DCPCPUMLAImpl", "DCPCPUMLAMetadataBuilder"]
