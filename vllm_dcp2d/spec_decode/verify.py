@@ -81,12 +81,13 @@ def _counts(accepted) -> torch.Tensor:
     return accepted.long()
 
 
-def agree_sampled(sampled: torch.Tensor, group) -> torch.Tensor:
+def agree_sampled(sampled: torch.Tensor, group: Group) -> torch.Tensor:
     """Cut each request's sampled tokens to the accepted count every rank agrees on.
 
     sampled: int ``[B, K + 1]``, vLLM's rejection-sampler output: request ``b``
     commits its leading non-placeholder tokens (``accepted + 1``), then ``-1``.
-    group: vLLM's ``GroupCoordinator`` (or any ``world_size`` / ``all_gather`` group).
+    group: as :func:`agree_accepted_prefix` takes it (vLLM's V1 runner: a
+    :class:`~vllm_dcp2d.spec_decode.group.TorchGroup` over the TP group's gloo group).
     Returns ``sampled`` itself, with positions past the group's MIN set to ``-1``.
     """
     if sampled.dim() != 2 or sampled.shape[1] < 2:
