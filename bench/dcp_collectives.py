@@ -7,7 +7,7 @@ exact merge for its own ``H = Hg / N`` heads. Three ways, timed over gloo betwee
 
 * ``ag(O|LSE)``: one all-gather of O with LSE packed as an extra column, then a
   local merge of the kept heads (this package's ``attention/dcp.py``, with its
-  ``merge_lse_torch``);
+  ``merge_lse``);
 * ``ag(LSE)+rs(O)``: all-gather the LSE, scale O by its merge weight, reduce-scatter
   O over the heads (vLLM's GPU path, ``cp_lse_ag_out_rs``);
 * ``ag(LSE)+ar(O)``: the same with an all-reduce, for backends without reduce-scatter.
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vllm_dcp2d.attention.merge import merge_lse_torch
+from vllm_dcp2d.attention.merge import merge_lse
 
 SHAPES = [(4, 8, 128), (64, 32, 128), (4096, 8, 128)]  # T, Hg, D: decode batch 4, batch 64, a prefill chunk
 
@@ -56,7 +56,7 @@ def ag_packed(o, lse, n, rank):
     both = torch.empty(n, *o.shape[:2], o.shape[2] + 1)
     dist.all_gather_into_tensor(both, torch.cat([o, lse[..., None]], -1)[None])
     mine = both[:, :, rank * h:(rank + 1) * h]
-    return merge_lse_torch(mine[..., :-1], mine[..., -1])[0]  # the package's own merge
+    return merge_lse(mine[..., :-1], mine[..., -1])[0]  # the package's own merge
 
 
 def ag_lse_rs(o, lse, n, rank):

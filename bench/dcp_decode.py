@@ -158,7 +158,7 @@ def bench_merge(reps: int) -> list[tuple]:
     import torch
     from vllm.v1.attention.ops.dcp import _lse_weighted_combine
 
-    from vllm_dcp2d.attention.merge import merge_lse_torch
+    from vllm_dcp2d.attention.merge import merge_lse
 
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -166,13 +166,13 @@ def bench_merge(reps: int) -> list[tuple]:
         o = torch.randn(n, t, h, d, generator=g)
         lse = torch.randn(n, t, h, generator=g)
         lse[0, ::3] = float("-inf")  # some empty shards
-        ours = merge_lse_torch(o, lse)
+        ours = merge_lse(o, lse)
         theirs = _lse_weighted_combine(o, lse, return_lse=True)
         err = max((ours[0] - theirs[0]).abs().max().item(), (ours[1] - theirs[1]).abs().max().item())
 
         # Interleave the two variants rep by rep, so load spikes on this shared
         # machine hit both alike; the min is the steadier figure.
-        fa, fb = (lambda: merge_lse_torch(o, lse)), (lambda: _lse_weighted_combine(o, lse, return_lse=True))
+        fa, fb = (lambda: merge_lse(o, lse)), (lambda: _lse_weighted_combine(o, lse, return_lse=True))
         fa(), fb()
         ta, tb = [], []
         for _ in range(reps):
@@ -192,13 +192,13 @@ def bench_local_attention(reps: int) -> list[tuple]:
     each forced on every request by moving ``flash.LONG_QUERY``."""
     import torch
 
-    from vllm_dcp2d.attention import flash, paged
+    from vllm_dcp2d.attention import flash, gather, paged
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     d, h, bs, local = HEAD_DIM, HEADS, BLOCK, 4096
     layout_k = torch.arange(bs * d).view(d, bs).t().contiguous()
-    layout_v = paged.plain_layout(bs, d)
+    layout_v = gather.plain_layout(bs, d)
     rows, stock = [], flash.LONG_QUERY
     cases = [("decode 4 x 1 query", [1, 1, 1, 1], False), ("prefill 1 x 2048", [2048], False),
              ("mixed 2048 + 3 x 1", [2048, 1, 1, 1], False), ("causal new 1 x 2048", [2048], True)]

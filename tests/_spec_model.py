@@ -30,7 +30,8 @@ import torch
 
 from vllm_dcp2d.attention.dcp import dcp_merge
 from vllm_dcp2d.attention.merge import merge_lse
-from vllm_dcp2d.attention.paged import paged_attention_lse, plain_layout, varlen_attention_lse
+from vllm_dcp2d.attention.gather import plain_layout
+from vllm_dcp2d.attention.paged import paged_attention_lse, varlen_attention_lse
 from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
 from _tiny_cp_model import TinyConfig, init_weights
 from vllm_dcp2d.spec_decode.draft import effective_dcp
@@ -130,7 +131,7 @@ def _attention(q, k, v, qsl, layer_kv, table, kv_lens, pool: PagedPool, group):
     o_ctx, lse_ctx = paged_attention_lse(q, kc, vc, pool.layout, pool.layout, table, kv_lens, qsl, scale)
     o_new, lse_new = varlen_attention_lse(q, k, v, qsl, scale)
     if dcp == 1:
-        return merge_lse(torch.stack([o_ctx, o_new]), torch.stack([lse_ctx, lse_new]), backend="torch")[0]
+        return merge_lse(torch.stack([o_ctx, o_new]), torch.stack([lse_ctx, lse_new]))[0]
     return dcp_merge(o_ctx, lse_ctx, group, local=(o_new, lse_new))[0]
 
 

@@ -15,7 +15,8 @@ from _spec_model import PagedPool, forward, make_weights, prompts_for
 from vllm_dcp2d.layout import cdiv
 from _tiny_cp_model import consensus_prefix_lens
 from _tiny_cp_model import TinyConfig
-from vllm_dcp2d.spec_decode import TorchGroup, dcp_disabled, draft_pool_tokens, kv_commit_mask, verify_greedy
+from vllm_dcp2d.spec_decode import TorchGroup, agree_sampled, dcp_disabled
+from vllm_dcp2d.spec_decode.verify import PLACEHOLDER
 
 
 def pools(cfg: TinyConfig, batch: int, page_size: int, group) -> tuple[PagedPool, PagedPool]:
@@ -25,8 +26,8 @@ def pools(cfg: TinyConfig, batch: int, page_size: int, group) -> tuple[PagedPool
     slots = batch * pages_per_req // n
     dims = (cfg.num_heads, cfg.head_dim)
     target = PagedPool(cfg.num_layers, batch, pages_per_req, page_size, *dims, n, r, slots)
-    draft_slots = draft_pool_tokens(slots * page_size, n) // page_size
-    return target, PagedPool(1, batch, pages_per_req, page_size, *dims, 1, 0, draft_slots)
+    # The draft pool is unsharded: n times the target's per-rank slots (design §8).
+    return target, PagedPool(1, batch, pages_per_req, page_size, *dims, 1, 0, slots * n)
 
 
 def propose(w, cfg, seqs, draft_len, k, pool, group, corrupt_at=None):
@@ -79,8 +80,13 @@ def spec_decode(w, cfg, prompts, k, gen_len, page_size, group, corrupt=False) ->
         logits, kv, req, pos = forward(w, cfg, cfg.num_layers, inputs.flatten(), torch.full((b,), k + 1),
                                        kv_len, target, group)
         target_tokens = logits.argmax(-1).view(b, k + 1)
-        accepted, _, local = verify_greedy(drafts, target_tokens, group)
-        keep = kv_commit_mask(accepted, k + 1).flatten()
+        # What vLLM's rejection sampler answers for greedy drafts: the target's tokens
+        # while the drafts match, its correction (or bonus) token, then PLACEHOLDER.
+        local = (drafts == target_tokens[:, :-1]).long().cumprod(1).sum(1)
+        sampled = target_tokens.masked_fill(torch.arange(k + 1)[None, :] > local[:, None], PLACEHOLDER)
+        kept = agree_sampled(sampled, group) != PLACEHOLDER  # [B, k + 1]: the agreed prefix
+        accepted = kept.sum(1) - 1
+        keep = kept.flatten()  # the KV of the pending token and the accepted drafts
         target.write(kv[:, :, keep], req[keep], pos[keep])
         kv_len = kv_len + accepted + 1
         seqs = [torch.cat([s, target_tokens[i, : int(accepted[i]) + 1]]) for i, s in enumerate(seqs)]
@@ -113,6 +119,6 @@ def spec_cases(cp, cfg: TinyConfig, seed: int, batch: int, max_prompt: int, k: i
         for st in res["steps"]:
             same = consensus_prefix_lens(st["local"], batch, cp)
             if not np.array_equal(same, st["accepted"]):
-                raise AssertionError(f"agree_accepted_prefix {st['accepted']} != consensus_prefix_lens {same}")
+                raise AssertionError(f"agree_sampled {st['accepted']} != consensus_prefix_lens {same}")
         out[case] = res
     return out

@@ -1,20 +1,12 @@
-"""LSE merge (torch reference and Triton kernel) against float64 unsharded attention."""
+"""LSE merge against float64 unsharded attention."""
 
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
-from vllm_dcp2d.attention import merge
 from vllm_dcp2d.attention.merge import merge_lse
 
-TRITON_OK = merge.HAS_TRITON and (merge.INTERPRET or torch.cuda.is_available())
-BACKENDS = [
-    "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(
-        not TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1 set before triton is imported")),
-]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -58,25 +50,23 @@ def _check(out, lse, ref_o, ref_lse, atol):
     torch.testing.assert_close(lse.double().cpu()[~empty], ref_lse[~empty], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("base_e", [True, False])
-def test_merge_matches_unsharded_attention_with_empty_shard(backend, base_e):
+def test_merge_matches_unsharded_attention_with_empty_shard(base_e):
     o, lse, ref_o, ref_lse = _sharded_attention(5, 3, 80, [7, 0, 12], seed=1, base_e=base_e)
-    out, out_lse = merge_lse(o.float().to(DEV), lse.float().to(DEV), base_e=base_e, backend=backend)
+    out, out_lse = merge_lse(o.float().to(DEV), lse.float().to(DEV), base_e=base_e)
     assert out.dtype == torch.float32 and out_lse.dtype == torch.float32
     assert out.shape == (5, 3, 80) and out_lse.shape == (5, 3)
     _check(out, out_lse, ref_o, ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_all_empty_rows_are_zero_with_lse_minus_inf(backend):
+def test_all_empty_rows_are_zero_with_lse_minus_inf():
     o, lse, ref_o, ref_lse = _sharded_attention(4, 5, 48, [3, 4], seed=2)
     lse[:, 1] = float("-inf")  # token 1: every shard empty
     lse[:, 2, 3] = float("-inf")  # token 2, head 3: every shard empty
     lse[0, 3] = float("nan")  # NaN counts as empty
     o[:, 1] = float("nan")
     o[0, 3] = float("inf")
-    out, out_lse = merge_lse(o.float().to(DEV), lse.float().to(DEV), backend=backend)
+    out, out_lse = merge_lse(o.float().to(DEV), lse.float().to(DEV))
     assert not torch.isnan(out).any() and not torch.isinf(out).any()
     assert torch.equal(out[1].cpu(), torch.zeros(5, 48)) and torch.equal(out[2, 3].cpu(), torch.zeros(48))
     assert (out_lse[1] == float("-inf")).all() and out_lse[2, 3] == float("-inf")
@@ -85,52 +75,30 @@ def test_all_empty_rows_are_zero_with_lse_minus_inf(backend):
     torch.testing.assert_close(out_lse[3].cpu().double(), lse[1, 3], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_contiguous_inputs(backend):
+def test_non_contiguous_inputs():
     o, lse, ref_o, ref_lse = _sharded_attention(7, 5, 72, [0, 9, 4], seed=3)
     # [T, N, H, D] / [H, T, N] buffers permuted to [N, T, H, D] / [N, T, H].
     o_nc = o.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3).float().to(DEV)
     lse_nc = lse.permute(2, 1, 0).contiguous().permute(2, 1, 0).float().to(DEV)
     assert not o_nc.is_contiguous() and not lse_nc.is_contiguous()
-    out, out_lse = merge_lse(o_nc, lse_nc, backend=backend)
+    out, out_lse = merge_lse(o_nc, lse_nc)
     _check(out, out_lse, ref_o, ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_inputs_accumulate_in_fp32(backend, dtype):
+def test_half_inputs_accumulate_in_fp32(dtype):
     o, lse, ref_o, ref_lse = _sharded_attention(3, 4, 32, [5, 6, 0, 2], seed=4)
-    out, out_lse = merge_lse(o.to(dtype).to(DEV), lse.float().to(DEV), backend=backend)
+    out, out_lse = merge_lse(o.to(dtype).to(DEV), lse.float().to(DEV))
     assert out.dtype == dtype and out_lse.dtype == torch.float32
-    # Input rounding + 1 ulp output rounding (the interpreter truncates bf16).
+    # Input rounding + 1 ulp output rounding.
     atol = 3e-2 if dtype == torch.bfloat16 else 4e-3
     _check(out, out_lse, ref_o, ref_lse, atol=atol)
 
 
-def test_triton_matches_torch_on_random_shapes():
-    if not TRITON_OK:
-        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
-
-    @settings(max_examples=6, deadline=None)
-    @given(n=st.integers(1, 4), t=st.integers(1, 3), h=st.integers(1, 6), d=st.integers(1, 70),
-           seed=st.integers(0, 10_000), empty=st.floats(0, 0.6))
-    def check(n, t, h, d, seed, empty):
-        g = torch.Generator().manual_seed(seed)
-        o = torch.randn(n, t, h, d, generator=g)
-        lse = torch.randn(n, t, h, generator=g) * 4
-        lse[torch.rand(n, t, h, generator=g) < empty] = float("-inf")
-        a = merge_lse(o.to(DEV), lse.to(DEV), backend="torch")
-        b = merge_lse(o.to(DEV), lse.to(DEV), backend="triton")
-        torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(b[1], a[1], atol=1e-5, rtol=1e-5)
-
-    check()
-
-
-def test_torch_merge_agrees_with_vllm_reference():
+def test_merge_agrees_with_vllm_reference():
     dcp = pytest.importorskip("vllm.v1.attention.ops.dcp")
     o, lse, ref_o, ref_lse = _sharded_attention(6, 4, 64, [3, 5, 2], seed=5)
-    ours = merge_lse(o.float(), lse.float(), backend="torch")
+    ours = merge_lse(o.float(), lse.float())
     theirs = dcp._lse_weighted_combine(o.float(), lse.float(), return_lse=True, is_lse_base_on_e=True)
     torch.testing.assert_close(ours[0], theirs[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ours[1], theirs[1].float(), atol=1e-6, rtol=1e-6)
@@ -138,8 +106,6 @@ def test_torch_merge_agrees_with_vllm_reference():
 
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match=r"\[N, T, H, D\]"):
-        merge_lse(torch.zeros(2, 3, 4), torch.zeros(2, 3), backend="torch")
+        merge_lse(torch.zeros(2, 3, 4), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="lse must be"):
-        merge_lse(torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 3), backend="torch")
-    with pytest.raises(ValueError, match="backend"):
-        merge_lse(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1), backend="cuda")
+        merge_lse(torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 3))

@@ -8,15 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from vllm_dcp2d.attention import flash, paged
+from vllm_dcp2d.attention import flash, gather
 from vllm_dcp2d.attention.dcp import dcp_merge
-from vllm_dcp2d.attention.paged import (
-    attention_lse,
-    gather_pages,
-    paged_attention_lse,
-    plain_layout,
-    varlen_attention_lse,
-)
+from vllm_dcp2d.attention.gather import gather_pages, plain_layout
+from vllm_dcp2d.attention.paged import attention_lse, paged_attention_lse, varlen_attention_lse
 from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
 
 
@@ -189,36 +184,6 @@ def test_gather_pages_follows_layout_and_table():
     assert g[0, 5, 0].tolist() == [cache[0, 0, 1].item(), cache[0, 0, 5].item()]
 
 
-from vllm_dcp2d.attention import merge as _merge  # noqa: E402
-
-TRITON_OK = _merge.HAS_TRITON and (_merge.INTERPRET or torch.cuda.is_available())
-
-
-@pytest.mark.skipif(not TRITON_OK, reason="needs a CUDA GPU or TRITON_INTERPRET=1 set before triton is imported")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_paged_attention_matches_torch(dtype):
-    """Two requests (one with an empty shard), GQA group 3, head dim 40, strided cache view."""
-    from vllm_dcp2d.attention.paged_triton import paged_attention_lse_triton
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(7)
-    page, hkv, d, h = 16, 2, 40, 6
-    ctx = [37, 0, 20]
-    k_seq = [torch.randn(c, hkv, d, generator=gen).to(dtype) for c in ctx]
-    v_seq = [torch.randn(c, hkv, d, generator=gen).to(dtype) for c in ctx]
-    kc, vc, table, local = _shard_pages(k_seq, v_seq, page, 2, 1, 12, gen)
-    q_lens = [2, 1, 1]
-    q = torch.randn(sum(q_lens), h, d, generator=gen).to(dtype)
-    qsl = torch.tensor([0, 2, 3, 4], dtype=torch.int32)
-    ref = paged_attention_lse(q, kc, vc, plain_layout(page, d), plain_layout(page, d), table, local, qsl, 0.2)
-    as_nbhd = lambda c: c.view(12, hkv, page, d).permute(0, 2, 1, 3).to(dev)  # noqa: E731
-    o, lse = paged_attention_lse_triton(q.to(dev), as_nbhd(kc), as_nbhd(vc), table.to(dev), local.to(dev),
-                                        qsl.to(dev), 0.2)
-    assert (lse[2].cpu() == float("-inf")).all() and torch.equal(o[2].cpu(), torch.zeros(h, d))  # empty shard
-    torch.testing.assert_close(o.cpu(), ref[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.cpu(), ref[1], atol=1e-5, rtol=1e-5)
-
-
 @settings(max_examples=10, deadline=None)
 @given(ctx=st.lists(st.integers(1, 90), min_size=1, max_size=3), k1=st.integers(1, 4),
        chunk_pages=st.sampled_from([1, 6, 256]), seed=st.integers(0, 1000))
@@ -289,7 +254,7 @@ def test_peak_memory_is_bounded_by_one_chunk(dtype):
         qsl = torch.arange(r + 1)
         run = lambda: paged_attention_lse(q, cache[..., : page * d], cache[..., page * d:], layout,  # noqa: E731
                                           layout, table, lens, qsl, 0.1, max_kv_len=length, chunk=chunk)
-        paged._buffers().clear()  # count the scratch buffers too
+        gather._buffers().clear()  # count the scratch buffers too
         peaks.append(_peak_bytes(run))
     e, a, m = torch.finfo(dtype).bits // 8, 4, h // hkv
     chunk_pages = hkv * chunk * 2 * d * (e + (a if e != a else 0))
@@ -316,7 +281,7 @@ def test_long_query_peak_memory_is_bounded_by_one_chunk():
         run = lambda: paged_attention_lse(q, cache[..., : page * d], cache[..., page * d:], layout,  # noqa: E731
                                           layout, table, torch.tensor([length]), torch.tensor([0, nq]), 0.1,
                                           chunk=chunk)
-        paged._buffers().clear()
+        gather._buffers().clear()
         peaks.append(_peak_bytes(run))
     a = 4
     rows = nq * h * (d + 1) * a  # one [Q, H, D] output with its LSE

@@ -110,7 +110,7 @@ def test_cpu_kv_layout_reads_back_what_vllm_wrote(dtype, block_size, head_size, 
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_dcp2d.attention.paged import gather_pages
+    from vllm_dcp2d.attention.gather import gather_pages
     from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
 
     fp8 = FP8_DTYPES.get(kv_dtype_name(cache_dtype, dtype))
@@ -169,7 +169,7 @@ def test_dcp_forward_equals_attention_over_what_vllm_wrote(cache_dtype, n, reqs,
     from _ranks import run_ranks
     from vllm import _custom_ops as ops
 
-    from vllm_dcp2d.attention.paged import gather_pages
+    from vllm_dcp2d.attention.gather import gather_pages
     from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
     from vllm_dcp2d.vllm_compat import cpu_attn
 

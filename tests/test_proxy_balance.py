@@ -358,8 +358,8 @@ def test_client_leaving_mid_stream_is_counted_and_frees_the_slot():
 
 
 @pytest.mark.timeout(60)
-def test_pipelined_spreads_while_learning_routes():
-    """--pipelined: the first call to each prefill instance learns its route (sequential), and
+def test_pipelined_spreads_while_learning_bootstraps():
+    """--pipelined: the first call to each prefill instance learns its bootstrap (sequential), and
     that learning call is the picked instance's, so the round-robin is not skewed."""
     async def go():
         async with Cluster(pipelined=True) as c:
@@ -368,7 +368,7 @@ def test_pipelined_spreads_while_learning_routes():
     c, out = run(go())
     assert [s for s, _ in out] == [200] * 4
     assert [len(p.calls) for p in c.prefill] == [2, 2] and [len(d.calls) for d in c.decode] == [2, 2]
-    assert set(c.proxy._routes) == set(c.proxy.prefill)
+    assert set(c.proxy._bootstraps) == set(c.proxy.prefill)
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Greedy verification and the agreed accepted prefix (in-process; ranks are threads)."""
+"""The agreed accepted prefix (in-process; ranks are threads)."""
 
 from __future__ import annotations
 
@@ -10,43 +10,7 @@ from hypothesis import strategies as st
 
 from _ranks import run_ranks
 
-from vllm_dcp2d.spec_decode import accept_greedy, agree_accepted_prefix, kv_commit_mask, verify_greedy
-
-
-def _loop_accept(draft, target):
-    acc, nxt = [], []
-    for d, t in zip(draft.tolist(), target.tolist()):
-        a = 0
-        while a < len(d) and d[a] == t[a]:
-            a += 1
-        acc.append(a)
-        nxt.append(t[a])
-    return acc, nxt
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.integers(0, 6), st.integers(0, 6), st.integers(1, 3), st.integers(0, 2**31 - 1),
-       st.sampled_from([torch.int64, torch.int32]))
-def test_accept_greedy_matches_a_loop(b, k, vocab, seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    draft = torch.randint(0, vocab, (b, k), generator=g, dtype=dtype)
-    target = torch.randint(0, vocab, (b, k + 1), generator=g, dtype=dtype)
-    acc, nxt = accept_greedy(draft, target)
-    assert acc.dtype == nxt.dtype == torch.int64
-    assert (acc.tolist(), nxt.tolist()) == _loop_accept(draft, target)
-
-
-def test_accept_greedy_examples_and_errors():
-    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
-    target = torch.tensor([[5, 6, 7, 9], [5, 0, 7, 9], [0, 2, 3, 4]])
-    acc, nxt = accept_greedy(draft, target)
-    assert acc.tolist() == [3, 1, 0] and nxt.tolist() == [9, 0, 0]  # a later match after a miss never counts
-    with pytest.raises(ValueError, match=r"\[B, K \+ 1\]"):
-        accept_greedy(draft, target[:, :3])
-    with pytest.raises(ValueError, match="integer token ids"):
-        accept_greedy(draft.float(), target)
-    with pytest.raises(ValueError, match=r"\[B, K\]"):
-        accept_greedy(draft[0], target)
+from vllm_dcp2d.spec_decode import agree_accepted_prefix, agree_num_sampled, agree_sampled
 
 
 @settings(max_examples=60, deadline=None)
@@ -78,24 +42,14 @@ def test_an_invalid_rank_makes_every_rank_raise_without_hanging(bad):
     assert errors == [None] * 3 and all(r.tolist() == [2, 3] for r in results)
 
 
-def test_verify_greedy_commits_the_agreed_prefix():
-    """Rank 1's draft diverges at index 1: it accepts 1, rank 0 accepts 3; both
-    commit 1 token plus target_tokens[:, 1], which both computed identically."""
-    target = torch.tensor([[4, 5, 6, 7]])
-    drafts = [torch.tensor([[4, 5, 6]]), torch.tensor([[4, 9, 6]])]
-    results, errors, _ = run_ranks(lambda d, g: verify_greedy(d, target, g), drafts)
+def test_a_divergent_rank_commits_the_agreed_prefix():
+    """Rank 1's draft diverged at index 1: its sampler kept the first draft and the
+    target's token after it; rank 0 kept all 3 drafts and the bonus token. Both
+    commit [4, 5], which both computed identically."""
+    sampled = [torch.tensor([[4, 5, 6, 7]]), torch.tensor([[4, 5, -1, -1]])]
+    results, errors, _ = run_ranks(agree_sampled, sampled)
     assert errors == [None, None]
-    for (acc, nxt, local), want_local in zip(results, ([3], [1])):
-        assert acc.tolist() == [1] and nxt.tolist() == [5] and local.tolist() == want_local
-
-
-def test_kv_commit_mask():
-    m = kv_commit_mask(torch.tensor([0, 2, 3]), 4)
-    assert m.tolist() == [[True, False, False, False], [True, True, True, False], [True] * 4]
-    with pytest.raises(ValueError, match="num_inputs=4"):
-        kv_commit_mask(torch.tensor([4]), 4)
-    with pytest.raises(ValueError, match=">= 0"):
-        kv_commit_mask(torch.tensor([-1]), 4)
+    assert [r.tolist() for r in results] == [[[4, 5, -1, -1]]] * 2
 
 
 def test_non_tensor_input_still_joins_and_raises():
@@ -109,8 +63,6 @@ def test_non_tensor_input_still_joins_and_raises():
 def test_rejection_sampler_output_is_cut_to_the_agreed_count(data, n, b, k):
     """``spec_decode.verify.agree_sampled`` on vLLM's ``[B, K + 1]`` sampler
     output (tokens, then -1): every rank keeps the target's first MIN + 1 tokens."""
-    from vllm_dcp2d.spec_decode.verify import agree_sampled
-
     target = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 511), min_size=k + 1, max_size=k + 1),
                                              min_size=b, max_size=b)), dtype=torch.int64).view(b, k + 1)
     accepted = [data.draw(st.lists(st.integers(0, k), min_size=b, max_size=b)) for _ in range(n)]
@@ -133,8 +85,6 @@ def test_model_runner_v2_counts_are_cut_to_the_agreed_min(data, n, b, k):
     ``k`` drafts a verified request has ``k + 1`` logits, ``num_sampled`` of them kept and
     the rest rejected; a chunked prefill has 0 and 0 on every rank. Every rank ends with
     the MIN of ``num_sampled`` and the same total per request, in one collective."""
-    from vllm_dcp2d.spec_decode.verify import agree_num_sampled
-
     prefill = data.draw(st.lists(st.booleans(), min_size=b, max_size=b))
     sampled = [[0 if p else data.draw(st.integers(1, k + 1)) for p in prefill] for _ in range(n)]
     dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
@@ -154,7 +104,5 @@ def test_model_runner_v2_counts_are_cut_to_the_agreed_min(data, n, b, k):
 
 
 def test_model_runner_v2_counts_must_be_one_per_request():
-    from vllm_dcp2d.spec_decode.verify import agree_num_sampled
-
     with pytest.raises(ValueError, match=r"both be \[B\], got \(2,\) and \(3,\)"):
         agree_num_sampled(torch.zeros(2), torch.zeros(3), None)

@@ -56,7 +56,7 @@ def dcp_merge(
     local: an extra partial ``(o [T, H, D], lse [T, H])`` over the kept heads that only
     this rank contributes: the attention of the step's new tokens over themselves.
     Returns ``(out [T, H, D], lse [T, H])`` float32, the exact attention over all pages
-    (and the new tokens). The merge runs in torch on CPU, Triton on CUDA.
+    (and the new tokens).
     """
     os, lses = all_gather_partials(o, lse, group)
     if heads is not None:
@@ -64,4 +64,4 @@ def dcp_merge(
     if local is not None:
         os = torch.cat([os, local[0].to(os.dtype)[None]])
         lses = torch.cat([lses, local[1].to(lses.dtype)[None]])
-    return merge_lse(os, lses, base_e=base_e, backend="triton" if os.is_cuda else "torch")
+    return merge_lse(os, lses, base_e=base_e)

@@ -33,15 +33,12 @@ sum (``tests/test_attn_paged.py::test_peak_memory_is_bounded_by_one_chunk``).
 
 from __future__ import annotations
 
-import math
-import threading
-
 import torch
 
 from vllm_dcp2d.attention import flash
+from vllm_dcp2d.attention.gather import page_reader
 
-__all__ = ["attention_lse", "gather_pages", "plain_layout", "paged_attention_lse", "varlen_attention_lse",
-           "pad_tokens", "CHUNK_TOKENS"]
+__all__ = ["attention_lse", "paged_attention_lse", "varlen_attention_lse", "pad_tokens", "CHUNK_TOKENS"]
 
 # Keys per online-softmax step, over the whole batch. 8192 keeps an 8-head,
 # head-dim-128 decode chunk near 10 MB in float32 and the Python loop short
@@ -168,80 +165,6 @@ def attention_lse(
     return _unfold(o, nq), _unfold(lse, nq)
 
 
-def plain_layout(block_size: int, head_size: int, device=None) -> torch.Tensor:
-    """Layout of a row-major ``[block_size, head_size]`` page interior: ``[bs, D]`` int64,
-    element ``(t, d)`` at flat position ``t * head_size + d``."""
-    return torch.arange(block_size * head_size, device=device).view(block_size, head_size)
-
-
-def gather_pages(cache: torch.Tensor, layout: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Read the first ``length`` tokens of each request out of a paged cache.
-
-    cache: ``[num_blocks, Hkv, S]``, the flat interior of each (page, KV head).
-    layout: ``[block_size, D]`` int64, flat position in ``S`` of token ``t``'s
-    element ``d`` (vLLM's CPU kernels pack pages per ISA, so this is not always
-    row-major; see :func:`plain_layout`).
-    block_table: ``[R, W]`` integer page ids; token ``j`` of request ``r`` is token
-    ``j % block_size`` of page ``block_table[r, j // block_size]``.
-    Returns ``[R, length, Hkv, D]`` in cache.dtype; entries past a request's own
-    length hold whatever its table points at and must be masked by the caller.
-    """
-    bs = layout.shape[0]
-    pages = -(-length // bs)
-    cols = torch.clamp(torch.arange(pages, device=cache.device), max=max(block_table.shape[1] - 1, 0))
-    g = _page_reader(layout, cache.shape[-1])(cache, block_table[:, cols].long(), "gather", cache.dtype)
-    r, p, hkv, _, d = g.shape
-    return g.transpose(2, 3).reshape(r, p * bs, hkv, d)[:, :length].clone()  # [R, P, bs, Hkv, D]
-
-
-_WORKSPACE = threading.local()  # one set of buffers per thread: ranks may share a process (tests)
-
-
-def _buffers() -> dict[tuple, torch.Tensor]:
-    """This thread's scratch buffers by (key, dtype, device)."""
-    return _WORKSPACE.__dict__.setdefault("bufs", {})
-
-
-def _scratch(key: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A buffer of ``shape`` reused across chunks, steps and layers (per thread and
-    ``key``): a fresh multi-MB tensor per chunk costs more in page faults than the
-    attention itself. Grows to the largest chunk seen; callers must not return it."""
-    n = math.prod(shape)
-    bufs = _buffers()
-    buf = bufs.get((key, dtype, str(device)))
-    if buf is None or buf.numel() < n:
-        buf = bufs[(key, dtype, str(device))] = torch.empty(n, dtype=dtype, device=device)
-    return buf[:n].view(shape)
-
-
-def _page_reader(layout: torch.Tensor, size: int):
-    """A function ``(cache [num_blocks, Hkv, S], ids [R, P], key, acc) -> [R, P, Hkv,
-    bs, D]`` in ``acc``, a view of a scratch buffer: the pages are copied whole
-    (one ``index_select``) and read in place when the interior is row-major with
-    any row pitch (V pages, MLA latents) or column-major (vLLM's ``vec`` K pages);
-    other packings (``amx``) are permuted element by element."""
-    bs, d = layout.shape
-    t = torch.arange(bs, device=layout.device)[:, None]
-    dd = torch.arange(d, device=layout.device)[None, :]
-    pitch = int(layout[1, 0] - layout[0, 0]) if bs > 1 else d
-    if pitch >= d and bs * pitch <= size and torch.equal(layout, t * pitch + dd):
-        used, view = bs * pitch, lambda x: x.unflatten(-1, (bs, pitch))[..., :d]
-    elif d * bs <= size and torch.equal(layout, dd * bs + t):
-        used, view = d * bs, lambda x: x.unflatten(-1, (d, bs)).transpose(-1, -2)
-    else:
-        flat = layout.reshape(-1)
-        used, view = size, lambda x: x[..., flat].unflatten(-1, (bs, d))
-
-    def read(cache: torch.Tensor, ids: torch.Tensor, key: str, acc: torch.dtype) -> torch.Tensor:
-        r, p = ids.shape
-        raw = _scratch(key, (r * p, cache.shape[1], used), cache.dtype, cache.device)
-        torch.index_select(cache[..., :used], 0, ids.reshape(-1), out=raw)
-        if raw.dtype != acc:
-            raw = _scratch(key + "/acc", raw.shape, acc, cache.device).copy_(raw)
-        return view(raw.view(r, p, *raw.shape[1:]))
-    return read
-
-
 def pad_tokens(x: torch.Tensor, query_start_loc: torch.Tensor, max_len: int) -> torch.Tensor:
     """Scatter ragged tokens ``x [T, ...]`` into ``[R, max_len, ...]`` (zeros elsewhere).
 
@@ -289,7 +212,7 @@ def paged_attention_lse(
 
     q: ``[T, H, Dk]``; k_cache, v_cache: ``[num_blocks, Hkv, S]`` flat page interiors
     with layouts k_layout ``[block_size, Dk]``, v_layout ``[block_size, Dv]`` (see
-    :func:`gather_pages`; the same tensor may serve as K and V, as in MLA, and is
+    :mod:`.gather`; the same tensor may serve as K and V, as in MLA, and is
     then read once when V's layout is a prefix of K's rows);
     block_table: ``[R, W]`` int;
     kv_lens: ``[R]`` int (0 = empty shard); query_start_loc: ``[R + 1]`` int.
@@ -312,18 +235,18 @@ def paged_attention_lse(
     if t == 0 or max_kv_len == 0:
         return q.new_zeros((t, h, dv), dtype=acc), q.new_full((t, h), float("-inf"), dtype=acc)
     bs = k_layout.shape[0]
-    read_k = _page_reader(k_layout, k_cache.shape[-1])
+    read_k = page_reader(k_layout, k_cache.shape[-1])
     # MLA: V is the first Dv columns of the latent rows K already holds.
     v_in_k = (v_cache is k_cache and v_layout.shape[1] <= k_layout.shape[1]
               and torch.equal(v_layout, k_layout[:, : v_layout.shape[1]]))
-    read_v = None if v_in_k else _page_reader(v_layout, v_cache.shape[-1])
-    table = block_table[:r].long()
+    read_v = None if v_in_k else page_reader(v_layout, v_cache.shape[-1])
+    block_rows = block_table[:r].long()
     flash_ok = token_kv_lens is None and read_v is not None and k_layout.shape[1] == dv
     long = flash.long_requests(q_lens) if flash_ok else []
     if long:
         return _route(query_start_loc, long, (t, h, dv), acc, lambda reqs, sel, qsl: paged_attention_lse(
             q[sel], k_cache, v_cache, k_layout, v_layout, block_table[reqs], kv_lens[reqs], qsl, scale, chunk=chunk),
-            lambda i, s, e: _flash_context(q[s:e], k_cache, v_cache, read_k, read_v, table[i], int(kv_lens[i]),
+            lambda i, s, e: _flash_context(q[s:e], k_cache, v_cache, read_k, read_v, block_rows[i], int(kv_lens[i]),
                                            bs, acc, scale, chunk))
     max_q = int(q_lens.max())
     qf = _fold(pad_tokens(q, query_start_loc, max_q), hkv, acc, scale)  # [R, Hkv, M, Dk]
@@ -336,10 +259,10 @@ def paged_attention_lse(
     state = _OnlineSoftmax(r, hkv, qf.shape[2], dv, acc, q.device)
     num_pages = -(-max_kv_len // bs)
     for p0 in range(0, num_pages, pages_per_chunk):
-        # Columns past a request's table width hold no visible key: clamp and mask.
+        # Columns past a request's block table row hold no visible key: clamp and mask.
         cols = torch.clamp(torch.arange(p0, min(p0 + pages_per_chunk, num_pages), device=q.device),
                            max=block_table.shape[1] - 1)
-        ids = table[:, cols]  # [R, P]
+        ids = block_rows[:, cols]  # [R, P]
         k = read_k(k_cache, ids, "k", acc)  # [R, P, Hkv, bs, Dk]
         v = k[..., :dv] if v_in_k else read_v(v_cache, ids, "v", acc)
         state.add(_hide(_scores(qf, k), p0 * bs, lim), v)

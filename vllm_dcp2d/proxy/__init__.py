@@ -55,8 +55,8 @@ instance's bootstrap address and engine id (learnt from its first answer): the
 decode request carries ``"remote_request_id"`` = its ``"transfer_id"``, its ranks ask the
 prefill ranks right away, and each prefill rank writes every layer to them as
 soon as the layer is computed (layer pipelining). A retried decode asks with the
-same key; the prefill ranks hold its fetch until the prompt is done (up to
-``prefill_wait_s``). If the prefill call fails, the decode call is cancelled
+same key; its attempts wait at the prefill ranks until the prompt is done (up
+to ``prefill_wait_s``). If the prefill call fails, the decode call is cancelled
 (vLLM aborts the request) and the client gets the prefill's error; pipelined
 prefill calls are not retried.
 

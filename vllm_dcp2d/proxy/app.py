@@ -56,7 +56,7 @@ class Proxy:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
         self.pipelined = pipelined
-        self._routes: dict[str, dict] = {}  # prefill URL -> its remote_bootstrap_addr, remote_engine_id
+        self._bootstraps: dict[str, dict] = {}  # prefill URL -> its remote_bootstrap_addr, remote_engine_id
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
@@ -99,7 +99,7 @@ class Proxy:
             return _error(502, f"decode {url} unreachable: {e!r}")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        t0, path, status = time.monotonic(), request.path, 500
+        t0, route, status = time.monotonic(), request.path, 500
         try:
             try:
                 body = await request.json()
@@ -111,46 +111,46 @@ class Proxy:
                 self.metrics.error("proxy", "bad_request")
                 status = 400
                 return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
-            resp = await self._serve(request, path, body)
+            resp = await self._serve(request, route, body)
             status = 499 if request.get("dcp2d_client_gone") else resp.status
             if status == 200:
-                self.metrics.request.labels(path).observe(time.monotonic() - t0)
+                self.metrics.request.labels(route).observe(time.monotonic() - t0)
             return resp
         except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes away
             self.metrics.error("client", "disconnected")
             status = 499
             raise
         finally:
-            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.requests.labels(route, str(status)).inc()
 
-    async def _serve(self, request: web.Request, path: str, body: dict) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, route: str, body: dict) -> web.StreamResponse:
         stream = bool(body.get("stream"))
         started: list[web.StreamResponse] = []  # the client response, once its headers went out
         try:
-            parts = batch.split(path, body)
+            parts = batch.split(route, body)
             if parts is not None:
-                return await self._serve_batch(request, path, body, parts, started)
+                return await self._serve_batch(request, route, body, parts, started)
             prefill = None
             if self.pipelined:
                 prefill = await self._pick(self.prefill_pool)
-                route = self._routes.get(prefill.url)
-                if route is not None:
-                    return await self._pipelined(request, path, body, prefill, route, started)
-            # sequential (or learning the picked prefill's route)
-            params = await self._prefill_params(path, body, first=prefill)
-            return await self._decode(request, path, decode_body(body, params), stream, started)
+                bootstrap = self._bootstraps.get(prefill.url)
+                if bootstrap is not None:
+                    return await self._pipelined(request, route, body, prefill, bootstrap, started)
+            # sequential (or learning the picked prefill's bootstrap)
+            params = await self._prefill_params(route, body, first=prefill)
+            return await self._decode(request, route, decode_body(body, params), stream, started)
         except NoHealthyUpstream as e:
-            log.warning("%s: %s", path, e)
+            log.warning("%s: %s", route, e)
             self.metrics.error(e.kind, "no_healthy")
             return _error(503, str(e))
         except ClientGone:
             # Leaving closes the decode call, so vLLM aborts the request and frees its blocks.
-            log.info("%s: client disconnected mid-stream; decode call closed", path)
+            log.info("%s: client disconnected mid-stream; decode call closed", route)
             self.metrics.error("client", "disconnected")
             request["dcp2d_client_gone"] = True  # requests_total counts it as 499
             return started[0]
         except UpstreamError as e:
-            log.warning("%s: %s", path, e)
+            log.warning("%s: %s", route, e)
             if started:  # headers are gone already: end the stream with an SSE error event
                 msg = {"error": {"message": str(e), "code": e.status}}
                 with contextlib.suppress(ConnectionError):
@@ -159,7 +159,7 @@ class Proxy:
                 return started[0]
             return web.json_response(e.body, status=e.status)
 
-    async def _serve_batch(self, request: web.Request, path: str, body: dict, parts: list[dict],
+    async def _serve_batch(self, request: web.Request, route: str, body: dict, parts: list[dict],
                            started: list) -> web.StreamResponse:
         """A batch as one PD pair per prompt (``parts``), ``batch_concurrency`` at a
         time, each pair sequential (also under ``--pipelined``), merged in prompt order.
@@ -169,31 +169,31 @@ class Proxy:
         if not body.get("stream"):
             async def answer(part: dict) -> dict:
                 async with limit:
-                    params = await self._prefill_params(path, part)
+                    params = await self._prefill_params(route, part)
                     return await self._retrying(self.decode_pool,
-                                                lambda up: self._decode_json(up, path, decode_body(part, params)))
+                                                lambda up: self._decode_json(up, route, decode_body(part, params)))
             answers = await gather_or_cancel([answer(p) for p in parts])
             return web.json_response(batch.merge_answers(answers, n))
         merged = BatchStream(request, started, len(parts), n)
 
         async def stream(i: int, part: dict) -> None:
             async with limit:
-                params = await self._prefill_params(path, part)
+                params = await self._prefill_params(route, part)
                 sink, hop = merged.sink(i), decode_body(part, params)
-                await self._retrying(self.decode_pool, lambda up: self._stream(up, path, hop, sink))
+                await self._retrying(self.decode_pool, lambda up: self._stream(up, route, hop, sink))
         try:
             await gather_or_cancel([stream(i, p) for i, p in enumerate(parts)])
         except StreamEnded as e:
-            log.warning("%s: %s; the batch's stream ends", path, e)
+            log.warning("%s: %s; the batch's stream ends", route, e)
             self.metrics.error("decode", "mid_stream")
         await merged.finish()
         return started[0]
 
-    async def _prefill_params(self, path: str, body: dict, first: Upstream | None = None) -> dict:
+    async def _prefill_params(self, route: str, body: dict, first: Upstream | None = None) -> dict:
         """The prefill hop of ``body`` under a new transfer key, retried as ``_retrying``
         allows; the ``kv_transfer_params`` for its decode hop."""
         return await self._retrying(self.prefill_pool,
-                                    lambda up: self._prefill(up, path, body, uuid.uuid4().hex), first=first)
+                                    lambda up: self._prefill(up, route, body, uuid.uuid4().hex), first=first)
 
     async def _pick(self, pool: Pool, tried: list | None = None) -> Upstream:
         """``pool.pick``; if none is in rotation at all, poll the pool once more first: an
@@ -233,14 +233,14 @@ class Proxy:
                     raise
                 last = e
 
-    async def _prefill(self, up: Upstream, path: str, body: dict, transfer_key: str) -> dict:
+    async def _prefill(self, up: Upstream, route: str, body: dict, transfer_key: str) -> dict:
         """Run the prefill on ``up``; returns the ``kv_transfer_params`` for decode."""
-        url = up.url + path
+        url = up.url + route
         t0 = time.monotonic()
         try:
-            data = await self._post_json(self.prefill_pool, up, path, prefill_body(body, transfer_key))
+            data = await self._post_json(self.prefill_pool, up, route, prefill_body(body, transfer_key))
         except UpstreamError:
-            self._routes.pop(up.url, None)  # it may come back elsewhere: learn again
+            self._bootstraps.pop(up.url, None)  # it may come back elsewhere: learn again
             raise
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
@@ -248,23 +248,23 @@ class Proxy:
                                      f"(got {params!r}); is it running DCP2DConnector as kv_producer?",
                                 stage="prefill", kind="bad_answer")
         if all(isinstance(params.get(k), str) for k in ("remote_bootstrap_addr", "remote_engine_id")):
-            self._routes[up.url] = {k: params[k] for k in ("remote_bootstrap_addr", "remote_engine_id")}
+            self._bootstraps[up.url] = {k: params[k] for k in ("remote_bootstrap_addr", "remote_engine_id")}
         self.metrics.prefill.observe(time.monotonic() - t0)
         return params
 
-    async def _pipelined(self, request: web.Request, path: str, body: dict, prefill: Upstream, route: dict,
+    async def _pipelined(self, request: web.Request, route: str, body: dict, prefill: Upstream, bootstrap: dict,
                          started: list) -> web.StreamResponse:
         """Prefill and decode at once; the decode fetches by the transfer key, so a
         decode retried on another instance fetches by it too."""
         transfer_key = uuid.uuid4().hex
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": transfer_key,
-                  "transfer_id": transfer_key, **route}
-        decode = asyncio.ensure_future(self._decode(request, path, decode_body(body, params),
+                  "transfer_id": transfer_key, **bootstrap}
+        decode = asyncio.ensure_future(self._decode(request, route, decode_body(body, params),
                                                     bool(body.get("stream")), started))
         try:
             self.metrics.calls.labels("prefill", prefill.url).inc()
             try:
-                answer = await self._prefill(prefill, path, body, transfer_key)
+                answer = await self._prefill(prefill, route, body, transfer_key)
             except UpstreamError as e:
                 self.metrics.error(e.stage, e.kind)
                 raise
@@ -279,11 +279,11 @@ class Proxy:
             raise
         return await decode
 
-    async def _post_json(self, pool: Pool, up: Upstream, path: str, body: dict) -> dict:
+    async def _post_json(self, pool: Pool, up: Upstream, route: str, body: dict) -> dict:
         """POST and read a JSON answer. Retryable: a prefill call that never connected
         (no request reached it); a decode call that failed in any way but a timeout
         (nothing has gone to the client yet)."""
-        kind, url = pool.kind, up.url + path
+        kind, url = pool.kind, up.url + route
         with pool.lease(up):
             try:
                 async with self.session.post(url, json=body) as resp:
@@ -302,26 +302,26 @@ class Proxy:
                 raise UpstreamError(502, f"{kind} {url} unreachable: {e!r}", stage=kind, kind="unreachable",
                                     retryable=kind == "decode" or never_sent)
 
-    async def _decode(self, request: web.Request, path: str, body: dict, stream: bool,
+    async def _decode(self, request: web.Request, route: str, body: dict, stream: bool,
                       started: list) -> web.StreamResponse:
         if not stream:
-            data = await self._retrying(self.decode_pool, lambda up: self._decode_json(up, path, body))
+            data = await self._retrying(self.decode_pool, lambda up: self._decode_json(up, route, body))
             return web.json_response(data)
         sink = ClientSink(request, started)
-        await self._retrying(self.decode_pool, lambda up: self._stream(up, path, body, sink))
+        await self._retrying(self.decode_pool, lambda up: self._stream(up, route, body, sink))
         return started[0]
 
-    async def _decode_json(self, up: Upstream, path: str, body: dict) -> dict:
+    async def _decode_json(self, up: Upstream, route: str, body: dict) -> dict:
         t0 = time.monotonic()
-        data = await self._post_json(self.decode_pool, up, path, body)
+        data = await self._post_json(self.decode_pool, up, route, body)
         self.metrics.decode.labels("false").observe(time.monotonic() - t0)
         return data
 
-    async def _stream(self, up: Upstream, path: str, body: dict, sink: ClientSink) -> None:
+    async def _stream(self, up: Upstream, route: str, body: dict, sink: ClientSink) -> None:
         """One streamed decode call into ``sink`` (``streams``). The sink starts with the
         decode's first body byte, not its headers (vLLM sends those before the KV fetch),
         so a decode that dies before its first token can be retried elsewhere."""
-        url = up.url + path
+        url = up.url + route
         t0 = time.monotonic()
         with self.decode_pool.lease(up):
             try:

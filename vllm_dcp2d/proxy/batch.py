@@ -18,12 +18,12 @@ def _is_token_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def split(path: str, body: dict) -> list[dict] | None:
+def split(route: str, body: dict) -> list[dict] | None:
     """One body per prompt of a batched completion, in order; None when the request
     is not a batch of two or more (it goes as it is). A prompt that is one list of
     token ids is one prompt; a list of strings or of token-id lists is a batch, and
     so is a list of ``prompt_embeds``. Anything else goes as it is, for vLLM to judge."""
-    if path != "/v1/completions":
+    if route != "/v1/completions":
         return None  # chat requests have one conversation each
     prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
     if embeds is None and isinstance(prompt, list) and not _is_token_ids(prompt):

@@ -8,8 +8,8 @@ every field that hop changes, one rule each with its reason; every other field
 sampling and penalty fields, ``seed``, ``logit_bias``, stop conditions,
 ``logprobs``) goes as the client sent it, so the prefill renders the same prompt
 under the same adapter (the KV depends on both) and refuses bad input the way the
-colocated instance would. The table, with vLLM 0.32's rule behind each row, is
-docs/connector.md "The prefill hop".
+colocated instance would. The fields' table, with vLLM 0.32's rule behind each row,
+is docs/connector.md "The prefill hop".
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class ProxyMetrics:
 
 
 def markdown_table() -> str:
-    """The table of docs/metrics.md's "Proxy" section: name, type, labels, meaning."""
+    """The metrics table of docs/metrics.md's "Proxy" section: name, type, labels, meaning."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for name, kind, labels, doc in METRICS:
         rows.append(f"| `{PREFIX}{name}` | {kind} | {', '.join(f'`{x}`' for x in labels) or '-'} | {doc} |")

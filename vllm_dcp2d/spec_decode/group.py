@@ -1,6 +1,8 @@
-"""A DCP group over plain torch.distributed, with the interface of vLLM's
-``GroupCoordinator`` that :func:`~vllm_dcp2d.attention.dcp.dcp_merge` and
-:func:`~vllm_dcp2d.spec_decode.verify.agree_accepted_prefix` use."""
+"""A group over plain torch.distributed, with the interface of vLLM's
+``GroupCoordinator`` that :func:`~vllm_dcp2d.spec_decode.verify.agree_sampled` and
+:func:`~vllm_dcp2d.attention.dcp.dcp_merge` use: ``vllm_compat/spec_decode.py``
+agrees over the TP group's gloo group with it, since vLLM's CPU shared-memory
+all-gather has no int64 kernel."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Greedy verification of draft tokens under DCP (design §8).
+"""The accepted prefix every rank of a DCP group commits (design §8).
 
 The target model scores ``K`` draft tokens in one forward under DCP: each
 rank attends over its own KV pages, and the all-gather + LSE merge gives the
-same logits on every rank, so greedy acceptance is the same on every rank.
-:func:`agree_accepted_prefix` still reduces the accepted counts to their MIN
+same logits on every rank, so vLLM's rejection sampler accepts the same
+prefix on every rank. The ranks still reduce their accepted counts to the MIN
 over the group before anything is committed: should one rank's drafts or
 logits differ (a bug, a corrupted buffer), every rank still commits the
 same number of tokens and the sharded KV pool stays consistent. The
@@ -11,11 +11,10 @@ committed tokens are the same too: target outputs up to the first draft index
 where ranks differ come from identical inputs, and at that index at most one
 of the differing drafts matches the target, so the MIN stops there or before.
 
-Verification of request ``b`` feeds ``K + 1`` tokens: its pending last token,
-then ``draft_tokens[b]``; ``target_tokens[b, i]`` is the target's greedy
-choice after input ``i``. With ``a = accepted[b]`` the sequence grows by
-``target_tokens[b, :a + 1]`` (``a`` drafts that matched, then the target's
-own token), and the KV of inputs ``0 .. a`` is committed (:func:`kv_commit_mask`).
+vLLM's V1 runner cuts its sampler's output with :func:`agree_sampled` (the MIN
+of :func:`agree_accepted_prefix`; ``vllm_compat/spec_decode.py``), Model Runner
+V2 (vLLM 0.34) its per-request counts with :func:`agree_num_sampled`
+(``vllm_compat/spec_decode_v2.py``).
 """
 
 from __future__ import annotations
@@ -24,46 +23,16 @@ import torch
 
 from vllm_dcp2d.attention.dcp import Group
 
-__all__ = ["accept_greedy", "agree_accepted_prefix", "agree_sampled", "agree_num_sampled", "verify_greedy",
-           "kv_commit_mask"]
+__all__ = ["agree_accepted_prefix", "agree_sampled", "agree_num_sampled"]
 
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID (0.32, 0.33): a rejected position in sampled_token_ids
-
-
-def _check_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> None:
-    if draft_tokens.dim() != 2 or target_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [B, K] and target_tokens [B, K + 1], got "
-                         f"{tuple(draft_tokens.shape)} and {tuple(target_tokens.shape)}")
-    b, k = draft_tokens.shape
-    if tuple(target_tokens.shape) != (b, k + 1):
-        raise ValueError(f"target_tokens must be [B, K + 1] = {(b, k + 1)}, got {tuple(target_tokens.shape)}")
-    for name, t in (("draft_tokens", draft_tokens), ("target_tokens", target_tokens)):
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
-
-
-def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance: the longest prefix of drafts the target agrees with.
-
-    draft_tokens:  int ``[B, K]``, the drafts fed after each request's last token.
-    target_tokens: int ``[B, K + 1]``, the target's argmax after each input.
-    Returns ``(accepted [B], next_token [B])`` int64 on the inputs' device:
-    ``accepted[b]`` in ``[0, K]`` counts leading ``i`` with
-    ``draft_tokens[b, i] == target_tokens[b, i]``; ``next_token[b] =
-    target_tokens[b, accepted[b]]`` (the correction, or the bonus token when
-    every draft matched).
-    """
-    _check_tokens(draft_tokens, target_tokens)
-    match = (draft_tokens.long() == target_tokens[:, :-1].long()).long()
-    accepted = match.cumprod(dim=1).sum(dim=1)
-    return accepted, target_tokens.long().gather(1, accepted[:, None])[:, 0]
 
 
 def agree_accepted_prefix(accepted: torch.Tensor, group: Group) -> torch.Tensor:
     """The accepted count every rank of ``group`` commits: the MIN over ranks.
 
     Called by every rank of the DCP group once per verify step, after its
-    local :func:`accept_greedy` and before any KV or token is committed.
+    rejection sampling and before any KV or token is committed.
 
     accepted: int ``[B]``, this rank's counts, requests in the order all ranks share.
     group: ``world_size``, ``rank_in_group``, ``all_gather(tensor, dim)`` (vLLM's
@@ -73,7 +42,7 @@ def agree_accepted_prefix(accepted: torch.Tensor, group: Group) -> torch.Tensor:
 
     Collectives, the same on every rank: an all-gather of the batch size, then
     (unless every size is 0, or some rank's input is invalid) an all-gather of
-    the counts zero-padded to the largest size. Greedy acceptance is
+    the counts zero-padded to the largest size. Acceptance is
     prefix-closed, so the MIN is a prefix every rank verified. A rank whose
     ``accepted`` is invalid still joins the first collective, with size -1,
     and then every rank raises ``ValueError``: the group stays usable.
@@ -112,38 +81,13 @@ def _counts(accepted) -> torch.Tensor:
     return accepted.long()
 
 
-def verify_greedy(
-    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, group: Group
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`accept_greedy`, then :func:`agree_accepted_prefix` (every rank calls it).
-
-    draft_tokens: int ``[B, K]``; target_tokens: int ``[B, K + 1]``.
-    Returns int64 ``(accepted [B], next_token [B], local_accepted [B])``:
-    the agreed counts, ``target_tokens[b, accepted[b]]``, and this rank's own counts.
-    """
-    local, _ = accept_greedy(draft_tokens, target_tokens)
-    accepted = agree_accepted_prefix(local, group)
-    return accepted, target_tokens.long().gather(1, accepted[:, None])[:, 0], local
-
-
-def kv_commit_mask(accepted: torch.Tensor, num_inputs: int) -> torch.Tensor:
-    """Which verify inputs' KV enters the target pool: bool ``[B, num_inputs]``,
-    true for input ``i <= accepted[b]`` (the last token and the accepted drafts).
-
-    accepted: int ``[B]``, agreed counts, each ``< num_inputs`` (``num_inputs = K + 1``).
-    """
-    counts = _counts(accepted)
-    if counts.numel() and int(counts.max()) >= num_inputs:
-        raise ValueError(f"accepted must be < num_inputs={num_inputs}, got max {int(counts.max())}")
-    return torch.arange(num_inputs, device=counts.device)[None, :] <= counts[:, None]
-
-
-def agree_sampled(sampled: torch.Tensor, group) -> torch.Tensor:
+def agree_sampled(sampled: torch.Tensor, group: Group) -> torch.Tensor:
     """Cut each request's sampled tokens to the accepted count every rank agrees on.
 
     sampled: int ``[B, K + 1]``, vLLM's rejection-sampler output: request ``b``
     commits its leading non-placeholder tokens (``accepted + 1``), then ``-1``.
-    group: vLLM's ``GroupCoordinator`` (or any ``world_size`` / ``all_gather`` group).
+    group: as :func:`agree_accepted_prefix` takes it (vLLM's V1 runner: a
+    :class:`~vllm_dcp2d.spec_decode.group.TorchGroup` over the TP group's gloo group).
     Returns ``sampled`` itself, with positions past the group's MIN set to ``-1``.
     """
     if sampled.dim() != 2 or sampled.shape[1] < 2:

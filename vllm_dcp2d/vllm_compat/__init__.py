@@ -2,7 +2,7 @@
 
 The code here reaches into vLLM modules that are not a stable API (backend
 registry, Triton-kernel overrides, private cache layouts). Each patch to them is
-an entry of one table (``patches.py``: its targets per vLLM version, its reason,
+an entry of the patch table (``patches.py``: its targets per vLLM version, its reason,
 which instances need it); ``registry.py`` installs the entries that fit the
 installed vLLM and refuses a DCP2DConnector instance that needs one that does
 not. Supported: vLLM 0.32.0, 0.33.0 and 0.34.0 (``patches.SUPPORTED``; on CPU 0.32.0 and

@@ -3,7 +3,7 @@
 vLLM's DCP needs (a) attention impls that return the softmax LSE during decode
 and (b) a slot mapping that sends each token's KV to the DCP rank owning it.
 On CPU vLLM has neither. The patches below install both; the plugin's patch
-registry (``registry.py``, table in ``patches.py``) installs each one where its
+registry (``registry.py``, the patch table in ``patches.py``) installs each one where its
 target fits the installed vLLM. Each says what it replaces and why:
 
 1. ``register_backend(CPU_ATTN, DCPCPUAttentionBackend)``. The CPU platform
@@ -22,7 +22,7 @@ target fits the installed vLLM. Each says what it replaces and why:
 3. :func:`cpu_kv_layout`. vLLM's CPU kernels store each (page, KV head) in an
    ISA-specific packed order (K transposed for ``vec``, VNNI pairs for
    ``amx``), not the row-major ``[block_size, head_size]`` the tensor shape
-   suggests. The DCP path reads pages in torch, so it asks vLLM's own writer,
+   suggests. DCP attention reads pages in torch, so it asks vLLM's own writer,
    ``cpu_attn_reshape_and_cache``, where each element lands (bit by bit) and
    reads pages through that map. Pages keep vLLM's layout, so KV written by a
    DCP=1 prefill instance is read correctly by a DCP>1 decode instance.
@@ -39,7 +39,7 @@ target fits the installed vLLM. Each says what it replaces and why:
    per layer took about a third of a DCP=2 decode step (py-spy of a worker,
    BENCHMARKS.md "DCP decode"). A DCP group is a subset of one instance's TP
    ranks, so it passes the same check vLLM applies to TP (every rank agrees on
-   the shared-memory group name) and gets the same path.
+   the shared-memory group name) and gets the same collectives.
 """
 
 from __future__ import annotations

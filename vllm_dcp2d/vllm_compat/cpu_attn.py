@@ -17,7 +17,7 @@ each rank holds 1/N of every sequence's KV pages and a forward pass is:
 The KV of the step's tokens is written only on the rank that owns each token
 (the CP slot mapping gives the others slot -1, which the writer skips). Chunked
 prefill, prefix-cache hits and mixed batches all reduce to "context" (tokens
-before the step) plus "new" (the step's tokens), so one path serves them all.
+before the step) plus "new" (the step's tokens), so one computation serves them all.
 
 With an fp8 KV cache (``fp8``/``fp8_e4m3``, ``fp8_e5m2``; vLLM's CPU writer needs
 AVX-512 or AMX) pages hold ``x / scale`` per layer and K/V. The layer's scales fold
@@ -36,7 +36,8 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from vllm_dcp2d.attention.dcp import dcp_merge
-from vllm_dcp2d.attention.paged import gather_pages, paged_attention_lse, varlen_attention_lse
+from vllm_dcp2d.attention.gather import gather_pages
+from vllm_dcp2d.attention.paged import paged_attention_lse, varlen_attention_lse
 from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
 from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout, local_context_lens
 
@@ -129,9 +130,9 @@ class DCPCPUAttentionImpl(CPUAttentionBackendImpl):
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(t), layer.isa,
                                        k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                                        kv_cache_dtype=self.kv_cache_dtype)
-        flat, table = scratch.view(self._fp8).view(n, hkv, 2 * bs * d), torch.arange(n)[None]
-        k = gather_pages(flat[..., : bs * d], k_layout, table, t)[0].float() * layer._k_scale_float
-        v = gather_pages(flat[..., bs * d:], v_layout, table, t)[0].float() * layer._v_scale_float
+        flat, block_table = scratch.view(self._fp8).view(n, hkv, 2 * bs * d), torch.arange(n)[None]
+        k = gather_pages(flat[..., : bs * d], k_layout, block_table, t)[0].float() * layer._k_scale_float
+        v = gather_pages(flat[..., bs * d:], v_layout, block_table, t)[0].float() * layer._v_scale_float
         return k, v
 
 

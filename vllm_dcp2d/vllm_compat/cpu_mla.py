@@ -14,7 +14,7 @@ Verification of speculative drafts (``k + 1`` query tokens per request) runs
 as a decode here: :class:`DCPCPUMLAMetadataBuilder` declares variable-length
 decode queries, and :meth:`DCPCPUMLAImpl.forward_mqa` attends each query token
 over the cache up to its own position (vLLM's stock CPU kernel takes one token
-per request, and vLLM 0.32 sends longer ones down the prefill path, which on
+per request, and vLLM 0.32 sends longer ones to its prefill attention, which on
 CPU gives other tokens than decoding one at a time). A request's pages are read
 once for all its query tokens (``token_kv_lens`` of
 :func:`~vllm_dcp2d.attention.paged.paged_attention_lse`).
@@ -35,7 +35,8 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder, QueryLenSupport
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from vllm_dcp2d.attention.paged import paged_attention_lse, plain_layout
+from vllm_dcp2d.attention.gather import plain_layout
+from vllm_dcp2d.attention.paged import paged_attention_lse
 from vllm_dcp2d.vllm_compat.attention import install_mla_dcp_combine, local_context_lens
 
 __all__ = ["DCPCPUMLABackend", "DCPCPUMLAImpl", "DCPCPUMLAMetadataBuilder"]

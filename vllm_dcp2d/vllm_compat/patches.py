@@ -1,10 +1,10 @@
-"""Every patch vllm_dcp2d applies to vLLM's internals: one table, a reason for each.
+"""Every patch vllm_dcp2d applies to vLLM's internals: one patch table, a reason for each.
 
 Each :class:`Patch` names the vLLM objects it wraps or rebinds, per vLLM version,
 with the parameters it was written against (:class:`Target`), the function that
 installs it, why it exists, and which DCP2DConnector instances cannot work
 without it. ``registry.py`` installs what fits the installed vLLM and refuses an
-instance that needs what does not; ``vllm-dcp2d compat`` prints the table.
+instance that needs what does not; ``vllm-dcp2d compat`` prints the patch table.
 
 A patch that a vLLM version made unnecessary (vLLM does it itself there) says so
 in ``not_needed``, naming the upstream file: it is neither installed nor required
@@ -91,7 +91,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Patch:
-    """name: how messages and the table call it; reason: what vLLM lacks without it;
+    """name: how messages and the patch table call it; reason: what vLLM lacks without it;
     targets: per vLLM version, the objects it wraps; install: ``"module:function"``,
     called with the vLLM version (None: the code that needs it installs it later, after
     ``registry.check``); needed: whether a DCP2DConnector instance with this

@@ -11,7 +11,7 @@ installed vLLM made unnecessary (``Patch.not_needed``) is neither installed nor
 required. A DCP2DConnector instance refuses to start (:func:`require`), naming
 the vLLM version and the reason, on a vLLM version (or a CPU platform of one)
 the plugin was not checked against, and where it needs a patch that is not
-installed. ``vllm-dcp2d compat`` prints the table (:func:`rows`) and what each
+installed. ``vllm-dcp2d compat`` prints the patch table (:func:`rows`) and what each
 kind of DCP2D instance would do (:func:`roles`).
 """
 
@@ -205,17 +205,17 @@ def roles() -> list[tuple[str, str | None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``vllm-dcp2d compat``: the table for the installed vLLM, then each kind of DCP2D
+    """``vllm-dcp2d compat``: the patch table for the installed vLLM, then each kind of DCP2D
     instance and whether it starts; exits 1 if some kind is refused."""
     import logging as _logging
 
-    _logging.getLogger(__name__).setLevel(_logging.ERROR)  # the table says it
+    _logging.getLogger(__name__).setLevel(_logging.ERROR)  # the patch table says it
     register_connector()
-    table = rows()
+    patch_rows = rows()
     print(f"vLLM {_state.version} ({'CPU' if _state.cpu else 'GPU'}); vllm_dcp2d supports {', '.join(SUPPORTED)} "
           f"(on CPU: {', '.join(CPU_SUPPORTED)})")
-    width = max(len(r[0]) for r in table)
-    for name, targets, state, needed in table:
+    width = max(len(r[0]) for r in patch_rows)
+    for name, targets, state, needed in patch_rows:
         print(f"{name:<{width}}  {state}\n{'':<{width}}  needed for: {needed}\n{'':<{width}}  wraps: {targets}")
     verdicts = roles()
     width = max(len(r[0]) for r in verdicts)

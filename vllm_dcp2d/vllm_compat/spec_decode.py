@@ -42,9 +42,10 @@ pool); the runner side is what the patches below add. Each acts only when
    DCP size 1 (the draft's), as vLLM's own ``target_layer_names`` argument
    does for Model Runner V2.
 6. ``GPUModelRunner._sample``: after rejection sampling, every rank of the
-   TP group (which contains the DCP group) keeps the MIN accepted count over
-   the group (:func:`~vllm_dcp2d.spec_decode.verify.agree_accepted_prefix`),
-   so a rank whose drafts differ can make no rank commit a different token.
+   TP group (which contains the DCP group) cuts its sampled tokens to the MIN
+   accepted count over the group
+   (:func:`~vllm_dcp2d.spec_decode.verify.agree_sampled`, over gloo), so a
+   rank whose drafts differ can make no rank commit a different token.
 
 The patch registry (``patches.py``) installs them in every vLLM process, on
 every platform, as three entries: ``draft_group_order`` (0), ``draft_dcp_disabled``
@@ -181,9 +182,9 @@ def _install_runner() -> None:  # part of install_draft
 
         groups = [g for g in kv_cache_config.kv_cache_groups
                   if get_kv_cache_spec_kind(g.kv_cache_spec) != KVCacheSpecKind.ENCODER_ONLY_ATTENTION]
-        for group, table in zip(groups, self.input_batch.block_table.block_tables):
+        for group, block_table in zip(groups, self.input_batch.block_table.block_tables):
             if not getattr(group.kv_cache_spec, "dcp_sharded", True):
-                table.dcp_world_size, table.dcp_rank = 1, 0
+                block_table.dcp_world_size, block_table.dcp_rank = 1, 0
 
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
