@@ -162,7 +162,7 @@ def serving_defaults(tiny: bool, mla: bool, gpu: bool) -> tuple[int | None, str 
     MLA on GPU: 64, the one size FLASHMLA takes (TRITON_MLA and FLASH_ATTN_MLA take
     any multiple of 16); on CPU vLLM's choice (CPU_MLA takes 16 only). Other models:
     vLLM's choice and the model's dtype. The DCP interleave follows the block size
-    by itself (vllm_compat/startup.py). ``tests/test_gpu_defaults.py`` checks these
+    by itself (vllm_compat/startup.py). ``tests/test_demo.py`` checks these
     against vLLM's own backend validation for an H200.
     """
     if tiny:

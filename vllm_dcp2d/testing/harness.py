@@ -1,6 +1,6 @@
 """Real processes for the demo, the end-to-end tests and the benches: ``vllm serve``
 instances running DCP2DConnector and the PD proxy, each optionally on its own
-host (a network namespace, ``testing/netns.py``).
+host (a network namespace, ``tests/support/netns.py``).
 
 Every wait has a timeout, and every process runs in its own session so
 ``stop`` kills its whole tree (API server, engine core, TP workers) and

@@ -5,7 +5,7 @@ one file per rank and group, ``vllm_dist_<id>-tp:0-[0-1]-cpushm_<rank>``, 4 MiB
 each, written) never unlinks its files, not even on a clean shutdown, and an
 engine killed with SIGKILL also leaves Python's ``psm_*`` segments (up to
 240 MiB) and ``sem.mp-*`` semaphores. ``/dev/shm`` is RAM: one run of
-``tests/test_e2e_spec.py`` left 15 files, a day of suite runs 408 cpushm files, and
+``tests/e2e/test_e2e_spec.py`` left 15 files, a day of suite runs 408 cpushm files, and
 a machine that runs the suite again and again fills it. The harness therefore notes
 which files a server's processes map while it runs and removes the ones no live
 process holds once it is stopped.
