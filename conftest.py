@@ -55,11 +55,11 @@ LONGEST = ("tests/e2e/test_load_faults.py", "tests/e2e/test_spec_decode_vllm.py"
 def pytest_sessionstart(session):
     """Unlink the vLLM CPU-communicator files earlier engines left in /dev/shm (RAM):
     vLLM never unlinks them, and a machine that runs this suite again and again fills
-    /dev/shm until engines fail to start. The harness removes what this run's servers
-    leave; this removes what older runs left. Only files no process holds (testing/shm.py)."""
+    /dev/shm until engines fail to start. ``local/servers.py`` removes what this run's servers
+    leave; this removes what older runs left. Only files no process holds (local/shm.py)."""
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
         return
-    from vllm_dcp2d.testing.shm import remove_stale_vllm_shm
+    from vllm_dcp2d.local.shm import remove_stale_vllm_shm
 
     removed = remove_stale_vllm_shm()
     if removed:

@@ -91,7 +91,7 @@ def main() -> int:
         model, eagle, dcp, spec, a, out = args.run
         _engine(model, eagle, int(dcp), spec, json.loads(a), out)
         return 0
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     a = {"tokens": args.tokens, "batch": args.batch, "prompt_len": args.prompt_len, "rounds": args.rounds}
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1",

@@ -20,7 +20,7 @@ from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from vllm_dcp2d import demo  # noqa: E402
-from vllm_dcp2d.testing.tiny_models import build_tiny_model  # noqa: E402
+from vllm_dcp2d.local.tiny_models import build_tiny_model  # noqa: E402
 
 H200 = DeviceCapability(9, 0)
 # The backends vLLM 0.32 picks on Hopper: FLASH_ATTN for MHA/GQA/MQA; FLASHMLA, else

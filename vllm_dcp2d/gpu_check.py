@@ -191,8 +191,8 @@ def check_mooncake(device: str = "cuda") -> str:
 
 def check_vllm_pd() -> str:
     from vllm_dcp2d.demo import DEMO_PROMPTS, serving_defaults
-    from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.servers import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="dcp2d-gpu-check-"))
     gpu = ("--gpu-memory-utilization", "0.15", "--enforce-eager", "--max-num-seqs", "4")

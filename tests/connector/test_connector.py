@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from vllm_dcp2d.testing.harness import fetch_records, free_port
+from vllm_dcp2d.local.servers import fetch_records, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -31,7 +31,7 @@ def llm(tmp_path_factory):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("inproc")
     model = build_tiny_model("llama", root / "model")

@@ -22,7 +22,7 @@ import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.connector.discovery import Registration
-from vllm_dcp2d.testing.harness import free_port, router_server
+from vllm_dcp2d.local.servers import free_port, router_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from vllm_dcp2d.transfer.messages import prompt_digest
-from vllm_dcp2d.testing.harness import free_port
+from vllm_dcp2d.local.servers import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(300)]
 
@@ -47,7 +47,7 @@ def engine(tmp_path_factory):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama", tmp_path_factory.mktemp("preempt") / "model")
     kv = KVTransferConfig(kv_connector="DCP2DConnector", kv_role="kv_producer",

@@ -63,7 +63,7 @@ def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> Engine:
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", tmp_path / "model")
     (ref, ref_cap), (got, cap) = run_engines(_engine(model, 1, tmp_path), _engine(model, 2, tmp_path))
@@ -93,7 +93,7 @@ def _run_plain(model: str, out: str) -> None:
 def test_plugin_is_a_no_op_without_dcp(tmp_path):
     """With DCP=1 the overriding backend and slot mapping must change nothing: same
     tokens, bit for bit, as vLLM with general plugins disabled (VLLM_PLUGINS="")."""
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama", tmp_path / "model")
     procs = {}

@@ -33,7 +33,7 @@ from tests.support.pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PRO
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
-from vllm_dcp2d.testing.harness import fetch_records, kv_cache_usage, kv_capacity, post_json, read_stats
+from vllm_dcp2d.local.servers import fetch_records, kv_cache_usage, kv_capacity, post_json, read_stats
 from tests.support.netns import Hosts, unavailable
 from tests.support.shared import fixtures
 

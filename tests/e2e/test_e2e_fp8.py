@@ -23,7 +23,7 @@ import pytest
 import torch
 from tests.support.pd_cluster import DTYPE, LAYERS, PAGE, check_proxy, complete, ids
 
-from vllm_dcp2d.testing.harness import free_port, kv_cache_usage, post_json, proxy_server, running, vllm_server
+from vllm_dcp2d.local.servers import free_port, kv_cache_usage, post_json, proxy_server, running, vllm_server
 from tests.support.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc,
@@ -37,7 +37,7 @@ shared, cluster = fixtures("e2e_fp8", lambda work: _start(work))
 
 @contextlib.contextmanager
 def _start(work):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", work / "model")
     stats = work / "stats.jsonl"

@@ -24,7 +24,7 @@ import pytest
 from tests.support.pd_cluster import ids, tokens
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
-from vllm_dcp2d.testing.harness import (extra_config, free_port, kv_cache_usage, post_json, read_stats, running,
+from vllm_dcp2d.local.servers import (extra_config, free_port, kv_cache_usage, post_json, read_stats, running,
                                         vllm_server)
 from tests.support.shared import fixtures
 
@@ -42,7 +42,7 @@ PATHS = {("p2", "d2"): {(0, 0), (1, 1)}, ("p1", "d1"): {(0, 0)}, ("p1", "d2"): {
 
 @contextlib.contextmanager
 def _start(work):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama", work / "model")
     mha = build_tiny_model("llama-mha", work / "mha")  # 4 KV heads for 4 query heads

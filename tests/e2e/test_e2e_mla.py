@@ -39,7 +39,7 @@ import pytest
 from tests.support.pd_cluster import stalled
 
 from vllm_dcp2d.layout import cdiv, cp_layer_range
-from vllm_dcp2d.testing.harness import (fetch_records, free_port, kv_capacity, post_json, proxy_server, read_stats,
+from vllm_dcp2d.local.servers import (fetch_records, free_port, kv_capacity, post_json, proxy_server, read_stats,
                                         running, vllm_server)
 from tests.support.shared import fixtures
 
@@ -104,7 +104,7 @@ shared, cluster = fixtures("e2e_mla", lambda work: _start(work))
 
 @contextlib.contextmanager
 def _start(work):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("deepseek-v3-mtp", work / "model", dtype="float32")
     stats = work / "stats.jsonl"

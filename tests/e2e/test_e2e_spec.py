@@ -25,7 +25,7 @@ import pytest
 from tests.support.pd_cluster import stalled
 
 from vllm_dcp2d.layout import cdiv, cp_layer_range
-from vllm_dcp2d.testing.harness import (fetch_records, free_port, post_json, proxy_server, read_stats, vllm_server,
+from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats, vllm_server,
                                         wait_all)
 from tests.support.shared import SharedCluster
 
@@ -45,7 +45,7 @@ def ids(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("e2e_spec")
     return {"root": root, "model": build_tiny_model("llama-mqa", root / "model"),

@@ -40,7 +40,7 @@ def _kv_pointers(worker) -> dict:
 def _run_engine(model: str, mode: str, out: str, dtype: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from vllm_dcp2d.testing.harness import free_port
+    from vllm_dcp2d.local.servers import free_port
 
     kw = {}
     if mode != "plain":
@@ -108,7 +108,7 @@ def _index(name: str) -> int:
 # 1.33x) for ~110 s of the suite's 20-minute budget (BENCHMARKS.md "Test suite", 2026-12-05).
 @pytest.mark.parametrize("kind,layers", [("llama-mqa", 4)])
 def test_layer_split_same_tokens_more_capacity(kind, layers, tmp_path):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     _check(build_tiny_model(kind, tmp_path / "model"), layers, tmp_path, "float32")
 
@@ -120,7 +120,7 @@ def test_layer_split_mla_same_tokens(tmp_path):
     """MLA in its own dtype (bf16). With 2 layers each rank stores 1 + 1 slots, so
     the capacity stays 1.0x; what this checks is the fill of the latent cache
     during the decode steps."""
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     _check(build_tiny_model("deepseek-v2-mla", tmp_path / "model"), 2, tmp_path, "bfloat16")
 

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_dcp2d.proxy.metrics import METRICS, PREFIX
-from vllm_dcp2d.testing.harness import (Process, bin_path, fetch_records, free_port, kv_cache_usage, post_json,
+from vllm_dcp2d.local.servers import (Process, bin_path, fetch_records, free_port, kv_cache_usage, post_json,
                                         read_stats, router_server, running, vllm_server, wait_all)
 from tests.support.shared import fixtures
 
@@ -116,7 +116,7 @@ shared, cluster = fixtures("proxy_vllm", lambda work: _start(work))
 
 @contextlib.contextmanager
 def _start(tmp_path):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", tmp_path / "model")
     common = {"dtype": "float32", "block_size": PAGE, "tp": 1}

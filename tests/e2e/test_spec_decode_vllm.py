@@ -84,7 +84,7 @@ def _results(*engines: Engine) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("spec")
     target = build_tiny_model("llama-mqa", root / "target")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_dcp2d.proxy import decode_body, prefill_body
-from vllm_dcp2d.testing.harness import Process, free_port, post_json, proxy_server, vllm_server, wait_all
+from vllm_dcp2d.local.servers import Process, free_port, post_json, proxy_server, vllm_server, wait_all
 from tests.support.load import Load, Outcome, check, prompt_ids
 
 __all__ = ["FAULTS", "FaultConfig", "FaultCluster", "FaultResult", "metric"]
@@ -150,7 +150,7 @@ class FaultCluster:
     """The cluster; a context manager that always stops (and first thaws) every process."""
 
     def __init__(self, work: Path, cfg: FaultConfig = FaultConfig()):
-        from vllm_dcp2d.testing.tiny_models import build_tiny_model
+        from vllm_dcp2d.local.tiny_models import build_tiny_model
 
         self.work, self.cfg = Path(work), cfg
         self.model = build_tiny_model("llama-mqa", self.work / "model")

@@ -16,7 +16,7 @@ import json
 from vllm_dcp2d.plan import plan_request
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.report import synthetic_request
-from vllm_dcp2d.testing.harness import (fetch_records, free_port, post_json, proxy_server, read_stats, running,
+from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats, running,
                                         vllm_server)
 
 PAGE = 32
@@ -106,7 +106,7 @@ def loopback(name: str) -> tuple[str, None]:
 def pd_cluster(work, place=loopback):
     """Start the cluster in ``work``; yields a dict of the model path, the stats file
     and the processes by name; always stops them."""
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", work / "model")
     stats = work / "stats.jsonl"

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 def run_group(target: str, world_size: int, args: dict, *, timeout_s: float, gloo_timeout_s: float) -> list[dict]:
     """Run ``target`` (``"module:function"``, called as ``fn(cp, **args)``) on
     ``world_size`` processes; returns the ranks' result dicts, rank order."""
-    from vllm_dcp2d.testing.harness import free_port
+    from vllm_dcp2d.local.servers import free_port
 
     ctx = mp.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"

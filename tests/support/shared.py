@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vllm_dcp2d.testing.harness import Process, wait_all
+from vllm_dcp2d.local.servers import Process, wait_all
 
 __all__ = ["SharedCluster", "fixtures", "processes"]
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from vllm_dcp2d.testing.harness import Process, free_port, wait_all
+from vllm_dcp2d.local.servers import Process, free_port, wait_all
 from tests.support.shared import SharedCluster, processes
 
 

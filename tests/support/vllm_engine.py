@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dcp2d.testing import shm
+from vllm_dcp2d.local import shm
 
 TIMEOUT_S = 400
 
@@ -73,7 +73,7 @@ def run_engines(*engines: Engine) -> list[tuple]:
     procs = [e.start() for e in engines]
     held = [set() for _ in procs]
 
-    def note_shm():  # vLLM leaves its CPU communicator's files in /dev/shm (testing/shm.py)
+    def note_shm():  # vLLM leaves its CPU communicator's files in /dev/shm (local/shm.py)
         for h, p in zip(held, procs):
             h |= shm.held_by_session(p.pid)
 

@@ -27,7 +27,7 @@ from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from vllm_dcp2d.testing.harness import free_port
+from vllm_dcp2d.local.servers import free_port
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 L = 4

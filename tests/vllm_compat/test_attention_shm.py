@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, out) -> None:
 
 
 def test_dcp_group_gathers_over_shared_memory():
-    from vllm_dcp2d.testing.harness import free_port
+    from vllm_dcp2d.local.servers import free_port
 
     port = free_port()  # bound seconds later by the spawned ranks: not from the ephemeral range
     ctx = mp.get_context("spawn")

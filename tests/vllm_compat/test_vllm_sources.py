@@ -168,7 +168,7 @@ def run_child(version: str, tmp: Path) -> dict:
     if version != "0.32.0":
         env["PYTHONPATH"] = f"{src}:{ROOT}"
     impls = {_key(name): path for name, (path, _, _) in _calls(version).items()}
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", Path(tmp) / "model")
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "sources_child.py"), json.dumps(vllm_imports(version)),

@@ -1,6 +1,6 @@
 """Real processes for the demo, the end-to-end tests and the benches: ``vllm serve``
 instances running DCP2DConnector and the PD proxy, each optionally on its own
-host (a network namespace, ``tests/support/netns.py``).
+host (a network namespace: ``netns=``; the tests make them with ``tests/support/netns.py``).
 
 Every wait has a timeout, and every process runs in its own session so
 ``stop`` kills its whole tree (API server, engine core, TP workers) and
@@ -24,13 +24,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dcp2d.testing import shm
+from vllm_dcp2d.local import shm
 
 __all__ = ["free_port", "Process", "vllm_server", "proxy_server", "router_server", "extra_config", "post_json", "wait_all",
            "read_stats", "fetch_records", "bin_path"]
 
 
-# The ports this harness hands out (API servers, proxies, bootstrap ports) come from
+# The ports this module hands out (API servers, proxies, bootstrap ports) come from
 # [20000, 32000): below the kernel's ephemeral range (32768-60999 by default), from which
 # every bind(0) and every outgoing connection draws, and above Mooncake's random RPC and
 # TCP ports (15000-17000). A port drawn from the ephemeral range is free only until
@@ -39,7 +39,7 @@ __all__ = ["free_port", "Process", "vllm_server", "proxy_server", "router_server
 # while its engine started). Each pytest session (DCP2D_PORT_SLICE="k/n", set by
 # scripts/test.sh) and each of its pytest-xdist workers draws from its own slice, and a
 # process never hands out a port twice, so neither can collide with another server of
-# this harness either.
+# this module either.
 _PORTS = (20000, 32000)
 _next_port: list[int] = []
 
@@ -104,7 +104,7 @@ class Process:
     host: str = "127.0.0.1"
     netns: str | None = None
     proc: subprocess.Popen | None = None
-    shm: set = field(default_factory=set)  # /dev/shm files its processes held (testing/shm.py)
+    shm: set = field(default_factory=set)  # /dev/shm files its processes held (local/shm.py)
 
     @property
     def url(self) -> str:
@@ -223,7 +223,7 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
         extra_config = {"local_hostname": host, **({"bootstrap_host": host} if role != "kv_consumer" else {}),
                         **extra_config}
     if role in ("kv_producer", "kv_both") and "http_bootstrap_port" not in extra_config:
-        # its own port, not vLLM's default 8998: servers of this harness run side by side
+        # its own port, not vLLM's default 8998: servers of this module run side by side
         extra_config = {**extra_config, "http_bootstrap_port": free_port()}
     kv = {"kv_connector": "DCP2DConnector", "kv_role": role, "kv_load_failure_policy": failure_policy,
           "kv_connector_extra_config": extra_config, **({"engine_id": engine_id} if engine_id else {})}

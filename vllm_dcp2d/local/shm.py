@@ -6,7 +6,7 @@ each, written) never unlinks its files, not even on a clean shutdown, and an
 engine killed with SIGKILL also leaves Python's ``psm_*`` segments (up to
 240 MiB) and ``sem.mp-*`` semaphores. ``/dev/shm`` is RAM: one run of
 ``tests/e2e/test_e2e_spec.py`` left 15 files, a day of suite runs 408 cpushm files, and
-a machine that runs the suite again and again fills it. The harness therefore notes
+a machine that runs the suite again and again fills it. ``servers.py`` therefore notes
 which files a server's processes map while it runs and removes the ones no live
 process holds once it is stopped.
 
