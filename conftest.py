@@ -23,6 +23,14 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+# Tests import their helpers as ``tests.support.<module>`` (tests/README.md): every folder
+# under tests/ is a package, so pytest puts this directory on sys.path. The processes a test
+# starts (helper scripts run by path, engines running a test file, vLLM's workers loading
+# ``tests.support.spec_probe``, spawned ranks) import them the same way: PYTHONPATH.
+ROOT = os.path.dirname(os.path.abspath(__file__))
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
 # Hypothesis: the README's test command draws new cases on every run (property
 # tests size every buffer from what they drew, so any draw must pass); under
 # CI=true hypothesis' own "ci" profile derandomizes, and this keeps that. No
@@ -40,18 +48,18 @@ def pytest_configure(config):
                                        "`bash scripts/test.sh -m quick` is the inner loop")
 
 
-LONGEST = ("test_load_faults.py", "test_spec_decode_vllm.py", "test_layer_split_vllm.py", "test_e2e_spec.py",
-           "test_e2e.py", "test_dcp_vllm.py")
+LONGEST = ("tests/e2e/test_load_faults.py", "tests/e2e/test_spec_decode_vllm.py", "tests/e2e/test_layer_split_vllm.py",
+           "tests/e2e/test_e2e_spec.py", "tests/e2e/test_e2e.py", "tests/e2e/test_dcp_vllm.py")
 
 
 def pytest_sessionstart(session):
     """Unlink the vLLM CPU-communicator files earlier engines left in /dev/shm (RAM):
     vLLM never unlinks them, and a machine that runs this suite again and again fills
-    /dev/shm until engines fail to start. The harness removes what this run's servers
-    leave; this removes what older runs left. Only files no process holds (testing/shm.py)."""
+    /dev/shm until engines fail to start. ``local/servers.py`` removes what this run's servers
+    leave; this removes what older runs left. Only files no process holds (local/shm.py)."""
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
         return
-    from vllm_dcp2d.testing.shm import remove_stale_vllm_shm
+    from vllm_dcp2d.local.shm import remove_stale_vllm_shm
 
     removed = remove_stale_vllm_shm()
     if removed:
@@ -72,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
     heavy = {item.path for item in items if item.get_closest_marker("quick") is None}
 
     def rank(item):
-        name = item.path.name
+        name = item.path.relative_to(config.rootpath).as_posix()
         return (item.path not in heavy, LONGEST.index(name) if name in LONGEST else len(LONGEST))
 
     items.sort(key=rank)  # stable: each file's own order is kept

@@ -4,7 +4,7 @@ Three engines (TP=2) on one checkpoint whose weights are bf16 values: bf16 at
 DCP=1 (vLLM's stock CPU kernel), bf16 at DCP=2 (this package's DCP path), and
 float32 at DCP=1 on the very same weights, the closest thing to exact attention
 here. Each greedily decodes ``--tokens`` tokens for the prompts of
-``tests/test_dcp_vllm.py`` with the top-2 logprobs of every step.
+``tests/e2e/test_dcp_vllm.py`` with the top-2 logprobs of every step.
 
 Printed per pair of engines: prompts with identical tokens, the share of positions
 that agree (up to each prompt's first divergence, then counted as disagreeing), the

@@ -46,7 +46,7 @@ def build_model(path: Path, dtype: str, max_len: int) -> str:
     import torch
     import transformers
 
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     tok = build_tiny_model("llama", path.parent / "tokenizer")
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, num_attention_heads=HEADS,

@@ -34,7 +34,7 @@ KV_BYTES = 64 << 20
 def _engine(model: str, mode: str, dtype: str, requests: int, out: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from vllm_dcp2d.testing.harness import free_port
+    from vllm_dcp2d.local.servers import free_port
 
     mla = "mla" in model
     llm = LLM(model=model, tensor_parallel_size=2, distributed_executor_backend="mp", enforce_eager=True,
@@ -58,7 +58,7 @@ def _engine(model: str, mode: str, dtype: str, requests: int, out: str) -> None:
 
 
 def _run(kind: str, dtype: str, mode: str, requests: int, work: Path) -> tuple[dict, int]:
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model(kind, work / kind, dtype=dtype)
     out = work / f"{kind}-{mode}.json"

@@ -1,6 +1,6 @@
-"""Load and faults, long version of tests/test_load_faults.py (issue 14, item 2).
+"""Load and faults, long version of tests/e2e/test_load_faults.py (issue 14, item 2).
 
-One cluster (``vllm_dcp2d/testing/faults.py``: prefill TP=2 = 2 CP ranks, decode
+One cluster (``tests/support/faults.py``: prefill TP=2 = 2 CP ranks, decode
 TP=2 DCP=2, the PD proxy, tiny ``llama-mqa`` in fp32, short connector timeouts),
 ``--concurrency`` streaming OpenAI clients through the proxy. First a baseline
 without faults, then ``--repeat`` rounds of every fault (clients hanging up
@@ -30,8 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_dcp2d.testing.faults import FAULTS, FaultCluster, FaultConfig
-from vllm_dcp2d.testing.load import latency_summary
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/support/ (tests/README.md)
+from tests.support.faults import FAULTS, FaultCluster, FaultConfig  # noqa: E402
+from tests.support.load import latency_summary  # noqa: E402
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

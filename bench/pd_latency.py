@@ -46,9 +46,9 @@ from pathlib import Path
 import numpy as np
 
 from vllm_dcp2d.proxy.app import decode_body, prefill_body
-from vllm_dcp2d.testing.harness import (free_port, post_json, proxy_server, read_stats, router_server, vllm_server,
+from vllm_dcp2d.local.servers import (free_port, post_json, proxy_server, read_stats, router_server, vllm_server,
                                         wait_all)
-from vllm_dcp2d.testing.tiny_models import build_tiny_model
+from vllm_dcp2d.local.tiny_models import build_tiny_model
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

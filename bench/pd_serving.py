@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_dcp2d.proxy import decode_body, prefill_body
-from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.local.servers import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -258,7 +258,7 @@ def fmt(v, spec: str) -> str:
 
 
 def main() -> None:
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=6, help="requests per case (the stall target: 300)")

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from vllm_dcp2d.testing.harness import (free_port, kv_cache_usage, post_json, proxy_server, vllm_server,
+from vllm_dcp2d.local.servers import (free_port, kv_cache_usage, post_json, proxy_server, vllm_server,
                                         wait_all)
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -137,7 +137,7 @@ def main():
     ap.add_argument("--blocker", type=int, default=300, help="max_tokens of the request keeping the decode busy")
     ap.add_argument("--cases", nargs="+", choices=["on", "off"], default=["on", "off"])
     args = ap.parse_args()
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="prefix_release_") as tmp:

@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from vllm_dcp2d.testing.harness import (free_port, kv_cache_usage, post_json, proxy_server, router_server,
+from vllm_dcp2d.local.servers import (free_port, kv_cache_usage, post_json, proxy_server, router_server,
                                         vllm_server, wait_all)
-from vllm_dcp2d.testing.tiny_models import build_tiny_model
+from vllm_dcp2d.local.tiny_models import build_tiny_model
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -133,7 +133,7 @@ async def _serve(app, port: int) -> None:
 
 def failed_decodes(work: Path, model: str, burst: int, claim: float) -> None:
     port, _ = failing_decode()
-    from vllm_dcp2d.testing.harness import Process
+    from vllm_dcp2d.local.servers import Process
 
     dead = Process("dead-decode", [], port, work / "dead.log")  # only its url is used
     cases = {f"claim_timeout_s={claim:g}": claim, f"claim_timeout_s={SEND_TIMEOUT_S:g} (= send_timeout_s: before)":

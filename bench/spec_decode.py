@@ -29,6 +29,7 @@ from pathlib import Path
 
 BLOCK = 32
 K = 3
+ROOT = str(Path(__file__).resolve().parents[1])  # vLLM's workers import tests.support.spec_probe from here
 
 
 def _engine(model: str, eagle: str, dcp: int, spec: str, a: dict, out: str) -> None:
@@ -38,7 +39,7 @@ def _engine(model: str, eagle: str, dcp: int, spec: str, a: dict, out: str) -> N
     if spec != "none":
         kw = dict(speculative_config={"method": spec, "model": eagle if spec == "eagle" else model,
                                       "num_speculative_tokens": K},
-                  worker_extension_cls="vllm_dcp2d.testing.spec_probe.SpecProbe")
+                  worker_extension_cls="tests.support.spec_probe.SpecProbe")
     llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp, block_size=BLOCK,
               cp_kv_cache_interleave_size=BLOCK, distributed_executor_backend="mp", enforce_eager=True,
               kv_cache_memory_bytes=64 << 20, max_model_len=2048, max_num_seqs=a["batch"],
@@ -90,10 +91,11 @@ def main() -> int:
         model, eagle, dcp, spec, a, out = args.run
         _engine(model, eagle, int(dcp), spec, json.loads(a), out)
         return 0
-    from vllm_dcp2d.testing.tiny_models import build_tiny_model
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     a = {"tokens": args.tokens, "batch": args.batch, "prompt_len": args.prompt_len, "rounds": args.rounds}
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model("llama-mqa", Path(tmp) / "model", "float32")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU path of vllm_dcp2d in one run on one GPU, printed as one PASS/FAIL table
-# (rows: vllm_dcp2d/testing/gpu_check.py; docs/connector.md, "GPU check"), after the table
+# (rows: vllm_dcp2d/gpu_check.py; docs/connector.md, "GPU check"), after the table
 # of vLLM patches and whether each fits the vLLM under test (vllm-dcp2d compat).
 # Under 8 minutes in all (the rows share a 470 s budget); exits 0 iff no row failed,
 # 2 at once on a machine without a GPU.
@@ -38,4 +38,4 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MC_FORCE_TCP=1 MC_LOG_LEVEL="${MC_LOG_LEVEL:-WARNING}"
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 "$PY" -m vllm_dcp2d.vllm_compat.registry || echo "[gpu-check] some DCP2D instances are refused on this vLLM (above)"
-exec timeout 480 "$PY" -m vllm_dcp2d.testing.gpu_check "$@"
+exec timeout 480 "$PY" -m vllm_dcp2d.gpu_check "$@"

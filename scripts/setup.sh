@@ -36,7 +36,7 @@ else
 fi
 
 # The Python sources of every other vLLM version vllm_compat supports (0.33.0 and 0.34.0
-# have no CPU build), for tests/test_vllm_sources.py: each wheel is downloaded once (pip's
+# have no CPU build), for tests/vllm_compat/test_vllm_sources.py: each wheel is downloaded once (pip's
 # cache, then .venv/vllm-src/wheels), only its vllm/*.py files are kept; nothing is installed.
 for v in 0.33.0 0.34.0; do
     src=$VENV/vllm-src/$v

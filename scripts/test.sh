@@ -5,6 +5,7 @@
 #   bash scripts/test.sh -m quick             the inner loop: every test that starts no vLLM engine
 #   bash scripts/test.sh --hypothesis-seed=2  the whole suite, another draw
 #   bash scripts/test.sh tests/test_plan.py   those files only
+#   bash scripts/test.sh tests/transfer       one folder (tests/README.md: which folder tests what)
 #
 # The whole suite runs as two pytest sessions at once: the engine files (-m "not quick":
 # CPU-bound, vLLM start-ups) on 2 pytest-xdist workers, the quick tier (no engine; mostly

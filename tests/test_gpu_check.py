@@ -28,7 +28,7 @@ def test_rows_run_in_their_own_processes_and_print_one_table():
     """The script's own path (rows as subprocesses, the table, the exit code) with
     ``--device cpu``: the mooncake row on CPU memory (dense and sparse MLA), the
     layer-split and DCP rows skipped, each naming why."""
-    p = subprocess.run([sys.executable, "-m", "vllm_dcp2d.testing.gpu_check", "--device", "cpu",
+    p = subprocess.run([sys.executable, "-m", "vllm_dcp2d.gpu_check", "--device", "cpu",
                         "--rows", "mooncake,vllm-layer-split,vllm-dcp"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "MC_FORCE_TCP": "1"})
     table = p.stdout.split("\ncheck ")[-1].splitlines()

@@ -14,7 +14,7 @@ whether it equals the prefill instance's own (non-disaggregated) answer.
 ``--model`` points it at a real model, e.g. on a GPU machine.
 
 The servers are started as users start them (``vllm serve``, ``vllm-dcp2d
-proxy``) by ``testing/harness.py``, which the end-to-end tests and benches use too.
+proxy``) by ``local/servers.py``, which the end-to-end tests and benches use too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from vllm_dcp2d.testing.harness import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.local.servers import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
 
 __all__ = ["main", "parse", "servers", "serving_defaults"]
 
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     cpu = args.model is None or not _has_gpu()  # the tiny model runs on CPU anywhere
     if args.model is None:
-        from vllm_dcp2d.testing.tiny_models import build_tiny_model
+        from vllm_dcp2d.local.tiny_models import build_tiny_model
         model = build_tiny_model("llama-mqa", work / "tiny-llama-mqa")
         print(f"built the tiny model in {model}")
     else:
@@ -162,7 +162,7 @@ def serving_defaults(tiny: bool, mla: bool, gpu: bool) -> tuple[int | None, str 
     MLA on GPU: 64, the one size FLASHMLA takes (TRITON_MLA and FLASH_ATTN_MLA take
     any multiple of 16); on CPU vLLM's choice (CPU_MLA takes 16 only). Other models:
     vLLM's choice and the model's dtype. The DCP interleave follows the block size
-    by itself (vllm_compat/startup.py). ``tests/test_gpu_defaults.py`` checks these
+    by itself (vllm_compat/startup.py). ``tests/test_demo.py`` checks these
     against vLLM's own backend validation for an H200.
     """
     if tiny:

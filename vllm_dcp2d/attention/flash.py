@@ -26,7 +26,7 @@ its folded queries, the running and the new partial output, and one chunk of K
 and V as read and as copied: at most ``6 * Q * H * (D + 1) * a + 4 * Hkv * chunk
 * D * a`` bytes (``a`` the accumulation dtype's size; measured 5.6 ``Q * H *
 (D + 1) * a`` for a 512-token chunk over 4K and over 16K tokens,
-``tests/test_attn_paged.py::test_long_query_peak_memory_is_bounded_by_one_chunk``).
+``tests/attention/test_paged.py::test_long_query_peak_memory_is_bounded_by_one_chunk``).
 """
 
 from __future__ import annotations

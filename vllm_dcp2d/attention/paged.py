@@ -28,7 +28,7 @@ size, ``a`` = 4 bytes (8 for float64)), independent of the context length:
 * the running state (queries, output, max, sum): ``R * Hkv * M * (Dk + Dv + 2) * a``.
 
 Chunk temporaries are freed before the next chunk is read, so the peak is this
-sum (``tests/test_attn_paged.py::test_peak_memory_is_bounded_by_one_chunk``).
+sum (``tests/attention/test_paged.py::test_peak_memory_is_bounded_by_one_chunk``).
 """
 
 from __future__ import annotations

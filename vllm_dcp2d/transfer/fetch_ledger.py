@@ -12,7 +12,7 @@ An answer is matched by that pair only, never by the CP rank or transfer key
 it names, so a process that took over a rank's port cannot settle or end
 another process's attempt.
 
-Invariants (each tested directly in ``tests/test_fetch_ledger.py``)
+Invariants (each tested directly in ``tests/transfer/test_fetch_ledger.py``)
 -------------------------------------------------------------------
 1. A fetch ends (``poll``) only once every attempt of it answered or was
    quarantined: no attempt it sent is still in flight, unaccounted for.

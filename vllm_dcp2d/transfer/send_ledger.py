@@ -13,7 +13,7 @@ to its one answer (keyed by the decode's socket identity and ``attempt_id``).
 ``Request``: a request whose KV is complete on this rank (``add``), until it is
 freed.
 
-Invariants (each tested directly in ``tests/test_send_ledger.py``)
+Invariants (each tested directly in ``tests/transfer/test_send_ledger.py``)
 ------------------------------------------------------------------
 1. ``pop_finished`` reports a request (its owner then frees the blocks) only once
    no write reading them is in flight, and none can start after that.

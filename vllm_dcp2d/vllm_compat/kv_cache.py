@@ -136,7 +136,7 @@ def split_tensors(config, plan: StoragePlan, rank: int, layer_index) -> object:
 # Where vLLM passes the KV cache tensor about to be written to ``impl.do_kv_cache_update``
 # (0.32, 0.33 and 0.34): ``Attention``'s ``unified_kv_cache_update`` calls it with (layer, key,
 # value, kv_cache, slot_mapping), ``MLAAttention.update_kv_cache`` with (kv_c_normed, k_pe,
-# kv_cache, slot_mapping, kv_cache_dtype, k_scale[, skip_scale]). tests/test_vllm_sources.py
+# kv_cache, slot_mapping, kv_cache_dtype, k_scale[, skip_scale]). tests/vllm_compat/test_vllm_sources.py
 # checks every such call in each supported version's sources.
 KV_CACHE_ARG = {"attention": 3, "mla": 2}
 

@@ -13,7 +13,7 @@ on that version, which is another thing than a patch whose targets do not fit.
 Adding a vLLM version: add it to ``SUPPORTED``, add its targets to each patch
 (what moved, what changed its parameters) or say why it is not needed there,
 branch inside the install function where the wrapping itself differs, and run
-``tests/test_vllm_sources.py`` against that version's wheel (it resolves every
+``tests/vllm_compat/test_vllm_sources.py`` against that version's wheel (it resolves every
 target and every vLLM import of the package in the wheel's sources, without
 installing it).
 """
@@ -31,7 +31,7 @@ __all__ = ["Target", "Patch", "PATCHES", "SUPPORTED", "CPU_SUPPORTED", "CPU_UNCH
            "installed_vllm_version"]
 
 # The vLLM versions every DCP2D instance was checked against (0.32.0 run on CPU; 0.33.0 and
-# 0.34.0 read from their wheels' sources, tests/test_vllm_sources.py). On any other version a
+# 0.34.0 read from their wheels' sources, tests/vllm_compat/test_vllm_sources.py). On any other version a
 # DCP2D instance refuses at start-up (registry.require), whatever its role and settings.
 SUPPORTED = ("0.32.0", "0.33.0", "0.34.0")
 # Of those, the ones whose CPU platform the plugin was checked on. 0.34's CPU platform runs

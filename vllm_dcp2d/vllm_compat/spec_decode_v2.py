@@ -20,7 +20,7 @@ which subclasses it) runs Model Runner V2. Two of the V1 patches
 
 Both act only where ``instance.spec_patches_act`` says (DCP > 1, on CPU or on a DCP2D
 instance); other engines keep vLLM's behaviour. Neither has run: no 0.34 engine
-runs on this project's CPU machine (``tests/test_vllm_sources.py`` checks them
+runs on this project's CPU machine (``tests/vllm_compat/test_vllm_sources.py`` checks them
 against the 0.34.0 sources).
 """
 

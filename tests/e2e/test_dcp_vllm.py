@@ -1,0 +1,127 @@
+"""Acceptance: vLLM on CPU with decode context parallel (DCP=2) through the plugin's
+attention backend gives the same greedy tokens as DCP=1, with twice the KV capacity.
+
+Each engine runs in a subprocess (this file with ``--run``): vLLM spawns its TP
+workers and needs a ``__main__`` guard. One DCP=2 engine and one DCP=1 reference
+engine (both TP=2, mp executor) serve every prompt shape in two generate calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.support.vllm_engine import Engine, run_engines
+
+BLOCK = 32
+KV_BYTES = 64 << 20
+MAX_TOKENS = 40
+
+
+def _prompts() -> dict[str, list[list[int]]]:
+    ids = lambda n, s: [(s * 7 + i * 13) % 500 + 6 for i in range(n)]  # noqa: E731
+    return {
+        # One generate call: a mixed-length batch that covers prompts shorter than a
+        # page, spanning several pages, not page-aligned, and exactly DCP-aligned;
+        # 40 decode steps cross page and rank boundaries for all of them.
+        "batch": [ids(10, 1), ids(150, 2), ids(70, 3), ids(2 * 2 * BLOCK, 4), ids(33, 5)],
+        # A second call: prefix-cache hits on the 150-token prompt (same first 128
+        # tokens) and a long prompt that is prefilled in chunks.
+        "second": [ids(150, 2)[:128] + ids(30, 6), ids(300, 7)],
+    }
+
+
+def _run_engine(model: str, dcp: int, out: str, dtype: str = "auto") -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, tensor_parallel_size=2, decode_context_parallel_size=dcp,
+              cp_kv_cache_interleave_size=BLOCK, block_size=BLOCK, distributed_executor_backend="mp",
+              enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, max_model_len=1024, max_num_seqs=8,
+              max_num_batched_tokens=128, enable_prefix_caching=True, enable_chunked_prefill=True,
+              seed=0, dtype=dtype)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    result = {}
+    for name, prompts in _prompts().items():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        result[name] = [list(o.outputs[0].token_ids) for o in outs]
+        result[name + "_cached"] = [o.num_cached_tokens for o in outs]
+    Path(out).write_text(json.dumps(result))
+
+
+def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> Engine:
+    out = tmp / f"dcp{dcp}.json"
+    # DCP > 1: the DCP group's all-gathers run over vLLM's shared memory (vllm_compat patch 6).
+    shm = ("DCP group dcp:0 (ranks [0, 1]) gathers over shared memory",) if dcp > 1 else ()
+    return Engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm)
+
+
+@pytest.mark.vllm
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path):
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama-mqa", tmp_path / "model")
+    (ref, ref_cap), (got, cap) = run_engines(_engine(model, 1, tmp_path), _engine(model, 2, tmp_path))
+    for name in ("batch", "second"):
+        for i, (a, b) in enumerate(zip(got[name], ref[name])):
+            assert a == b, f"{name}[{i}]: DCP=2 {a} != DCP=1 {b}"
+    assert got["second_cached"][0] >= 128 - 2 * BLOCK, got["second_cached"]  # a real prefix hit
+    assert cap == 2 * ref_cap, (cap, ref_cap)
+
+
+def _run_plain(model: str, out: str) -> None:
+    """TP=1, in-process engine in the model's own dtype (bf16): the stock-kernel path."""
+    from vllm import LLM, SamplingParams
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    llm = LLM(model=model, block_size=BLOCK, distributed_executor_backend="uni", enforce_eager=True,
+              kv_cache_memory_bytes=KV_BYTES, max_model_len=1024, max_num_seqs=8, seed=0)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()["batch"]], sp, use_tqdm=False)
+    Path(out).write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                     "backend": AttentionBackendEnum.CPU_ATTN.get_path()}))
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_plugin_is_a_no_op_without_dcp(tmp_path):
+    """With DCP=1 the overriding backend and slot mapping must change nothing: same
+    tokens, bit for bit, as vLLM with general plugins disabled (VLLM_PLUGINS="")."""
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama", tmp_path / "model")
+    procs = {}
+    for name, plugins in (("plugin", None), ("stock", "")):  # both engines at once
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("VLLM_PLUGINS", None)
+        if plugins is not None:
+            env["VLLM_PLUGINS"] = plugins
+        procs[name] = subprocess.Popen([sys.executable, __file__, "--plain", model, str(tmp_path / f"{name}.json")],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = {}
+    try:
+        for name, proc in procs.items():
+            log, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"{name} engine failed:\n{log[-6000:]}"
+            runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert runs["plugin"]["backend"] == "vllm_dcp2d.vllm_compat.cpu_attn.DCPCPUAttentionBackend"
+    assert runs["stock"]["backend"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    assert runs["plugin"]["tokens"] == runs["stock"]["tokens"]
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--plain":
+    _run_plain(sys.argv[2], sys.argv[3])
+if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "--run":
+    _run_engine(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -1,0 +1,88 @@
+"""Run a function on N real processes joined in one gloo group (test harness).
+
+The parent spawns the ranks, waits with a deadline, kills any rank still
+running after it, and returns one result dict per rank. A rank that raised
+returns ``{"error": "..."}``; a rank that never finished returns
+``{"error": "hung: ..."}``. Every rank writes its result to a file, so a
+rank stuck in a collective cannot block the others' reporting.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def run_group(target: str, world_size: int, args: dict, *, timeout_s: float, gloo_timeout_s: float) -> list[dict]:
+    """Run ``target`` (``"module:function"``, called as ``fn(cp, **args)``) on
+    ``world_size`` processes; returns the ranks' result dicts, rank order."""
+    from vllm_dcp2d.local.servers import free_port
+
+    ctx = mp.get_context("spawn")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="prefill_group_") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(rank, world_size, init_method, target, args, out_dir, gloo_timeout_s),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results = []
+        for rank, p in enumerate(procs):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append({"error": f"hung: no result within {timeout_s}s (exitcode {p.exitcode})"})
+        return results
+
+
+def _entry(rank, world_size, init_method, target, args, out_dir, gloo_timeout_s):
+    import torch
+
+    torch.set_num_threads(1)  # ranks share 2 cores; intra-op threads only add contention
+    import torch.distributed as dist
+
+    from vllm_dcp2d.prefill.dist import cp_group_from, init_cp_group
+
+    def write(result):
+        tmp = os.path.join(out_dir, f".rank{rank}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(tmp, os.path.join(out_dir, f"rank{rank}.pkl"))
+
+    try:
+        # Rendezvous with a generous timeout (spawned ranks start seconds apart
+        # on a loaded machine); the scenario then runs on a group whose every
+        # collective is bounded by the short gloo_timeout_s.
+        init_cp_group(rank, world_size, init_method, backend="gloo", timeout_s=max(60.0, gloo_timeout_s))
+        dist.barrier()
+        cp = cp_group_from(dist.new_group(backend="gloo", timeout=timedelta(seconds=gloo_timeout_s)))
+        module, name = target.split(":")
+        result = getattr(importlib.import_module(module), name)(cp, **args)
+    except BaseException as e:  # report anything, including gloo timeouts
+        write({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        os._exit(1)  # skip teardown: peers may be gone or stuck mid-collective
+    write(result)
+    dist.destroy_process_group()

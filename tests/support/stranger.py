@@ -1,0 +1,185 @@
+"""A stranger on the side channel: a process that knows a prefill's public addresses
+(its bootstrap, the ranks its rank table lists, a transfer key) but not the instance's
+registration token nor the shared secret, and tries the attacks of issue 37 on them.
+
+Run as its own OS process by the hostile-peer tests:
+
+    python tests/support/stranger.py ATTACK --bootstrap tcp://host:port [--key KEY] [--tokens N]
+
+and prints one JSON object: what each step got back. Every wait is bounded (``WAIT_S``).
+
+ATTACK:
+  register      register cp rank 0 at the stranger's own address, without the token
+  long          a map with a 5,000-character value to the bootstrap and to every rank
+  big           a frame past the wire's limit to every rank
+  read          a TransferRequest for KEY with the stranger's own memory, wrong prompt
+                digest and wrong token count: does any byte land?
+  release       a ReleaseTransfer for KEY without the prompt's digest
+  flood         300 TransferRequests for unknown keys asking to wait 3,600 s
+  all           every attack above but ``read`` and ``release`` (no key needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+from vllm_dcp2d.transfer import sockets
+from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, Fingerprint, MessageError, QueryRanks, RankTable,
+                                           RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
+                                           decode, encode)
+from vllm_dcp2d.plan import KVRegions, Memory
+
+WAIT_S = 5.0
+
+
+def ask(address: str, payload: bytes, wait_s: float = WAIT_S) -> str:
+    """Send one frame on a fresh DEALER; what came back: a reply's text, "silence" or "closed"."""
+    sock = sockets.socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+        if not sockets.send_nowait(sock, payload):
+            return "queue full"
+        if not sock.poll(int(wait_s * 1000)):
+            return "silence"
+        frame = sock.recv()
+        try:
+            msg = decode(frame)
+        except MessageError as e:
+            return f"undecodable: {e}"
+        return f"{type(msg).__name__}: " + (msg.reason if hasattr(msg, "reason") else "")
+    finally:
+        sock.close()
+
+
+def table(bootstrap: str) -> RankTable | None:
+    sock = sockets.socket(zmq.DEALER)
+    try:
+        sock.connect(bootstrap)
+        sock.send(encode(QueryRanks("stranger")))
+        if not sock.poll(int(WAIT_S * 1000)):
+            return None
+        msg = decode(sock.recv(), (RankTable, Reply))
+        return msg if isinstance(msg, RankTable) else None
+    except MessageError:
+        return None
+    finally:
+        sock.close()
+
+
+def register(bootstrap: str, **_) -> dict:
+    before = table(bootstrap)
+    fp = before.fingerprint if before else Fingerprint("m", 1, 16, "uint8", 16, "x", "x")
+    got = ask(bootstrap, encode(RegisterRank(before.engine_id if before else "P", 0,
+                                             before.cp_size if before else 1, "tcp://127.0.0.1:9", fp)))
+    after = table(bootstrap)
+    return {"reply": got, "before": before and list(before.addresses), "after": after and list(after.addresses)}
+
+
+def _long_map() -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": "RegisterRank", "engine_id": "x" * 5000})
+
+
+def long(bootstrap: str, **_) -> dict:
+    t = table(bootstrap)
+    out = {"bootstrap": ask(bootstrap, _long_map())}
+    for addr in (t.addresses if t else ()):
+        out[addr] = ask(addr, msgpack.packb({"v": PROTOCOL_VERSION, "type": "TransferRequest",
+                                             "transfer_key": "k" * 5000, "attempt_id": 1}))
+    return out
+
+
+def big(bootstrap: str, **_) -> dict:
+    t = table(bootstrap)
+    frame = b"\x80" * (sockets.MAX_FRAME + 1)
+    return {addr: ask(addr, frame, 2.0) for addr in (t.addresses if t else ())}
+
+
+def _request(t: RankTable, key: str, tokens: int, memory: np.ndarray, wait_s: float = 0.0,
+             attempt: int = 1) -> TransferRequest:
+    fp = t.fingerprint
+    layers = np.arange(fp.num_layers)
+    regions = KVRegions.uniform(layers, memory.ctypes.data + layers * fp.page_bytes * 4, fp.page_bytes)
+    return TransferRequest.build(
+        regions=regions, memory=Memory([memory.ctypes.data], [memory.nbytes]), block_ids=np.arange(4),
+        transfer_key=key, attempt_id=attempt, engine_id="stranger", consumer_rank=0, consumer_size=1,
+        session="127.0.0.1:9", dcp_size=1, dcp_rank=0, num_tokens=tokens, first_page=0, num_blocks=4,
+        fingerprint=fp, wait_s=wait_s, prompt_digest="0" * 32)
+
+
+def read(bootstrap: str, key: str = "", tokens: int = 1, **_) -> dict:
+    """A TransferRequest with the stranger's memory (no Mooncake engine behind the session:
+    a write would fail, but the answer tells whether the rank tried)."""
+    t = table(bootstrap)
+    if t is None:
+        return {"table": None}
+    memory = np.zeros(t.fingerprint.num_layers * 4 * t.fingerprint.page_bytes, np.uint8)
+    return {addr: ask(addr, encode(_request(t, key, tokens + 7, memory))) for addr in t.addresses}
+
+
+def release(bootstrap: str, key: str = "", tokens: int = 1, **_) -> dict:
+    t = table(bootstrap)
+    if t is None:
+        return {"table": None}
+    for addr in t.addresses:
+        ask(addr, encode(ReleaseTransfer(key, "stranger", 0, 1, tokens)), 0.2)
+    return {"sent": len(t.addresses)}
+
+
+def flood(bootstrap: str, **_) -> dict:
+    t = table(bootstrap)
+    if t is None:
+        return {"table": None}
+    fp = t.fingerprint
+    memory = np.zeros(fp.num_layers * 4 * fp.page_bytes, np.uint8)
+    out = {}
+    for addr in t.addresses:
+        sock = sockets.socket(zmq.DEALER)
+        sock.connect(addr)
+        for i in range(300):
+            req = _request(t, f"unknown-{i}", 1, memory, wait_s=3600.0, attempt=i + 1)
+            sockets.send_nowait(sock, encode(req))
+        answers, deadline = [], time.monotonic() + 2 * WAIT_S
+        while len(answers) < 300 and time.monotonic() < deadline:
+            if sock.poll(100):
+                answers.append(decode(sock.recv(), (TransferOutcome, Reply)).reason)
+        sock.close()
+        out[addr] = {"answered": len(answers), "busy": sum("refuses the transfer request" in r for r in answers)}
+    return out
+
+
+ATTACKS = {"register": register, "long": long, "big": big, "read": read, "release": release, "flood": flood}
+
+
+def run(attack: str, bootstrap: str, **kw) -> dict:
+    """Run this file as its own process against ``bootstrap``; its JSON answer."""
+    import subprocess
+
+    args = [sys.executable, __file__, attack, "--bootstrap", bootstrap]
+    for k, v in kw.items():
+        args += [f"--{k}", str(v)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("attack", choices=[*ATTACKS, "all"])
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--key", default="")
+    p.add_argument("--tokens", type=int, default=1)
+    a = p.parse_args(argv)
+    names = ["register", "long", "big", "flood"] if a.attack == "all" else [a.attack]
+    print(json.dumps({n: ATTACKS[n](a.bootstrap, key=a.key, tokens=a.tokens) for n in names}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Run a test module's vLLM engines in subprocesses (TP workers are spawned, so
+each engine needs its own ``__main__``) and read back their results.
+
+``run_engines`` starts several engines at once: an engine spends most of its
+start-up importing vLLM in its worker processes, one core each, and a test
+that compares engines (DCP=2 with DCP=1, layer-split with and without) waits
+for the slowest instead of the sum."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_dcp2d.local import shm
+
+TIMEOUT_S = 400
+
+
+@dataclass
+class Engine:
+    """One engine run: ``python script --run *args``, writing its JSON to ``out``."""
+
+    script: str
+    args: list[str]
+    out: Path
+    label: str
+    expect_in_log: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+
+    def start(self) -> subprocess.Popen:
+        # The engine core runs in the script's process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+        # these tests check the engine's results, not its process split, and a process
+        # less to import vLLM in is ~8 s of CPU per engine. The TP workers are real processes.
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               **self.env}
+        env.pop("TRITON_INTERPRET", None)  # engines take vLLM's own Triton decision
+        return subprocess.Popen([sys.executable, self.script, "--run", *self.args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # its session's /dev/shm files are found after
+
+    def result(self, proc: subprocess.Popen, on_poll=lambda: None) -> tuple:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:  # retrying communicate() after its timeout loses no output
+                log, _ = proc.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                on_poll()
+                if time.monotonic() > deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    log, _ = proc.communicate()
+                    raise AssertionError(f"{self.label} engine ran past {TIMEOUT_S} s:\n{log[-3000:]}") from None
+        if proc.returncode != 0:  # the root cause is often far above the tail (warnings follow it)
+            errors = [line for line in log.splitlines() if "Error" in line and "Warning" not in line]
+            raise AssertionError(f"{self.label} engine failed:\n" + "\n".join(errors[-20:]) + f"\n...\n{log[-3000:]}")
+        missing = [m for m in self.expect_in_log if m not in log]
+        assert not missing, f"{self.label} engine log lacks {missing}"
+        cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+        assert cap, f"no KV capacity line in the {self.label} log"
+        return json.loads(self.out.read_text()), int(cap[0].replace(",", ""))
+
+
+def run_engines(*engines: Engine) -> list[tuple]:
+    """Run ``engines`` at once; returns ``(json, KV capacity in tokens from vLLM's log)``
+    for each, in order. Each string of an engine's ``expect_in_log`` must appear in its log."""
+    procs = [e.start() for e in engines]
+    held = [set() for _ in procs]
+
+    def note_shm():  # vLLM leaves its CPU communicator's files in /dev/shm (local/shm.py)
+        for h, p in zip(held, procs):
+            h |= shm.held_by_session(p.pid)
+
+    try:
+        results = []
+        for e, p in zip(engines, procs):
+            note_shm()
+            results.append(e.result(p, on_poll=note_shm))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            shm.wait_session_gone(p.pid, timeout_s=5.0)
+        shm.remove_unheld(set().union(*held))
+
+
+def run_engine(script: str, args: list[str], out: Path, label: str, *, expect_in_log: tuple[str, ...] = (),
+               **env: str) -> tuple:
+    """One engine (``run_engines`` of one)."""
+    return run_engines(Engine(script, args, out, label, expect_in_log, env))[0]
