@@ -1,27 +1,7 @@
-"""Root pytest configuration: pick the Triton mode before anything imports triton.
-
-``@triton.jit`` decides between the interpreter and the compiler when it
-decorates a kernel, and Triton's own standard-library functions are decorated
-at ``import triton``. So on a machine without a CUDA GPU ``TRITON_INTERPRET=1``
-must be in the environment before the first ``import triton`` anywhere in the
-test process; this file runs before any test module is collected.
-"""
+"""Root pytest configuration: how tests and the processes they start import their helpers,
+hypothesis' profile, the quick marker, and the order files are handed to xdist workers."""
 
 import os
-import sys
-
-if "TRITON_INTERPRET" not in os.environ:
-    if "triton" in sys.modules:
-        raise RuntimeError(
-            "triton was imported before the root conftest.py could set TRITON_INTERPRET; "
-            "kernels would be compiled for a GPU that may not exist. Set TRITON_INTERPRET "
-            "explicitly (1 on CPU machines, unset on CUDA machines) or stop importing "
-            "triton from a pytest plugin."
-        )
-    import torch  # does not import triton (torch._inductor does)
-
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
 
 # Tests import their helpers as ``tests.support.<module>`` (tests/README.md): every folder
 # under tests/ is a package, so pytest puts this directory on sys.path. The processes a test

@@ -88,7 +88,6 @@ def main() -> int:
         for name, dtype, dcp in ENGINES:
             out = Path(tmp) / f"{dtype}-{dcp}.json"
             env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-            env.pop("TRITON_INTERPRET", None)
             proc = subprocess.run([sys.executable, __file__, "--engine", model, dtype, str(dcp), str(args.tokens),
                                    str(out)], env=env, capture_output=True, text=True, timeout=args.timeout)
             if proc.returncode:

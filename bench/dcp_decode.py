@@ -140,7 +140,6 @@ def run_engines(args) -> list[dict]:
             for dcp in args.dcps:
                 out = str(Path(tmp) / f"c{context}-dcp{dcp}.json")
                 env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-                env.pop("TRITON_INTERPRET", None)
                 cmd = [sys.executable, __file__, "--engine", model, str(dcp), str(context), str(args.tokens),
                        str(args.batch), args.dtype, out]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

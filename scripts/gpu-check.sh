@@ -36,6 +36,6 @@ if [ -n "$version" ]; then
   PY=$venv/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MC_FORCE_TCP=1 MC_LOG_LEVEL="${MC_LOG_LEVEL:-WARNING}"
-unset TRITON_INTERPRET  # compiled kernels, not the interpreter
+unset TRITON_INTERPRET  # vLLM compiles its own Triton kernels on the GPU
 "$PY" -m vllm_dcp2d.vllm_compat.registry || echo "[gpu-check] some DCP2D instances are refused on this vLLM (above)"
 exec timeout 480 "$PY" -m vllm_dcp2d.gpu_check "$@"

@@ -99,7 +99,6 @@ def test_plugin_is_a_no_op_without_dcp(tmp_path):
     procs = {}
     for name, plugins in (("plugin", None), ("stock", "")):  # both engines at once
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        env.pop("TRITON_INTERPRET", None)
         env.pop("VLLM_PLUGINS", None)
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins

@@ -40,7 +40,6 @@ class Engine:
         # less to import vLLM in is ~8 s of CPU per engine. The TP workers are real processes.
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                **self.env}
-        env.pop("TRITON_INTERPRET", None)  # engines take vLLM's own Triton decision
         return subprocess.Popen([sys.executable, self.script, "--run", *self.args], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # its session's /dev/shm files are found after

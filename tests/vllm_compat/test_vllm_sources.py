@@ -164,7 +164,6 @@ def _key(name: str) -> str:
 def run_child(version: str, tmp: Path) -> dict:
     src = _need(version)
     env = {**__import__("os").environ}
-    env.pop("TRITON_INTERPRET", None)
     if version != "0.32.0":
         env["PYTHONPATH"] = f"{src}:{ROOT}"
     impls = {_key(name): path for name, (path, _, _) in _calls(version).items()}
