@@ -189,11 +189,15 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
 
 
 def _thread_cpus() -> dict[int, set[int]]:
-    """Every thread of this process -> the CPUs it may run on."""
+    """Every thread of this process -> the CPUs it may run on. A thread that ends between
+    the listing and the read is not counted (another test's threads come and go)."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
         cpus = set()
         for part in line.split()[1].split(","):
             lo, _, hi = part.partition("-")
