@@ -46,3 +46,22 @@ def test_no_retired_word_in_the_package():
                 if re.search(rf"\b{word}\b", line):
                     found.append(f"{path}:{n}: {word}")
     assert not found, found
+
+
+def test_the_request_flow_names_files_and_methods_that_exist():
+    """docs/connector.md "Request flow" walks one request through the files: each file it
+    names is in the package, and each ``Class.name`` is a method or field defined in the file
+    of that class."""
+    text = (ROOT / "docs" / "connector.md").read_text()
+    section = text.split("## Request flow\n", 1)[1].split("\n## ", 1)[0]
+    files = {p.name: p for p in PACKAGE.glob("**/*.py")}
+    named = re.findall(r"`((?:[a-z_]+/)?[a-z_]+\.py)`", section)
+    missing = [f for f in named if not (PACKAGE / f).exists() and f not in files]
+    assert len(named) >= 10 and not missing, (named, missing)
+    classes = {m.group(1): path for path, text in sources().items()
+               for m in re.finditer(r"^class (\w+)", text, re.M)}
+    methods = re.findall(r"`([A-Z]\w+)\.(\w+)`", section)
+    assert len(methods) >= 10, methods
+    absent = [f"{c}.{m}" for c, m in methods
+              if c not in classes or not re.search(rf"def {m}\b|^\s+{m}\s*[:=]", sources()[classes[c]], re.M)]
+    assert not absent, absent
