@@ -71,15 +71,7 @@ def test_dead_rank_with_a_full_queue_never_blocks_the_receiver(stack, monkeypatc
     """Defect 2: quarantined fetches re-send their cancels to a rank that is gone.
     Once its queue is full (SNDHWM; 4 here instead of 1000), a blocking send would
     stop the receiver thread for good. Fetches to a live prefill must still work."""
-    make = sockets.socket
-
-    def small_queue(kind):
-        s = make(kind)
-        s.setsockopt(zmq.SNDHWM, 4)
-        return s
-
-    monkeypatch.setattr(bs, "socket", small_queue)
-    monkeypatch.setattr(fetch_mod, "SEND_HWM", 4, raising=False)
+    monkeypatch.setattr(fetch_mod, "SEND_HWM", 4)  # each rank's DEALER takes it as its SNDHWM
     r = receiver(stack)
     dead_server = stack.enter_context(BootstrapServer())
     dead = FakeRank(dead_server.address, FP, None)  # silent: never answers, never confirms a cancel
@@ -251,11 +243,14 @@ def test_a_write_that_raises_anything_fails_only_its_fetch(stack):
     assert not s.sender.failed
 
 
-@pytest.mark.parametrize("stage", ["decode", "plan_path"])
+@pytest.mark.parametrize("stage", ["decode", "plan_path", "Sender._ok"])
 def test_an_exception_at_any_stage_fails_only_its_attempt(stack, monkeypatch, stage):
+    """Decoding the request, planning it, building its outcome (on the I/O thread, after
+    the write): one exception fails that attempt by name and the sender serves on."""
     s = Side(stack)
     s.gate.open()
-    real = getattr(sender_mod, stage)
+    owner, name = (sender_mod.Sender, "_ok") if stage == "Sender._ok" else (sender_mod, stage)
+    real = getattr(owner, name)
     calls = []
 
     def once(*a, **kw):
@@ -264,13 +259,18 @@ def test_an_exception_at_any_stage_fails_only_its_attempt(stack, monkeypatch, st
             raise RuntimeError(f"injected into {stage}")
         return real(*a, **kw)
 
-    monkeypatch.setattr(sender_mod, stage, once)
+    monkeypatch.setattr(owner, name, once)
     s.sender.add_request("x", SRC_IDS, TOKENS)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
     f = wait_fetch(s.recv, "x", 10)
     assert not f.ok and f"injected into {stage}" in str(f.error), f.error
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)  # the same request, asked again
-    assert wait_fetch(s.recv, "x", 10).ok and np.array_equal(s.dst, s.expected())
+    # the same request asked again; once its outcome was built, a request is served once
+    key = "y" if stage == "Sender._ok" else "x"
+    if key == "y":
+        s.sender.add_request(key, SRC_IDS, TOKENS)
+    s.recv.start(key, s.boot.address, DST_IDS, num_tokens=TOKENS)
+    assert wait_fetch(s.recv, key, 10).ok and np.array_equal(s.dst, s.expected())
+    assert not s.sender.failed
 
 
 def test_sender_thread_that_dies_is_reported(stack):

@@ -39,7 +39,7 @@ import time
 
 import zmq
 
-from vllm_dcp2d.transfer.bootstrap import socket
+from vllm_dcp2d.transfer.sockets import socket
 
 __all__ = ["StepBell", "BellRope", "PREFIX"]
 

@@ -434,9 +434,14 @@ class Sender:
 
     def _outcome(self, answer: Answer) -> TransferOutcome:
         a, state = answer.attempt, answer.request
+        error = answer.error
         if answer.ok:
-            return self._ok(a, state)
-        return self._failed(a.req, answer.error, 0 if state is None else state.num_pages, a.settled)
+            try:
+                return self._ok(a, state)
+            except Exception as e:  # a bug, on the I/O thread: fail this attempt, keep serving
+                log.exception("cp rank %d: building an outcome failed", self.cp_rank)
+                error = f"cp rank {self.cp_rank} could not build its outcome: {type(e).__name__}: {e}"
+        return self._failed(a.req, error, 0 if state is None else state.num_pages, a.settled)
 
     def _ok(self, a: Attempt, state: Request) -> TransferOutcome:
         naive = (len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
