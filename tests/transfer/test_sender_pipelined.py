@@ -5,6 +5,7 @@ Real Mooncake transports (two engines in this process), a real bootstrap server,
 ``Sender`` and ``Receiver``; byte arrays stand in for the paged KV.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -144,15 +145,18 @@ def test_deadline_cancels_held_fetch(pair):
 
 
 class SlowWrites:
-    """A transport whose writes start ``delay_s`` late (a stalled peer)."""
+    """A transport whose writes start ``delay_s`` late (a stalled peer), and not before
+    ``go`` is set."""
 
     def __init__(self, transport, delay_s: float):
         self.transport, self.delay_s = transport, delay_s
         self.started = False
+        self.go = threading.Event()
 
     def write(self, peer, desc, stalls=None):
         self.started = True
         time.sleep(self.delay_s)
+        assert self.go.wait(30), "the test never let the write go"
         return self.transport.write(peer, desc, stalls)
 
     def __getattr__(self, name):
@@ -168,6 +172,10 @@ def test_fetch_fails_only_after_the_write_in_flight(pair):
     recv.start("w", boot, DST_IDS, num_tokens=NUM_TOKENS)
     wait_until(lambda: slow.started)
     deadline_now(recv, "w")
+    # the write goes on only once the receiver acted on the deadline (a loaded machine could
+    # starve its thread until the write's answer came, and the fetch would end complete)
+    wait_until(lambda: all(f.failing is not None for f in recv.ledger.active() if f.transfer_key == "w"))
+    slow.go.set()
     f = wait_fetch(recv, "w", 20)
     assert f.error.timed_out and f.seconds > 1.4, f.seconds
     # the write had landed before the fetch ended; nothing lands after it
