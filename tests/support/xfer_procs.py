@@ -77,7 +77,6 @@ class PrefillRank:
         self.sender = Sender(self.transport, regions(self.kv, list(layers)), fingerprint(**fp),
                              engine_id="prefill", cp_rank=cp_rank, cp_size=cp_size, bootstrap=self.bootstrap,
                              expiry_s=60.0)
-        self.stalls = 0
 
     def info(self):
         return {"address": self.sender.address, "bootstrap": self.bootstrap, "pid": os.getpid()}
@@ -92,10 +91,7 @@ class PrefillRank:
         return self.sender.pop_finished()
 
     def stats(self):
-        """The sender's error log, and how many Mooncake writes stalled (``transport.write``)
-        since the rank started."""
-        self.stalls += self.transport.take_counts()["stalls"]
-        return {"errors": list(self.sender.errors), "malformed": self.sender.malformed, "stalls": self.stalls}
+        return {"errors": list(self.sender.errors), "malformed": self.sender.malformed}
 
     def registered(self):
         return self.transport.registered()

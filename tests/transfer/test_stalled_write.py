@@ -103,6 +103,8 @@ def test_ok_answer_after_a_stalled_attempt_keeps_the_blocks_until_settled(stack,
     assert np.array_equal(s.dst, s.expected())  # the retry wrote everything
     hand_back_then_land(s, net, f)
     assert not f.ok and "attempt stalled, then its retry succeeded" in f.quarantined[0], (f.error, f.quarantined)
+    # the decode asked until the rank settled; its answers to those asks are no failure of the rank
+    assert list(s.sender.errors) == [], list(s.sender.errors)
 
 
 def test_cancel_answered_after_a_stalled_attempt_keeps_the_blocks(stack, monkeypatch):

@@ -129,12 +129,10 @@ def test_two_dcp_groups_byte_exact(cluster):
         assert sum(r["naive_bytes"] for r in per_rank) == GROUPS[g] * kv
 
     # Each prefill rank reports every request finished once all ranks of its consumer were served.
-    # No attempt failed; a loaded machine may stall a Mooncake write, whose retry succeeds, and
-    # then the consumer asks until the rank says no byte of it can still land: each ask answered
-    # is logged as a cancel.
+    # No attempt failed (a write that stalled and was retried leaves only the consumer's asks
+    # whether it settled, which are no failure of the rank).
     for p in cluster.prefill:
-        stats = p.call("stats")
-        assert all(stats["stalls"] and e.startswith("cancelled by the consumer") for e in stats["errors"]), stats
+        assert p.call("stats")["errors"] == []
         assert p.call("finished") == {rid: "done" for _, rid, *_ in jobs}
 
 

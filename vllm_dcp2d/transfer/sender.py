@@ -295,8 +295,8 @@ class Sender:
         if isinstance(req, CancelTransfer):
             why = f"cancelled by the consumer on cp rank {self.cp_rank}"
             known, settled = self.ledger.cancel(identity, req.attempt_id, why)
-            if not known:  # nothing of it can be in flight: answered at once
-                self._send(identity, self._failed(req, why, settled=settled))
+            if not known:  # nothing of it in flight (e.g. asked whether a stalled write settled): no failure here
+                self._send(identity, self._outcome_failed(req, why, settled=settled))
             return self._flush()
         if isinstance(req, ReleaseTransfer):
             self.ledger.release(req)
@@ -457,6 +457,10 @@ class Sender:
                 settled: bool = True) -> TransferOutcome:
         self.errors.append(clip(reason, 400))
         self._peers.warn("failed", "%s", reason)
+        return self._outcome_failed(req, reason, num_pages, settled)
+
+    def _outcome_failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0,
+                        settled: bool = True) -> TransferOutcome:
         return TransferOutcome(
             transfer_key=req.transfer_key, attempt_id=req.attempt_id, cp_rank=self.cp_rank, cp_size=self.cp_size,
             ok=False, reason=clip(reason), layer_start=self.layers.start, layer_end=self.layers.stop,
