@@ -38,6 +38,12 @@ def kv_regions(buf: np.ndarray, layer_ids):
     return KVRegions.uniform(list(layer_ids), base, buf.shape[2])
 
 
+def digest(a) -> str:
+    """The prompt digest both sides name (the bench's prompt: token ids 0..tokens-1)."""
+    from vllm_dcp2d.transfer.messages import prompt_digest
+    return prompt_digest(range(a.tokens))
+
+
 def fingerprint(a):
     from vllm_dcp2d.transfer.messages import Fingerprint
     return Fingerprint("bench", a.layers, a.page, "uint8", a.page * a.bytes_per_token, "bench:[L,blocks,page]", "bench")
@@ -66,7 +72,7 @@ class Prefill:
         return self.bootstrap
 
     def add(self, rid, src):
-        self.sender.add_request(rid, src, self.a.tokens)
+        self.sender.add_request(rid, src, self.a.tokens, prompt_digest=digest(self.a))
 
     def close(self):
         self.sender.close()
@@ -91,7 +97,7 @@ class Decode:
 
     def start(self, rid, bootstrap, dst):
         self.kv[:] = 0
-        self.r.start(rid, bootstrap, dst, num_tokens=self.a.tokens)
+        self.r.start(rid, bootstrap, dst, num_tokens=self.a.tokens, prompt_digest=digest(self.a))
 
     def wait(self, rid):
         deadline = time.monotonic() + 600

@@ -43,9 +43,9 @@ def messages() -> list:
     for tokens in (8192, 32768):
         pages = -(-tokens // 64)
         req = TransferRequest.build(
-            regions=regions, memory=Memory([1 << 30], [78 << 24]), block_ids=np.arange(-(-pages // 4)),
+            regions=regions, block_ids=np.arange(-(-pages // 4)),
             transfer_key="cmpl-" + "x" * 40, attempt_id=7, engine_id="decode-engine", consumer_rank=1,
-            consumer_size=4, session="10.0.0.2:15123", dcp_size=4, dcp_rank=1, num_tokens=tokens, first_page=0,
+            consumer_size=4, dcp_size=4, dcp_rank=1, num_tokens=tokens, first_page=0,
             num_blocks=455, fingerprint=fp, wait_s=30.0, prompt_digest="0" * 32)
         out.append((f"TransferRequest, {tokens // 1024}K tokens", req))
     out.append(("TransferOutcome", TransferOutcome("k", 7, 1, 8, True, "", 10, 20, 8192, 128, 1 << 24, 2, 1,

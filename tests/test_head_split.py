@@ -84,8 +84,8 @@ def test_a_head_split_the_plugin_cannot_serve_names_what_differs():
 def _request(heads: range, head_count, head_runs):
     regions = KVRegions(np.arange(4), np.arange(4).reshape(4, 1) * (1 << 20) + 4096, [4096], [4096],
                         head_count=head_count, head_runs=head_runs)
-    return TransferRequest.build(regions=regions, memory=Memory([4096], [8 << 20]), transfer_key="k", attempt_id=1,
-                                 engine_id="d", consumer_rank=0, consumer_size=1, session="127.0.0.1:1",
+    return TransferRequest.build(regions=regions, transfer_key="k", attempt_id=1,
+                                 engine_id="d", consumer_rank=0, consumer_size=1,
                                  dcp_size=1, dcp_rank=0, block_ids=[0, 1], num_tokens=40, first_page=0,
                                  num_blocks=8, fingerprint=FP2, wait_s=0.0, head_start=heads.start,
                                  head_end=heads.stop)

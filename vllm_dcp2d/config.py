@@ -36,6 +36,8 @@ class DCP2DConfig:
     claim_timeout_s: float = 30.0
     prefill_wait_s: float = 30.0
     cancel_grace_s: float = 2.0
+    fence_s: float = 120.0
+    max_quarantined_blocks: int = 0
     release_unfetched: bool = True
     protocol: str = "tcp"
     send_staging_mib: int = 32
@@ -97,8 +99,16 @@ KEYS: dict[str, tuple[str, str]] = {
     "cancel_grace_s": ("consumer", "After a fetch fails, seconds to wait for the prefill ranks still "
                        "writing to confirm its cancel. A rank that has not confirmed by then may still write "
                        "into the request's blocks: the request is recomputed in fresh blocks and the old ones "
-                       "stay quarantined (out of use) until that rank confirms or is seen restarted "
-                       "(docs/connector.md, \"Block lifetime\")."),
+                       "stay quarantined (out of use) until that rank confirms, is seen restarted, or "
+                       "`fence_s` passes (docs/connector.md, \"Block lifetime\")."),
+    "fence_s": ("consumer", "A quarantine ends at the latest this many seconds after its fetch's deadline, "
+                "whatever the prefill says: every transfer request carries the deadline (`not_after_ns`, the "
+                "wall clock), after which a prefill rank starts no write of it, and a write it started before "
+                "ends within 60 s (`WRITE_LIMIT_S`) plus Mooncake's progress timeout. Keep it above 70 s plus "
+                "the largest clock difference between prefill and decode hosts."),
+    "max_quarantined_blocks": ("consumer", "Blocks one prefill instance may keep quarantined on a decode rank; "
+                               "past it that instance's fetches are refused until its quarantines lift. 0: a "
+                               "quarter of the rank's KV blocks."),
     "release_unfetched": ("consumer", "A decode instance that will not fetch a request's KV (its prompt is "
                           "cached, it was aborted before its fetch began, its load was refused or its fetch "
                           "failed) tells every prefill CP rank at once (`ReleaseTransfer`), so the prefill frees "
@@ -203,7 +213,7 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
         v = extra["cp_size"]
         _expect("cp_size", v, _is_int(v) and v >= 0, "an int >= 0 (0 = tensor-parallel size)")
     for key in ("transfer_timeout_s", "max_transfer_timeout_s", "send_timeout_s", "claim_timeout_s",
-                "prefill_wait_s", "cancel_grace_s", "max_prefill_wait_s"):
+                "prefill_wait_s", "cancel_grace_s", "max_prefill_wait_s", "fence_s"):
         if key in extra:
             v = extra[key]
             _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")
@@ -211,6 +221,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "cpu_poll_sleep_us" in extra:
         v = extra["cpu_poll_sleep_us"]
         _expect("cpu_poll_sleep_us", v, _is_int(v) and 0 <= v <= 100_000, "an int in [0, 100000] microseconds")
+    if "max_quarantined_blocks" in extra:
+        v = extra["max_quarantined_blocks"]
+        _expect("max_quarantined_blocks", v, _is_int(v) and v >= 0, "an int >= 0 blocks (0 = a quarter of a rank's)")
     if "send_staging_mib" in extra:
         v = extra["send_staging_mib"]
         _expect("send_staging_mib", v, _is_int(v) and 0 <= v <= 65536, "an int in [0, 65536] MiB (0 = off)")

@@ -9,8 +9,8 @@ import zmq
 
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.bootstrap import register_rank
-from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, RegisterRank, ReleaseTransfer,
-                                           TransferOutcome, TransferRequest, decode, encode)
+from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, RegisterConsumer, RegisterRank,
+                                           ReleaseTransfer, TransferOutcome, TransferRequest, decode, encode)
 
 
 def outcome(msg, ok: bool, settled: bool = True, num_tokens: int = 0, page_size: int = 16,
@@ -35,6 +35,7 @@ class FakeRank:
         self.reply, self.answer_cancels, self.settled = reply, False, True
         self.layers = fingerprint.num_layers
         self.seen: list = []
+        self.registered: list = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
         self.thread.start()
@@ -44,7 +45,10 @@ class FakeRank:
             if not self.sock.poll(20):
                 continue
             ident, payload = self.sock.recv_multipart()
-            msg = decode(payload, (TransferRequest, CancelTransfer, ReleaseTransfer))
+            msg = decode(payload, (RegisterConsumer, TransferRequest, CancelTransfer, ReleaseTransfer))
+            if isinstance(msg, RegisterConsumer):
+                self.registered.append(msg)
+                continue
             self.seen.append(msg)
             out = None
             if isinstance(msg, TransferRequest) and self.reply is not None:

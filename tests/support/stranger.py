@@ -15,8 +15,14 @@ ATTACK:
   read          a TransferRequest for KEY with the stranger's own memory, wrong prompt
                 digest and wrong token count: does any byte land?
   release       a ReleaseTransfer for KEY without the prompt's digest
-  flood         300 TransferRequests for unknown keys asking to wait 3,600 s
-  all           every attack above but ``read`` and ``release`` (no key needed)
+  flood         CONNS connections x PER TransferRequests for unknown keys asking to wait 3,600 s
+  deputy        the confused deputy (issue 48): the stranger's own request (KEY, TOKENS,
+                DIGEST), registered as Mooncake session SESSION with memory MEMORY (a
+                victim's, or the prefill's own): does the prefill write there?
+  all           every attack above but ``read``, ``release`` and ``deputy`` (no key needed)
+
+``--source ADDR``: the address its side-channel connections come from (another loopback
+address, 127.0.0.2, stands for another host).
 """
 
 from __future__ import annotations
@@ -32,18 +38,27 @@ import zmq
 
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, Fingerprint, MessageError, QueryRanks, RankTable,
-                                           RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
-                                           decode, encode)
+                                           RegisterConsumer, RegisterRank, ReleaseTransfer, Reply, TransferOutcome,
+                                           TransferRequest, decode, encode)
 from vllm_dcp2d.plan import KVRegions, Memory
 
 WAIT_S = 5.0
+SOURCE = "127.0.0.1"  # where its connections come from (``--source``)
 
 
-def ask(address: str, payload: bytes, wait_s: float = WAIT_S) -> str:
-    """Send one frame on a fresh DEALER; what came back: a reply's text, "silence" or "closed"."""
+def connect(sock: zmq.Socket, address: str) -> None:
+    """Connect from ``SOURCE`` (ZMQ's ``tcp://source:0;host:port``)."""
+    sock.connect(address.replace("tcp://", f"tcp://{SOURCE}:0;", 1))
+
+
+def ask(address: str, payload: bytes, wait_s: float = WAIT_S, first: bytes = b"") -> str:
+    """Send one frame (after ``first``, if given) on a fresh DEALER; what came back: a
+    reply's text, "silence" or "closed"."""
     sock = sockets.socket(zmq.DEALER)
     try:
-        sock.connect(address)
+        connect(sock, address)
+        if first:
+            sockets.send_nowait(sock, first)
         if not sockets.send_nowait(sock, payload):
             return "queue full"
         if not sock.poll(int(wait_s * 1000)):
@@ -101,16 +116,29 @@ def big(bootstrap: str, **_) -> dict:
     return {addr: ask(addr, frame, 2.0) for addr in (t.addresses if t else ())}
 
 
-def _request(t: RankTable, key: str, tokens: int, memory: np.ndarray, wait_s: float = 0.0,
-             attempt: int = 1) -> TransferRequest:
+def _request(t: RankTable, key: str, tokens: int, base: int, wait_s: float = 0.0, attempt: int = 1,
+             digest: str = "0" * 32) -> TransferRequest:
+    """A request for 4 pages whose layers lie one after the other from ``base``."""
     fp = t.fingerprint
     layers = np.arange(fp.num_layers)
-    regions = KVRegions.uniform(layers, memory.ctypes.data + layers * fp.page_bytes * 4, fp.page_bytes)
+    regions = KVRegions.uniform(layers, base + layers * fp.page_bytes * 4, fp.page_bytes)
     return TransferRequest.build(
-        regions=regions, memory=Memory([memory.ctypes.data], [memory.nbytes]), block_ids=np.arange(4),
+        regions=regions, block_ids=np.arange(4),
         transfer_key=key, attempt_id=attempt, engine_id="stranger", consumer_rank=0, consumer_size=1,
-        session="127.0.0.1:9", dcp_size=1, dcp_rank=0, num_tokens=tokens, first_page=0, num_blocks=4,
-        fingerprint=fp, wait_s=wait_s, prompt_digest="0" * 32)
+        dcp_size=1, dcp_rank=0, num_tokens=tokens, first_page=0, num_blocks=4,
+        fingerprint=fp, wait_s=wait_s, prompt_digest=digest)
+
+
+def _own(t: RankTable) -> tuple[bytes, int]:
+    """The stranger's own registration (a session on its own host: taken without a
+    secret) and the base address of its memory."""
+    memory = np.zeros(t.fingerprint.num_layers * 4 * t.fingerprint.page_bytes, np.uint8)
+    _KEEP.append(memory)
+    return encode(RegisterConsumer.of("stranger", f"{SOURCE}:9", Memory([memory.ctypes.data], [memory.nbytes]))), \
+        memory.ctypes.data
+
+
+_KEEP: list = []
 
 
 def read(bootstrap: str, key: str = "", tokens: int = 1, **_) -> dict:
@@ -119,8 +147,20 @@ def read(bootstrap: str, key: str = "", tokens: int = 1, **_) -> dict:
     t = table(bootstrap)
     if t is None:
         return {"table": None}
-    memory = np.zeros(t.fingerprint.num_layers * 4 * t.fingerprint.page_bytes, np.uint8)
-    return {addr: ask(addr, encode(_request(t, key, tokens + 7, memory))) for addr in t.addresses}
+    reg, base = _own(t)
+    return {addr: ask(addr, encode(_request(t, key, tokens + 7, base)), first=reg) for addr in t.addresses}
+
+
+def deputy(bootstrap: str, key: str = "", tokens: int = 1, digest: str = "", session: str = "",
+           memory: str = "", **_) -> dict:
+    """The stranger's own request, written to where it says: ``session`` and ``memory``
+    ("ADDR:BYTES", decimal) are a victim's (or the prefill's own)."""
+    t = table(bootstrap)
+    if t is None:
+        return {"table": None}
+    addr, nbytes = map(int, memory.split(":"))
+    reg = encode(RegisterConsumer.of("stranger", session, Memory([addr], [nbytes])))
+    return {a: ask(a, encode(_request(t, key, tokens, addr, digest=digest)), first=reg) for a in t.addresses}
 
 
 def release(bootstrap: str, key: str = "", tokens: int = 1, **_) -> dict:
@@ -132,29 +172,45 @@ def release(bootstrap: str, key: str = "", tokens: int = 1, **_) -> dict:
     return {"sent": len(t.addresses)}
 
 
-def flood(bootstrap: str, **_) -> dict:
+def flood(bootstrap: str, conns: int = 1, per: int = 300, **_) -> dict:
+    """``conns`` connections, each registered, each sending ``per`` requests for unknown
+    keys that ask to wait an hour; how many were answered, and refused as busy."""
     t = table(bootstrap)
     if t is None:
         return {"table": None}
-    fp = t.fingerprint
-    memory = np.zeros(fp.num_layers * 4 * fp.page_bytes, np.uint8)
+    reg, base = _own(t)
     out = {}
     for addr in t.addresses:
-        sock = sockets.socket(zmq.DEALER)
-        sock.connect(addr)
-        for i in range(300):
-            req = _request(t, f"unknown-{i}", 1, memory, wait_s=3600.0, attempt=i + 1)
-            sockets.send_nowait(sock, encode(req))
-        answers, deadline = [], time.monotonic() + 2 * WAIT_S
-        while len(answers) < 300 and time.monotonic() < deadline:
-            if sock.poll(100):
-                answers.append(decode(sock.recv(), (TransferOutcome, Reply)).reason)
-        sock.close()
-        out[addr] = {"answered": len(answers), "busy": sum("refuses the transfer request" in r for r in answers)}
+        socks = []
+        for c in range(conns):
+            sock = sockets.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, per + 1)
+            connect(sock, addr)
+            sockets.send_nowait(sock, reg)
+            for i in range(per):
+                req = _request(t, f"unknown-{c}-{i}", 1, base, wait_s=3600.0, attempt=i + 1)
+                sockets.send_nowait(sock, encode(req))
+            socks.append(sock)
+        # Refusals come at once; the rest wait (an hour, cut to the rank's limit): done once
+        # nothing came for a second after the first answer (or for WAIT_S before it).
+        answers, deadline, quiet = [], time.monotonic() + 4 * WAIT_S, time.monotonic() + WAIT_S
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        while len(answers) < conns * per and time.monotonic() < min(deadline, quiet):
+            for sock, _ in poller.poll(100):
+                while sock.poll(0):
+                    answers.append(decode(sock.recv(), (TransferOutcome, Reply)).reason)
+                    quiet = time.monotonic() + 1.0
+        for sock in socks:
+            sock.close()
+        out[addr] = {"answered": len(answers), "busy": sum("refuses the transfer request" in r for r in answers),
+                     "held": conns * per - len(answers)}
     return out
 
 
-ATTACKS = {"register": register, "long": long, "big": big, "read": read, "release": release, "flood": flood}
+ATTACKS = {"register": register, "long": long, "big": big, "read": read, "release": release, "flood": flood,
+           "deputy": deputy}
 
 
 def run(attack: str, bootstrap: str, **kw) -> dict:
@@ -175,9 +231,18 @@ def main(argv=None) -> int:
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--key", default="")
     p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--digest", default="")
+    p.add_argument("--session", default="")
+    p.add_argument("--memory", default="")
+    p.add_argument("--conns", type=int, default=1)
+    p.add_argument("--per", type=int, default=300)
+    p.add_argument("--source", default="127.0.0.1")
     a = p.parse_args(argv)
+    global SOURCE
+    SOURCE = a.source
     names = ["register", "long", "big", "flood"] if a.attack == "all" else [a.attack]
-    print(json.dumps({n: ATTACKS[n](a.bootstrap, key=a.key, tokens=a.tokens) for n in names}))
+    kw = {k: getattr(a, k) for k in ("key", "tokens", "digest", "session", "memory", "conns", "per")}
+    print(json.dumps({n: ATTACKS[n](a.bootstrap, **kw) for n in names}))
     return 0
 
 

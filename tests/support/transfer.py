@@ -10,9 +10,13 @@ import weakref
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
 from vllm_dcp2d.transfer.fetch import Fetch
-from vllm_dcp2d.transfer.messages import QueryRanks, RankTable, Reply
+from vllm_dcp2d.transfer.messages import QueryRanks, RankTable, Reply, prompt_digest
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.send_ledger import SendLedger
+
+# The prompt digest of the tests' requests: without a secret a prefill rank serves only a
+# request naming one (issue 48), and both sides of a test name the same.
+PD = prompt_digest([1, 2, 3])
 
 # fetches a wait took off a receiver's poll that were not the one it waited for
 _others: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

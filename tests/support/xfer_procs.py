@@ -15,7 +15,7 @@ import os
 import traceback
 
 import numpy as np
-from tests.support.transfer import wait_fetch
+from tests.support.transfer import PD, wait_fetch
 
 STRIDE = 1024                  # bytes per block row of one layer
 K_BYTES, V_OFF, V_BYTES = 256, 384, 512
@@ -84,7 +84,7 @@ class PrefillRank:
     def add(self, request_id, block_ids, num_pages=None, expiry_s=None):
         if expiry_s is not None:
             self.sender.expiry_s = expiry_s
-        self.sender.add_request(request_id, block_ids, PAGE_SIZE * (len(block_ids) if num_pages is None else num_pages))
+        self.sender.add_request(request_id, block_ids, PAGE_SIZE * (len(block_ids) if num_pages is None else num_pages), prompt_digest=PD)
         self.sender.expiry_s = 60.0
 
     def finished(self):
@@ -121,7 +121,7 @@ class DecodeRank:
         """num_pages: of the request (default: every page the block table holds at this DCP size)."""
         n = len(block_ids) * self.args["dcp_size"] if num_pages is None else num_pages
         self.receiver.start(request_id, bootstrap, block_ids, first_page, timeout_s, wait_s,
-                            num_tokens=PAGE_SIZE * n)
+                            num_tokens=PAGE_SIZE * n, prompt_digest=PD)
 
     def wait(self, request_id, timeout_s=30.0):
         return _fetch_dict(wait_fetch(self.receiver, request_id, timeout_s))
@@ -134,7 +134,7 @@ class DecodeRank:
         """Fetch through a second receiver that claims another KV format."""
         from vllm_dcp2d.transfer.receiver import Receiver
         with Receiver(self.transport, self.regions, fingerprint(**fp), timeout_s=10.0, **self.args) as r:
-            r.start(request_id, bootstrap, block_ids, num_tokens=PAGE_SIZE * len(block_ids) * self.args["dcp_size"])
+            r.start(request_id, bootstrap, block_ids, num_tokens=PAGE_SIZE * len(block_ids) * self.args["dcp_size"], prompt_digest=PD)
             return _fetch_dict(wait_fetch(r, request_id, 15.0))
 
     def lifted(self):

@@ -28,7 +28,7 @@ from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.local.servers import free_port
-from tests.support.transfer import wait_fetch
+from tests.support.transfer import PD, wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 L = 4
@@ -83,11 +83,11 @@ def test_decode_asks_first_through_the_http_address_and_gets_every_byte(prefill)
     """A router in Mooncake mode: the decode has only the HTTP address and the transfer_id,
     and asks before the prefill has even registered its ranks."""
     recv, http = prefill["recv"], prefill["http"]
-    recv.start("xfer-1", http.address, DST_IDS, num_tokens=NUM_TOKENS, remote_engine_id="prefill-engine")
+    recv.start("xfer-1", http.address, DST_IDS, num_tokens=NUM_TOKENS, remote_engine_id="prefill-engine", prompt_digest=PD)
     sender = prefill["start_sender"]()
     try:
         wait_until(lambda: sender.waiting("xfer-1") == 1, 15)  # the table came over HTTP, the fetch waits
-        sender.add_request("xfer-1", SRC_IDS, NUM_TOKENS)
+        sender.add_request("xfer-1", SRC_IDS, NUM_TOKENS, prompt_digest=PD)
         f = wait_fetch(recv, "xfer-1", 30)
         assert f.ok, f.error
         for layer in range(L):
@@ -99,15 +99,15 @@ def test_decode_asks_first_through_the_http_address_and_gets_every_byte(prefill)
 def test_an_http_address_that_does_not_answer_fails_only_its_fetch(prefill):
     recv = prefill["recv"]
     port = free_port()  # nobody listens
-    recv.start("lost", f"http://127.0.0.1:{port}", DST_IDS, timeout_s=5.0, num_tokens=NUM_TOKENS)
+    recv.start("lost", f"http://127.0.0.1:{port}", DST_IDS, timeout_s=5.0, num_tokens=NUM_TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "lost", 20)
     assert not f.ok and f.error.timed_out and f"GET http://127.0.0.1:{port}/query" in f.error.reason
     # the receiver serves the next fetch through the working address
     sender = prefill["start_sender"]()
     try:
-        recv.start("next", prefill["http"].address, DST_IDS, num_tokens=NUM_TOKENS)
+        recv.start("next", prefill["http"].address, DST_IDS, num_tokens=NUM_TOKENS, prompt_digest=PD)
         wait_until(lambda: sender.waiting("next") == 1, 15)
-        sender.add_request("next", SRC_IDS, NUM_TOKENS)
+        sender.add_request("next", SRC_IDS, NUM_TOKENS, prompt_digest=PD)
         assert wait_fetch(recv, "next", 30).ok
     finally:
         sender.close()
@@ -131,7 +131,7 @@ def test_a_bootstrap_of_another_connector_is_named(prefill):
     try:
         recv = prefill["recv"]
         addr = f"http://127.0.0.1:{server.server_address[1]}"
-        recv.start("other", addr, DST_IDS, timeout_s=1.5, num_tokens=NUM_TOKENS)
+        recv.start("other", addr, DST_IDS, timeout_s=1.5, num_tokens=NUM_TOKENS, prompt_digest=PD)
         f = wait_fetch(recv, "other", 20)
         assert not f.ok and "KeyError: 'dcp2d'" in f.error.reason, f.error
     finally:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from vllm_dcp2d.transfer import messages as m
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, QueryRanks, RankTable,
-                                           RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
+                                           RegisterConsumer, RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
                                            decode, encode)
 from vllm_dcp2d.plan import KVRegions, Memory
 
@@ -24,8 +24,8 @@ def _request(**kw):
     regions = KVRegions(np.arange(8), np.arange(16).reshape(8, 2) * (1 << 20) + 4096,
                         np.array([1024, 2048]), np.array([512, 2048]))
     args = dict(transfer_key="req-1", attempt_id=7, engine_id="decode-0", consumer_rank=1, consumer_size=2,
-                session="127.0.0.1:15001", dcp_size=2, dcp_rank=1, block_ids=np.array([5, 3, 9]),
-                num_tokens=300, first_page=1, fingerprint=FP, wait_s=0.5, num_blocks=10, memory=MEMORY)
+                dcp_size=2, dcp_rank=1, block_ids=np.array([5, 3, 9]),
+                num_tokens=300, first_page=1, fingerprint=FP, wait_s=0.5, num_blocks=10)
     args.update(kw)
     return TransferRequest.build(regions=regions, **args)
 
@@ -45,13 +45,14 @@ SAMPLES = [
         regions=KVRegions(np.arange(8), np.arange(16).reshape(8, 2) * (1 << 20) + 4096, np.array([1024, 2048]),
                           np.array([512, 2048]), np.array([1] * 6 + [0] * 2), np.array([False, True])),
         transfer_key="req-2", attempt_id=8, engine_id="decode-0", consumer_rank=0, consumer_size=2,
-        session="127.0.0.1:15001", dcp_size=2, dcp_rank=0, block_ids=([4, 8, 1, 2, 6], [5, 3, 9]),
+        dcp_size=2, dcp_rank=0, block_ids=([4, 8, 1, 2, 6], [5, 3, 9]),
         num_tokens=300, first_page=0, fingerprint=dataclasses.replace(FP, draft_layers=2), wait_s=0.5,
-        num_blocks=10, memory=MEMORY),
+        num_blocks=10),
     _outcome(),
     _outcome(ok=True, reason="", num_tokens=130, nbytes=1 << 40, descriptors=3, batches=1, naive_bytes=1 << 41),
     _outcome(settled=False),
     RegisterRank("prefill-0", 1, 2, "tcp://127.0.0.1:5555", FP),
+    RegisterConsumer.of("decode-0", "10.0.0.2:15001", MEMORY),
     _outcome(ok=True, reason="", nbytes=5, descriptors=1, batches=1, naive_bytes=10, early_layers=4),
     CancelTransfer("req-1", 7),
     ReleaseTransfer("req-1", "decode-0", 1, 2, 300),
@@ -186,6 +187,35 @@ def test_malformed_release(edit, match):
         decode(_pack(d))
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(session="10.0.0.2"), "session must be 'host:port'"),
+    (lambda d: d.update(session="10.0.0.2:0"), "session must be 'host:port'"),
+    (lambda d: d.update(session=":15001"), "session must be 'host:port'"),
+    (lambda d: d.update(session="10.0.0.2:99999"), "session must be 'host:port'"),
+    (lambda d: d.update(memory_bytes=np.array([1, 2]).tobytes()), "memory_addr has 1 ranges, memory_bytes 2"),
+    (lambda d: d.update(memory_addr=np.array([4096, 8192]).tobytes(), memory_bytes=np.array([8192, 8]).tobytes()),
+     "registered ranges overlap"),
+    (lambda d: d.update(memory_addr=np.array([0]).tobytes()), "memory_addr entries must be in"),
+    (lambda d: d.pop("session"), r"missing fields \['session'\]"),
+])
+def test_malformed_consumer_registration(edit, match):
+    d = _wire(RegisterConsumer.of("decode-0", "10.0.0.2:15001", MEMORY))
+    edit(d)
+    with pytest.raises(MessageError, match=match):
+        decode(_pack(d))
+
+
+def test_a_request_must_lie_inside_its_connections_memory():
+    """The regions a request names are checked against what its connection registered
+    (``RegisterConsumer``), not against memory the request itself claims (protocol 9)."""
+    req = _request()
+    req.check_inside(MEMORY)
+    with pytest.raises(MessageError, match=r"layer 7 region 1: \[0x.*\) \(10 blocks of page_stride 2048\) is not "
+                                           r"inside the memory this connection registered"):
+        req.check_inside(Memory([4096], [15 << 20]))
+    assert "memory_addr" not in _wire(req) and "session" not in _wire(req)
+
+
 def test_release_is_not_accepted_where_a_request_is_expected():
     with pytest.raises(MessageError, match="expected TransferRequest/CancelTransfer, got ReleaseTransfer"):
         decode(encode(ReleaseTransfer("req-1", "decode-0", 0, 1, 3)), (TransferRequest, CancelTransfer))
@@ -200,7 +230,7 @@ def test_every_truncation_rejected():
 
 
 def test_big_block_table():
-    req = _request(block_ids=np.arange(1 << 16) * 3, num_blocks=3 << 16, memory=Memory([4096], [1 << 30]))
+    req = _request(block_ids=np.arange(1 << 16) * 3, num_blocks=3 << 16)
     data = encode(req)
     assert len(data) < (1 << 16) * 8 + 4096
     assert np.array_equal(decode(data).block_ids, np.arange(1 << 16) * 3)
@@ -229,7 +259,7 @@ def test_fuzz_byte_flips(msg, data):
         out = decode(bytes(buf))
     except MessageError:
         return
-    assert type(out).__name__ in ("TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer",
+    assert type(out).__name__ in ("RegisterConsumer", "TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer",
                                   "RegisterRank", "QueryRanks", "RankTable", "Reply")
 
 

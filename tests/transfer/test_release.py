@@ -16,7 +16,7 @@ from tests.transfer.test_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadl
 from vllm_dcp2d.transfer import send_ledger
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from tests.support.transfer import wait_fetch, writes_in_flight
+from tests.support.transfer import PD, wait_fetch, writes_in_flight
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -44,15 +44,15 @@ def receiver(stack, engine_id: str, dst: np.ndarray, fingerprint=FP, **kw) -> Re
 
 def test_release_frees_at_once_and_later_fetches_fail(stack):
     s = Side(stack, sender_kw={"expiry_s": 120.0})
-    s.sender.add_request("x", SRC_IDS, TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     t0 = time.monotonic()
-    s.recv.release("x", s.boot.address, TOKENS)
+    s.recv.release("x", s.boot.address, TOKENS, prompt_digest=PD)
     assert finished_within(s.sender) == {"x": "released"}
     assert time.monotonic() - t0 < 10.0  # not send_timeout_s
-    s.recv.release("x", s.boot.address, TOKENS)  # a duplicate: harmless, reported once
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.recv.release("x", s.boot.address, TOKENS, prompt_digest=PD)  # a duplicate: harmless, reported once
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(s.recv, "x", 20)
-    assert not f.ok and "unknown request id 'x'" in str(f.error)
+    assert not f.ok and "no request 'x' for this prompt" in str(f.error)
     time.sleep(0.3)
     assert s.sender.pop_finished() == {} and not s.gate.entered.is_set()
     assert not s.dst.any()
@@ -63,13 +63,13 @@ def test_release_during_a_write_takes_effect_when_it_settles(stack):
     held open, then releases the request: the prefill reports it finished only
     after that write returned."""
     s = Side(stack, sender_kw={"expiry_s": 120.0}, receiver_kw={"cancel_grace_s": 0.3})
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
     deadline_now(s.recv, "x")
     f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and f.quarantined  # the write never answered the cancel
-    s.recv.release("x", s.boot.address, TOKENS)
+    s.recv.release("x", s.boot.address, TOKENS, prompt_digest=PD)
     time.sleep(1.0)  # the release arrived; the write still reads the blocks
     assert s.sender.pop_finished() == {}, "blocks freed while a write reads them"
     assert writes_in_flight(s.sender.ledger) == 1
@@ -84,10 +84,10 @@ def test_release_of_one_engine_keeps_what_another_engine_fetches(stack):
     E releases while D's write is in flight: the request stays until D is served."""
     s = Side(stack, sender_kw={"expiry_s": 120.0})
     other = receiver(stack, "E", np.zeros_like(s.dst))
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
-    other.release("x", s.boot.address, TOKENS)
+    other.release("x", s.boot.address, TOKENS, prompt_digest=PD)
     time.sleep(1.0)
     assert s.sender.pop_finished() == {}
     s.gate.open()
@@ -105,12 +105,12 @@ def test_a_decode_of_another_kv_format_still_releases_what_it_refused(stack):
     s = Side(stack, sender_kw={"expiry_s": 120.0})
     dst = np.zeros_like(s.dst)
     other = receiver(stack, "E", dst, fingerprint=dataclasses.replace(FP, kv_dtype="fp8_e5m2"))
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    other.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    other.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(other, "x", 20)
     assert not f.ok and "kv_dtype: ours 'fp8_e5m2', peer 'uint8'" in str(f.error), f.error
     t0 = time.monotonic()
-    other.release("x", s.boot.address, TOKENS)  # as the worker does for a failed fetch
+    other.release("x", s.boot.address, TOKENS, prompt_digest=PD)  # as the worker does for a failed fetch
     assert finished_within(s.sender) == {"x": "released"}
     assert time.monotonic() - t0 < 10.0 and not dst.any() and not s.gate.entered.is_set()
 
@@ -121,12 +121,12 @@ def test_a_release_for_another_prefill_engine_is_not_sent(stack):
     where it could free a request of "P" that reuses the key before its own decode
     fetches it. The same release naming "P" frees it at once."""
     s = Side(stack, sender_kw={"expiry_s": 120.0})
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P-old")
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P-old", prompt_digest=PD)
     wait_until(lambda: "x" not in str(s.recv._dir.unsent))  # the table came and the release was dropped
     time.sleep(0.5)
     assert s.sender.pop_finished() == {} and not s.sender.ledger._early
-    s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P")
+    s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P", prompt_digest=PD)
     assert finished_within(s.sender) == {"x": "released"}
 
 
@@ -135,23 +135,23 @@ def test_release_counts_per_consumer_rank(stack):
     request is freed once rank 0 got its pages, not before."""
     s = Side(stack, sender_kw={"expiry_s": 120.0}, receiver_kw={"consumer_size": 2})
     rank1 = receiver(stack, "D", np.zeros_like(s.dst), consumer_rank=1, consumer_size=2)
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    rank1.release("x", s.boot.address, TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    rank1.release("x", s.boot.address, TOKENS, prompt_digest=PD)
     time.sleep(1.0)
     assert s.sender.pop_finished() == {}  # rank 0 has not fetched
     s.gate.open()
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert wait_fetch(s.recv, "x", 20).ok
     assert finished_within(s.sender) == {"x": "released"}  # one rank fetched, the other released
 
 
 def test_release_before_the_request_is_added_is_remembered(stack, monkeypatch):
     s = Side(stack, sender_kw={"expiry_s": 120.0})
-    s.recv.release("early", s.boot.address, TOKENS)
-    s.recv.release("other-count", s.boot.address, TOKENS + 1)
+    s.recv.release("early", s.boot.address, TOKENS, prompt_digest=PD)
+    s.recv.release("other-count", s.boot.address, TOKENS + 1, prompt_digest=PD)
     wait_until(lambda: len(s.sender.ledger._early) == 2)
-    s.sender.add_request("early", SRC_IDS, TOKENS)
-    s.sender.add_request("other-count", SRC_IDS, TOKENS)  # the key was reused: not this request's release
+    s.sender.add_request("early", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.sender.add_request("other-count", SRC_IDS, TOKENS, prompt_digest=PD)  # the key was reused: not this request's release
     assert finished_within(s.sender) == {"early": "released"}
     time.sleep(0.5)
     assert s.sender.pop_finished() == {}
@@ -159,12 +159,12 @@ def test_release_before_the_request_is_added_is_remembered(stack, monkeypatch):
 
 def test_remembered_releases_expire(stack):
     s = Side(stack, sender_kw={"expiry_s": 120.0})
-    s.recv.release("late", s.boot.address, TOKENS)
+    s.recv.release("late", s.boot.address, TOKENS, prompt_digest=PD)
     wait_until(lambda: "late" in s.sender.ledger._early)
     # RELEASE_MEMORY_S passes now (the I/O thread's own polls would take 30 s)
     s.sender.ledger.expire(time.monotonic() + send_ledger.RELEASE_MEMORY_S + 1)
     assert "late" not in s.sender.ledger._early
-    s.sender.add_request("late", SRC_IDS, TOKENS)
+    s.sender.add_request("late", SRC_IDS, TOKENS, prompt_digest=PD)
     time.sleep(0.5)
     assert s.sender.pop_finished() == {}
 
@@ -173,6 +173,6 @@ def test_release_without_a_prefill_gives_up(stack):
     """No bootstrap answers: the release waits for the rank table at most the
     receiver's timeout, then is dropped (the prefill's send_timeout_s is the backstop)."""
     r = receiver(stack, "D", np.zeros((2, 8, 256), np.uint8), timeout_s=0.3)
-    r.release("x", "tcp://127.0.0.1:1", TOKENS)
+    r.release("x", "tcp://127.0.0.1:1", TOKENS, prompt_digest=PD)
     wait_until(lambda: r._dir.unsent)
     wait_until(lambda: not r._dir.unsent, 3.0)

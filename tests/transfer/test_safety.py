@@ -25,7 +25,7 @@ from vllm_dcp2d.plan import KVRegions
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError
-from tests.support.transfer import wait_fetch, writes_in_flight
+from tests.support.transfer import PD, wait_fetch, writes_in_flight
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -69,11 +69,11 @@ class Gate:
     def open(self):
         self._open.set()
 
-    def write(self, peer, desc, stalls=None):
+    def write(self, peer, desc, stalls=None, not_after_ns=0):
         self.entered.set()
         assert self._open.wait(60), "gate never opened"
         try:
-            return self.transport.write(peer, desc, stalls)
+            return self.transport.write(peer, desc, stalls, not_after_ns)
         finally:
             self.ended.append(time.monotonic())
 
@@ -128,8 +128,8 @@ def test_expiry_waits_for_the_write_in_flight(stack):
     """Item 1: send_timeout_s passes while a write reads the request's blocks. The
     sender reports the request (the owner frees its blocks) only after that write."""
     s = Side(stack, sender_kw={"expiry_s": 60.0})
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
     s.sender.ledger._requests["x"].expires = time.monotonic()  # send_timeout_s passes now, not by luck
     time.sleep(0.5)  # several expiry polls, write still in flight
@@ -149,12 +149,12 @@ def test_cancel_overtakes_queued_work(stack):
     """Item 2: a cancel arrives while the fetch's answer waits behind another write.
     It is confirmed at once, and the queued answer writes nothing."""
     s = Side(stack, sender_kw={"num_workers": 1}, receiver_kw={"cancel_grace_s": 5.0})
-    s.sender.add_request("a", SRC_IDS, TOKENS)
-    s.sender.add_request("b", SRC_IDS[::-1], TOKENS)
-    s.recv.start("a", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("a", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.sender.add_request("b", SRC_IDS[::-1], TOKENS, prompt_digest=PD)
+    s.recv.start("a", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)  # the only worker is stuck in a's write
     other = np.array([0, 2, 5, 6])  # b's blocks (disjoint from a's)
-    s.recv.start("b", s.boot.address, other, num_tokens=TOKENS)
+    s.recv.start("b", s.boot.address, other, num_tokens=TOKENS, prompt_digest=PD)
     wait_until(lambda: any(a.req.transfer_key == "b" for a in list(s.sender.ledger._open.values())))
     deadline_now(s.recv, "b")
     f = wait_fetch(s.recv, "b", 20)  # failed at its deadline; the cancel was confirmed while a still writes
@@ -172,8 +172,8 @@ def test_stalled_write_past_the_deadline_is_quarantined_until_it_ends(stack):
     The fetch ends (vLLM can recompute elsewhere) with its blocks quarantined; they
     are released only after the write ended and the rank confirmed."""
     s = Side(stack)
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, timeout_s=60.0, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, timeout_s=60.0, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
     (active,) = s.recv.ledger.active()
     active.deadline = time.monotonic()  # the deadline passes now, with the write in flight (not by luck)
@@ -210,7 +210,7 @@ def test_rank_that_never_answers_stays_quarantined_until_it_answers(silent):
     blocks stay quarantined however long it is silent, are asked for again with
     backoff, and are released when it finally confirms."""
     boot, recv, rank = silent
-    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
+    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     wait_until(lambda: rank.seen)
     deadline_now(recv, "x")
     f = wait_fetch(recv, "x", 20)
@@ -230,7 +230,7 @@ def test_unsettled_answer_keeps_the_quarantine(silent):
     boot, recv, rank = silent
     rank.answer_cancels, rank.settled = True, False
     rank.reply = lambda msg: outcome(msg, ok=False, settled=False, layers=L)
-    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
+    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "x", 20)
     assert not f.ok and not f.error.timed_out and list(f.quarantined) == [0]
     assert "a write timed out" in f.quarantined[0]
@@ -240,14 +240,14 @@ def test_unsettled_answer_keeps_the_quarantine(silent):
     got = []
     wait_until(lambda: got.extend(recv.poll_lifted()) or got, 20)
     assert got == [f]
-    # The decode rank renewed its Mooncake engine (its target may be wedged): the
-    # next request names the new session.
-    first = rank.seen[0].session
+    # The decode rank renewed its Mooncake engine (its target may be wedged): the link
+    # registers the new session before the next request.
+    first = rank.registered[0].session
     assert recv.transport.session_id != first
     rank.reply = lambda msg: outcome(msg, ok=True, num_tokens=msg.num_tokens, layers=L)
-    recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10)
+    recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10, prompt_digest=PD)
     assert wait_fetch(recv, "y", 20).ok
-    assert [m.session for m in rank.seen if getattr(m, "transfer_key", "") == "y"] == [recv.transport.session_id]
+    assert [m.session for m in rank.registered] == [first, recv.transport.session_id]
 
 
 def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
@@ -257,14 +257,14 @@ def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
     monkeypatch.setattr(send_ledger, "STALL_S", 1.0)
     s = Side(stack)
 
-    def stalled(peer, desc, stalls=None):
+    def stalled(peer, desc, stalls=None, not_after_ns=0):
         stalls.append(-1)
         raise TransferError(peer, len(desc), -1, 0, " (stalled)")
 
     s.gate.transport = type("T", (), {"write": staticmethod(stalled), "max_batch": 1024})()
     s.gate.open()
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and "a write timed out" in f.quarantined[0]
     got = []
@@ -334,8 +334,8 @@ def test_dropped_link_during_a_write_does_not_release_blocks(stack):
         return relays[-1].address
 
     s = Side(stack, rank_address=via_relay)
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
     relays[0].cut()
     f = wait_fetch(s.recv, "x", 20)
@@ -351,16 +351,18 @@ def test_dropped_link_during_a_write_does_not_release_blocks(stack):
 
 def test_length_mismatch_is_a_fetch_error(stack):
     """Item 4: the decode claims more tokens than the prefill computed. The prefill
-    rank refuses (naming both counts) and writes nothing."""
+    rank refuses, without a secret in the words it uses for an unknown key (issue 48:
+    no length oracle), and writes nothing."""
     s = Side(stack)
     s.gate.open()
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS + 9, timeout_s=10)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS + 9, timeout_s=10, prompt_digest=PD)
     f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and not f.quarantined
-    assert f"the decode asks for {TOKENS + 9} prompt tokens (not the prefill's request)" in f.error.reason
+    assert f.error.reason == "no request 'x' for this prompt on cp rank 0 (not added yet, finished, expired, or " \
+                             "another prompt)"
     assert not s.dst.any() and not s.gate.ended
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)  # the right claim is served
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)  # the right claim is served
     assert wait_fetch(s.recv, "x", 20).ok and np.array_equal(s.dst, s.expected())
 
 
@@ -368,7 +370,7 @@ def test_decode_checks_the_count_the_prefill_answers(silent):
     """Item 4, decode side: an ok answer for another token count is a fetch error."""
     boot, recv, rank = silent
     rank.reply = lambda msg: outcome(msg, ok=True, num_tokens=msg.num_tokens - 16, layers=L)
-    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10)
+    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10, prompt_digest=PD)
     f = wait_fetch(recv, "x", 20)
     assert not f.ok and not f.quarantined and f.error.cp_rank == 0
     assert (f"this decode expects {TOKENS} tokens (4 pages), the prefill wrote {TOKENS - 16} tokens (3 pages)"
@@ -379,9 +381,9 @@ def test_abort_waits_for_layer_writes(stack):
     """A prefill aborted while a pipelined layer write reads its blocks: the held fetch
     fails, and the sender reports the request only after that write ended."""
     s = Side(stack, receiver_kw={"wait_s": 20.0})
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     wait_until(lambda: s.sender.waiting("x") == 1)
-    s.sender.layer_ready("x", 0, SRC_IDS, TOKENS)
+    s.sender.layer_ready("x", 0, SRC_IDS, TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
     s.sender.abort("x")
     time.sleep(0.3)
@@ -392,7 +394,7 @@ def test_abort_waits_for_layer_writes(stack):
     assert finished == {"x": "aborted"} and s.gate.ended[-1] <= time.monotonic()
     f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and "aborted on the prefill" in f.error.reason and not f.quarantined
-    s.sender.layer_ready("x", 1, SRC_IDS, TOKENS)  # nothing is held any more
+    s.sender.layer_ready("x", 1, SRC_IDS, TOKENS, prompt_digest=PD)  # nothing is held any more
     time.sleep(0.2)
     assert len(s.gate.ended) == 1
 
@@ -407,7 +409,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
     from vllm_dcp2d.transfer import sockets
 
     boot, recv, rank = silent
-    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS)
+    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     wait_until(lambda: rank.seen)
     deadline_now(recv, "x")
     f = wait_fetch(recv, "x", 20)
@@ -421,7 +423,7 @@ def test_a_reconnect_to_the_dead_ranks_port_is_not_a_live_rank(silent):
         time.sleep(1.0)  # ZMQ reconnects (every 100 ms)
         fresh = FakeRank(boot.address, FP, lambda m: outcome(m, True, num_tokens=m.num_tokens, layers=L))
         try:
-            recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS)  # reads the new table
+            recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)  # reads the new table
             assert wait_fetch(recv, "y", 20).ok
             got = []
             wait_until(lambda: got.extend(recv.poll_lifted()) or got, 10)

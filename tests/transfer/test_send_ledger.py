@@ -21,8 +21,8 @@ KV = np.zeros((2, 8, 256), np.uint8)
 def request(key="k", attempt=1, engine="D", rank=0, size=1, tokens=40, wait_s=5.0) -> TransferRequest:
     regions = KVRegions.uniform([0, 1], KV.ctypes.data + np.arange(2) * KV[0].nbytes, 256)
     return TransferRequest.build(
-        regions=regions, memory=Memory([KV.ctypes.data], [KV.nbytes]), block_ids=np.arange(3), transfer_key=key,
-        attempt_id=attempt, engine_id=engine, consumer_rank=rank, consumer_size=size, session="s:1", dcp_size=1,
+        regions=regions, block_ids=np.arange(3), transfer_key=key,
+        attempt_id=attempt, engine_id=engine, consumer_rank=rank, consumer_size=size, dcp_size=1,
         dcp_rank=0, num_tokens=tokens, first_page=0, num_blocks=8, fingerprint=FP, wait_s=wait_s)
 
 

@@ -19,7 +19,7 @@ from vllm_dcp2d.plan import KVRegions, plan_path
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from tests.support.transfer import wait_fetch
+from tests.support.transfer import PD, wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -72,15 +72,15 @@ def wait_until(cond, timeout_s: float = 10.0) -> None:
 
 def test_layers_written_as_they_are_computed(pair):
     src, dst, sender, recv, boot = pair
-    recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS)
+    recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS, prompt_digest=PD)
     wait_until(lambda: sender.waiting("r") == 1)
     for layer in range(L):
-        sender.layer_ready("r", layer, SRC_IDS, NUM_TOKENS)
+        sender.layer_ready("r", layer, SRC_IDS, NUM_TOKENS, prompt_digest=PD)
         # this layer has landed before the request is complete; later layers have not
         wait_until(lambda: np.array_equal(dst[layer], expected_layer(src, layer)))
         assert not dst[layer + 1:].any()
         assert not recv.poll()  # no answer before add_request
-    sender.add_request("r", SRC_IDS, NUM_TOKENS)
+    sender.add_request("r", SRC_IDS, NUM_TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "r", 20)
     assert f.ok, f.error
     o = f.outcomes[0]
@@ -94,14 +94,14 @@ def test_layers_written_as_they_are_computed(pair):
 def test_remaining_layers_at_add_request(pair):
     """A fetch held mid-forward got the later layers early and the earlier ones at the end."""
     src, dst, sender, recv, boot = pair
-    sender.layer_ready("r", 0, SRC_IDS, NUM_TOKENS)  # before anyone asked: nothing to do
-    recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS)
+    sender.layer_ready("r", 0, SRC_IDS, NUM_TOKENS, prompt_digest=PD)  # before anyone asked: nothing to do
+    recv.start("r", boot, DST_IDS, num_tokens=NUM_TOKENS, prompt_digest=PD)
     wait_until(lambda: sender.waiting("r") == 1)
-    sender.layer_ready("r", 2, SRC_IDS, NUM_TOKENS)
-    sender.layer_ready("r", 3, SRC_IDS, NUM_TOKENS)
-    sender.layer_ready("r", L, SRC_IDS, NUM_TOKENS)  # not this rank's layer: ignored
+    sender.layer_ready("r", 2, SRC_IDS, NUM_TOKENS, prompt_digest=PD)
+    sender.layer_ready("r", 3, SRC_IDS, NUM_TOKENS, prompt_digest=PD)
+    sender.layer_ready("r", L, SRC_IDS, NUM_TOKENS, prompt_digest=PD)  # not this rank's layer: ignored
     wait_until(lambda: np.array_equal(dst[3], expected_layer(src, 3)))
-    sender.add_request("r", SRC_IDS, NUM_TOKENS)
+    sender.add_request("r", SRC_IDS, NUM_TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "r", 20)
     assert f.ok and f.outcomes[0].early_layers == 2
     assert all(np.array_equal(dst[x], expected_layer(src, x)) for x in range(L))
@@ -111,18 +111,18 @@ def test_held_fetch_expires_after_early_layers(pair):
     """Past wait_s the held fetch fails "not ready" even with layers written; a late
     layer_ready writes nothing more, and the sender serves the next request."""
     src, dst, sender, recv, boot = pair
-    recv.start("late", boot, DST_IDS, num_tokens=NUM_TOKENS, wait_s=0.5)
+    recv.start("late", boot, DST_IDS, num_tokens=NUM_TOKENS, wait_s=0.5, prompt_digest=PD)
     wait_until(lambda: sender.waiting("late") == 1)
-    sender.layer_ready("late", 0, SRC_IDS, NUM_TOKENS)
+    sender.layer_ready("late", 0, SRC_IDS, NUM_TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "late", 20)
     assert not f.ok and "not ready" in f.error.reason
     assert sender.waiting("late") == 0
     dst[:] = 0
-    sender.layer_ready("late", 1, SRC_IDS, NUM_TOKENS)
+    sender.layer_ready("late", 1, SRC_IDS, NUM_TOKENS, prompt_digest=PD)
     time.sleep(0.2)
     assert not dst.any()
-    sender.add_request("next", SRC_IDS, NUM_TOKENS)
-    recv.start("next", boot, DST_IDS, num_tokens=NUM_TOKENS)
+    sender.add_request("next", SRC_IDS, NUM_TOKENS, prompt_digest=PD)
+    recv.start("next", boot, DST_IDS, num_tokens=NUM_TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "next", 20)
     assert f.ok and f.outcomes[0].early_layers == 0
     assert all(np.array_equal(dst[x], expected_layer(src, x)) for x in range(L))
@@ -132,14 +132,14 @@ def test_deadline_cancels_held_fetch(pair):
     """A fetch past its deadline is cancelled on the prefill rank: it stops holding it,
     and a later layer_ready / add_request writes nothing into the freed blocks."""
     src, dst, sender, recv, boot = pair
-    recv.start("c", boot, DST_IDS, num_tokens=NUM_TOKENS)  # the rank would hold it for wait_s = 20 s
+    recv.start("c", boot, DST_IDS, num_tokens=NUM_TOKENS, prompt_digest=PD)  # the rank would hold it for wait_s = 20 s
     wait_until(lambda: sender.waiting("c") == 1)
     deadline_now(recv, "c")
     f = wait_fetch(recv, "c", 10)
     assert f.error.timed_out and f.seconds < 5
     assert sender.waiting("c") == 0
-    sender.layer_ready("c", 0, SRC_IDS, NUM_TOKENS)
-    sender.add_request("c", SRC_IDS, NUM_TOKENS)
+    sender.layer_ready("c", 0, SRC_IDS, NUM_TOKENS, prompt_digest=PD)
+    sender.add_request("c", SRC_IDS, NUM_TOKENS, prompt_digest=PD)
     time.sleep(0.3)
     assert not dst.any()
 
@@ -153,11 +153,11 @@ class SlowWrites:
         self.started = False
         self.go = threading.Event()
 
-    def write(self, peer, desc, stalls=None):
+    def write(self, peer, desc, stalls=None, not_after_ns=0):
         self.started = True
         time.sleep(self.delay_s)
         assert self.go.wait(30), "the test never let the write go"
-        return self.transport.write(peer, desc, stalls)
+        return self.transport.write(peer, desc, stalls, not_after_ns)
 
     def __getattr__(self, name):
         return getattr(self.transport, name)
@@ -168,8 +168,8 @@ def test_fetch_fails_only_after_the_write_in_flight(pair):
     its blocks) only once the rank confirmed the cancel, i.e. after its write finished."""
     src, dst, sender, recv, boot = pair
     slow = sender.transport = SlowWrites(sender.transport, 1.5)
-    sender.add_request("w", SRC_IDS, NUM_TOKENS)
-    recv.start("w", boot, DST_IDS, num_tokens=NUM_TOKENS)
+    sender.add_request("w", SRC_IDS, NUM_TOKENS, prompt_digest=PD)
+    recv.start("w", boot, DST_IDS, num_tokens=NUM_TOKENS, prompt_digest=PD)
     wait_until(lambda: slow.started)
     deadline_now(recv, "w")
     # the write goes on only once the receiver acted on the deadline (a loaded machine could

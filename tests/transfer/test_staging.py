@@ -21,7 +21,7 @@ from vllm_dcp2d.transfer.staging import MIN_GAIN, MIN_UNIT, Slot, stage
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.layout import cdiv
 from vllm_dcp2d.plan import Descriptors, KVRegions, Memory, plan_path
-from tests.support.transfer import wait_fetch
+from tests.support.transfer import PD, wait_fetch
 
 
 class Pools:
@@ -167,8 +167,8 @@ class Pair:
         self.boot, self.dcp_size = boot.address, dcp_size
 
     def fetch(self, key: str, src_ids, dst_ids):
-        self.sender.add_request(key, src_ids, TOKENS)
-        self.recv.start(key, self.boot, dst_ids, num_tokens=TOKENS)
+        self.sender.add_request(key, src_ids, TOKENS, prompt_digest=PD)
+        self.recv.start(key, self.boot, dst_ids, num_tokens=TOKENS, prompt_digest=PD)
         return wait_fetch(self.recv, key, 30)
 
     def expected(self, src_ids, dst_ids) -> np.ndarray:
@@ -234,7 +234,7 @@ class Ledger:
         if self.regs.pop(addr, None) is None:
             raise RuntimeError(f"{addr:#x} is not registered")
 
-    def write(self, peer, desc, stalls=None):
+    def write(self, peer, desc, stalls=None, not_after_ns=0):
         if self.outcome == "stall":
             stalls.append(-1)
         if self.outcome == "dead":

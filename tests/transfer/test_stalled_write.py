@@ -26,7 +26,7 @@ import pytest
 
 from tests.transfer.test_safety import DST_IDS, SRC_IDS, TOKENS, Side, deadline_now, released_then_unchanged, wait_until
 from vllm_dcp2d.transfer import send_ledger
-from tests.support.transfer import wait_fetch
+from tests.support.transfer import PD, wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -41,7 +41,7 @@ class StalledThenRetried:
         self.max_batch = real.max_batch
         self.ghosts: list = []
 
-    def write(self, peer, desc, stalls=None):
+    def write(self, peer, desc, stalls=None, not_after_ns=0):
         stalls.append(-1)
         self.ghosts.append((peer, desc))
         return self.real.write(peer, desc)
@@ -65,7 +65,7 @@ def stalled_side(stack, monkeypatch, **receiver_kw) -> tuple[Side, StalledThenRe
     s = Side(stack, receiver_kw=receiver_kw)
     net = StalledThenRetried(s.gate.transport)
     s.gate.transport = net
-    s.sender.add_request("x", SRC_IDS, TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     return s, net
 
 
@@ -98,7 +98,7 @@ def test_ok_answer_after_a_stalled_attempt_keeps_the_blocks_until_settled(stack,
     its blocks quarantined until the rank settles (vLLM recomputes in fresh blocks)."""
     s, net = stalled_side(stack, monkeypatch)
     s.gate.open()
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(s.recv, "x", 20)
     assert np.array_equal(s.dst, s.expected())  # the retry wrote everything
     hand_back_then_land(s, net, f)
@@ -112,7 +112,7 @@ def test_cancel_answered_after_a_stalled_attempt_keeps_the_blocks(stack, monkeyp
     stalled, the retry then succeeded and the cancel was answered within the grace.
     That answer must not release the blocks (they were reported as plain load errors)."""
     s, net = stalled_side(stack, monkeypatch, cancel_grace_s=20.0)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
     deadline_now(s.recv, "x")
     # The cancel reached the rank (no write of the fetch may start any more) while one runs.

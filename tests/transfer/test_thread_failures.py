@@ -27,12 +27,12 @@ from vllm_dcp2d.transfer import fetch as fetch_mod
 from vllm_dcp2d.transfer import sender as sender_mod
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.codec import fields_to_wire
-from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, CancelTransfer, MessageError, QueryRanks, RankTable,
+from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, CancelTransfer, MessageError, QueryRanks, RankTable, RegisterConsumer,
                                            Reply, TransferOutcome, TransferRequest, decode, encode)
 from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from tests.support.transfer import wait_fetch, writes_in_flight
+from tests.support.transfer import PD, wait_fetch, writes_in_flight
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
@@ -59,7 +59,7 @@ def receiver(stack, **kw) -> Receiver:
 
 
 def fetch_ok(r: Receiver, server, key: str, timeout_s: float = 10.0):
-    r.start(key, server.address, DST_IDS, num_tokens=TOKENS)
+    r.start(key, server.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(r, key, timeout_s)
     assert f.ok, f.error
     return f
@@ -79,7 +79,7 @@ def test_dead_rank_with_a_full_queue_never_blocks_the_receiver(stack, monkeypatc
         return any(isinstance(m, kind) and m.transfer_key == key for m in dead.seen)
 
     for i in range(6):  # one at a time: each is read by the rank before the next goes out
-        r.start(f"q{i}", dead_server.address, DST_IDS, num_tokens=TOKENS)
+        r.start(f"q{i}", dead_server.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
         wait_until(lambda: seen(TransferRequest, f"q{i}"))
         deadline_now(r, f"q{i}")
         wait_until(lambda: seen(CancelTransfer, f"q{i}"))
@@ -104,10 +104,10 @@ def test_malformed_bootstrap_address_fails_only_its_fetch(stack):
     rank = ok_rank(server)
     stack.callback(rank.close)
     for bad in ("tcp://127.0.0.1:notaport", "x"):
-        r.start("bad", bad, DST_IDS, num_tokens=TOKENS)
+        r.start("bad", bad, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
         f = wait_fetch(r, "bad", 10)
         assert not f.ok and bad in str(f.error), f.error
-        r.release("bad", bad, TOKENS)  # a release to it is dropped, not fatal
+        r.release("bad", bad, TOKENS, prompt_digest=PD)  # a release to it is dropped, not fatal
     fetch_ok(r, server, "good")
     assert not r.failed
 
@@ -117,13 +117,13 @@ def test_a_key_the_wire_refuses_fails_only_its_fetch(stack):
     a fetch waiting at the same rank is not touched (a peer's Reply used to fail
     every fetch in flight to it)."""
     s = Side(stack)
-    s.recv.start("waiting", s.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=30.0)
+    s.recv.start("waiting", s.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=30.0, prompt_digest=PD)
     wait_until(lambda: s.sender.waiting("waiting") == 1)
-    s.recv.start("k" * 600, s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.recv.start("k" * 600, s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(s.recv, "k" * 600, 10)
     assert not f.ok and "cannot send the request" in str(f.error) and "512" in str(f.error), f.error
     s.gate.open()
-    s.sender.add_request("waiting", SRC_IDS, TOKENS)
+    s.sender.add_request("waiting", SRC_IDS, TOKENS, prompt_digest=PD)
     assert wait_fetch(s.recv, "waiting", 20).ok
     assert np.array_equal(s.dst, s.expected())
 
@@ -140,7 +140,7 @@ def test_answer_naming_another_cp_rank_does_not_end_the_attempt(stack):
 
     rank = FakeRank(server.address, FP, impostor)
     stack.callback(rank.close)
-    r.start("x", server.address, DST_IDS, num_tokens=TOKENS)
+    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(r, "x", 5)
     assert not f.ok and "names cp rank 1" in str(f.error), f.error
     assert list(f.quarantined) == [0]
@@ -151,11 +151,11 @@ def test_engine_id_of_the_rank_table_must_match(stack):
     server = stack.enter_context(BootstrapServer())
     rank = ok_rank(server)
     stack.callback(rank.close)
-    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, remote_engine_id="prefill-before-restart")
+    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, remote_engine_id="prefill-before-restart", prompt_digest=PD)
     f = wait_fetch(r, "x", 10)
     assert not f.ok and "'prefill-before-restart'" in str(f.error) and "'P'" in str(f.error), f.error
     assert rank.seen == []  # nothing was asked of the wrong engine
-    r.start("y", server.address, DST_IDS, num_tokens=TOKENS, remote_engine_id="P")
+    r.start("y", server.address, DST_IDS, num_tokens=TOKENS, remote_engine_id="P", prompt_digest=PD)
     assert wait_fetch(r, "y", 10).ok
 
 
@@ -176,7 +176,7 @@ def test_an_unreadable_answer_fails_only_by_its_deadline(stack, monkeypatch):
             return super().unpack(frame, expect)
 
     monkeypatch.setattr(r, "auth", Once())
-    r.start("x", server.address, DST_IDS, num_tokens=TOKENS)
+    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(r, "x", 10)
     assert not f.ok and f.error.timed_out
     fetch_ok(r, server, "y")
@@ -187,7 +187,7 @@ def test_receiver_thread_that_dies_fails_its_fetches_and_refuses_new_ones(stack)
     server = stack.enter_context(BootstrapServer())
     rank = FakeRank(server.address, FP, None)
     stack.callback(rank.close)
-    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, timeout_s=60.0)
+    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, timeout_s=60.0, prompt_digest=PD)
     wait_until(lambda: rank.seen)
 
     def broken(*a):
@@ -200,7 +200,7 @@ def test_receiver_thread_that_dies_fails_its_fetches_and_refuses_new_ones(stack)
     assert list(f.quarantined) == [0]  # nobody hears its answer any more
     assert "injected outside every guard" in r.failed
     with pytest.raises(RuntimeError, match="receiver of DCP rank 0 is dead"):
-        r.start("y", server.address, DST_IDS, num_tokens=TOKENS)
+        r.start("y", server.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
 
 
 # ---- the prefill's sender threads ----
@@ -212,7 +212,7 @@ class Raising:
     def __init__(self, real, exc):
         self.real, self.exc = real, exc
 
-    def write(self, peer, desc, stalls=None):
+    def write(self, peer, desc, stalls=None, not_after_ns=0):
         raise self.exc
 
     def __getattr__(self, name):
@@ -228,14 +228,14 @@ def test_a_write_that_raises_anything_fails_only_its_fetch(stack):
     real = s.gate.transport
     s.gate.transport = Raising(real, TypeError("incompatible function arguments"))
     for i in range(3):
-        s.sender.add_request(f"bad{i}", SRC_IDS, TOKENS)
-        s.recv.start(f"bad{i}", s.boot.address, DST_IDS, num_tokens=TOKENS)
+        s.sender.add_request(f"bad{i}", SRC_IDS, TOKENS, prompt_digest=PD)
+        s.recv.start(f"bad{i}", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
         f = wait_fetch(s.recv, f"bad{i}", 10)
         assert not f.ok and "unexpected TypeError: incompatible function arguments" in str(f.error), f.error
     assert writes_in_flight(s.sender.ledger) == 0
     s.gate.transport = real
-    s.sender.add_request("good", SRC_IDS, TOKENS)
-    s.recv.start("good", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("good", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("good", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert wait_fetch(s.recv, "good", 10).ok and np.array_equal(s.dst, s.expected())
     s.sender.ledger.expire(now=time.monotonic() + 120)  # the failed requests can still be freed
     assert {k: v for k, v in s.sender.pop_finished().items() if k.startswith("bad")} == {
@@ -260,15 +260,15 @@ def test_an_exception_at_any_stage_fails_only_its_attempt(stack, monkeypatch, st
         return real(*a, **kw)
 
     monkeypatch.setattr(owner, name, once)
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(s.recv, "x", 10)
     assert not f.ok and f"injected into {stage}" in str(f.error), f.error
     # the same request asked again; once its outcome was built, a request is served once
     key = "y" if stage == "Sender._ok" else "x"
     if key == "y":
-        s.sender.add_request(key, SRC_IDS, TOKENS)
-    s.recv.start(key, s.boot.address, DST_IDS, num_tokens=TOKENS)
+        s.sender.add_request(key, SRC_IDS, TOKENS, prompt_digest=PD)
+    s.recv.start(key, s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert wait_fetch(s.recv, key, 10).ok and np.array_equal(s.dst, s.expected())
     assert not s.sender.failed
 
@@ -305,12 +305,14 @@ def _raw(req: TransferRequest, **fields) -> bytes:
     return msgpack.packb(wire, use_bin_type=True)
 
 
-def _ask(address: str, payload: bytes, more_ms: int = 0) -> TransferOutcome | Reply:
-    """Send one raw message and return its answer; with ``more_ms``, check that no
-    second answer follows within that time."""
+def _ask(address: str, payload: bytes, more_ms: int = 0, register: RegisterConsumer | None = None):
+    """Send one raw message (after ``register``, the connection's registration) and
+    return its answer; with ``more_ms``, check that no second answer follows within that time."""
     sock = sockets.socket(zmq.DEALER)
     try:
         sock.connect(address)
+        if register is not None:
+            sock.send(encode(register))
         sock.send(payload)
         assert sock.poll(10_000), "no answer"
         out = decode(sock.recv(), (TransferOutcome, Reply))
@@ -322,28 +324,33 @@ def _ask(address: str, payload: bytes, more_ms: int = 0) -> TransferOutcome | Re
 
 def _request(s: Side, attempt: int, key: str = "x") -> TransferRequest:
     return TransferRequest.build(
-        regions=regions(s.dst), memory=Memory([s.dst.ctypes.data], [s.dst.nbytes]), block_ids=DST_IDS,
+        regions=regions(s.dst), block_ids=DST_IDS,
         transfer_key=key, attempt_id=attempt, engine_id="D", consumer_rank=0, consumer_size=1,
-        session=s.recv.transport.session_id, dcp_size=1, dcp_rank=0, num_tokens=TOKENS, first_page=0,
-        num_blocks=8, fingerprint=FP, wait_s=0.0)
+        dcp_size=1, dcp_rank=0, num_tokens=TOKENS, first_page=0,
+        num_blocks=8, fingerprint=FP, wait_s=0.0, prompt_digest=PD)
+
+
+def _registration(session: str, dst: np.ndarray) -> RegisterConsumer:
+    return RegisterConsumer.of("D", session, Memory([dst.ctypes.data], [dst.nbytes]))
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"base": [(1 << 63) - 1000, (1 << 63) - 500]}, "overflows int64"),
-    ({"page_stride": [1 << 60]}, "overflows int64|not inside the memory"),
-    ({"num_blocks": 9}, "not inside the memory the consumer registered"),
-    ({"block_ids": [7, 1, 4, 8]}, "block_ids must be < num_blocks=8, got 8"),
-    ({"base": [16, 272]}, "not inside the memory the consumer registered"),
+    ({"base": [(1 << 63) - 1000, (1 << 63) - 500]}, "rejected message.*overflows int64"),
+    ({"page_stride": [1 << 60]}, "overflows int64|not inside the memory this connection registered"),
+    ({"num_blocks": 9}, "not inside the memory this connection registered"),
+    ({"block_ids": [7, 1, 4, 8]}, "rejected message.*block_ids must be < num_blocks=8, got 8"),
+    ({"base": [16, 272]}, "not inside the memory this connection registered"),
 ])
 def test_request_outside_registered_memory_is_refused_by_name(stack, fields, match):
     s = Side(stack)
     s.gate.open()
-    s.sender.add_request("x", SRC_IDS, TOKENS)
-    out = _ask(s.sender.address, _raw(_request(s, 41), **fields))
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    me = _registration(s.recv.transport.session_id, s.dst)
+    out = _ask(s.sender.address, _raw(_request(s, 41), **fields), register=me)
     assert isinstance(out, TransferOutcome) and out.attempt_id == 41 and not out.ok
-    assert "rejected message" in out.reason and __import__("re").search(match, out.reason), out.reason
+    assert __import__("re").search(match, out.reason), out.reason
     assert not s.gate.entered.is_set() and not s.dst.any()  # nothing was planned, nothing written
-    out = _ask(s.sender.address, encode(_request(s, 42)))  # the same request, well-formed
+    out = _ask(s.sender.address, encode(_request(s, 42)), register=me)  # the same request, well-formed
     assert out.ok and np.array_equal(s.dst, s.expected())
 
 
@@ -379,9 +386,9 @@ class Recording:
     def __init__(self, real):
         self.real, self.writes = real, []
 
-    def write(self, peer, desc, stalls=None):
+    def write(self, peer, desc, stalls=None, not_after_ns=0):
         self.writes.append((desc.dst.copy(), desc.length.copy()))
-        return self.real.write(peer, desc, stalls)
+        return self.real.write(peer, desc, stalls, not_after_ns)
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -406,7 +413,7 @@ def fuzz_side():
         rec = Recording(tp)
         sender = Sender(rec, regions(src), FP, engine_id="P", cp_rank=0, cp_size=1)
         stack.callback(sender.close)
-        sender.add_request("x", SRC_IDS, TOKENS)
+        sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
         yield sender, rec, td, buf, dst
 
 
@@ -419,10 +426,10 @@ def test_fuzz_sender_never_writes_outside_registered_memory(fuzz_side, data):
     sender, rec, td, buf, dst = fuzz_side
     n = next(_attempts)
     honest = TransferRequest.build(
-        regions=regions(dst), memory=Memory([dst.ctypes.data], [dst.nbytes]), block_ids=DST_IDS,
+        regions=regions(dst), block_ids=DST_IDS,
         transfer_key="x", attempt_id=n, engine_id=f"D{n}", consumer_rank=0, consumer_size=2,
-        session=td.session_id, dcp_size=1, dcp_rank=0, num_tokens=TOKENS, first_page=0, num_blocks=8,
-        fingerprint=FP, wait_s=0.0)
+        dcp_size=1, dcp_rank=0, num_tokens=TOKENS, first_page=0, num_blocks=8,
+        fingerprint=FP, wait_s=0.0, prompt_digest=PD)
     edits = {}
     if data.draw(st.booleans(), "edit block_ids"):
         edits["block_ids"] = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=12), "block_ids")
@@ -442,7 +449,7 @@ def test_fuzz_sender_never_writes_outside_registered_memory(fuzz_side, data):
     if data.draw(st.booleans(), "edit num_tokens"):
         edits["num_tokens"] = data.draw(st.integers(0, 8 * 16), "num_tokens")
     before = len(rec.writes)
-    out = _ask(sender.address, _raw(honest, **edits), more_ms=30)
+    out = _ask(sender.address, _raw(honest, **edits), more_ms=30, register=_registration(td.session_id, dst))
     assert isinstance(out, TransferOutcome) and out.attempt_id == n, out
     assert not sender.failed
     lo, hi = dst.ctypes.data, dst.ctypes.data + dst.nbytes

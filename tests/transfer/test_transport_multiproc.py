@@ -14,10 +14,12 @@ import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer.messages import PROTOCOL_VERSION, Reply, TransferOutcome, TransferRequest, decode, encode
+from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, RegisterConsumer, Reply, TransferOutcome, TransferRequest,
+                                           decode, encode)
 from vllm_dcp2d.layout import cdiv
 
 from tests.support.xfer_procs import PAGE_BYTES, DecodeRank, PrefillRank, Proc, expect_fetch, fingerprint, full_kv
+from tests.support.transfer import PD
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiproc]
 os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -153,7 +155,7 @@ def test_fetch_before_prefill_done_waits(cluster):
 @pytest.mark.timeout(60)
 def test_unknown_request_and_not_ready(cluster):
     res = cluster.decode["decB", 0].call("fetch", "ghost", cluster.bootstrap, [0, 1], 0, 10.0, 0.0)
-    assert not res["ok"] and "unknown request id 'ghost'" in res["error"]
+    assert not res["ok"] and "no request 'ghost' for this prompt" in res["error"]
     assert res["cp_rank"] in (0, 1) and res["seconds"] < 2
     t0 = time.monotonic()
     res = cluster.decode["decB", 0].call("fetch", "ghost", cluster.bootstrap, [0, 1], 0, 10.0, 0.5)
@@ -171,11 +173,11 @@ def test_fingerprint_mismatch(cluster):
     assert "kv_dtype: ours 'bfloat16', peer 'uint8'" in res["error"], res["error"]
     # The producer checks too (a consumer that skips the bootstrap check): direct request.
     regions, memory = _fake_regions()
-    req = TransferRequest.build(regions=regions, memory=memory, num_blocks=8, transfer_key="fp", attempt_id=1,
-                                engine_id="x", consumer_rank=0, consumer_size=1, session="127.0.0.1:1", dcp_size=1,
+    req = TransferRequest.build(regions=regions, num_blocks=8, transfer_key="fp", attempt_id=1,
+                                engine_id="x", consumer_rank=0, consumer_size=1, dcp_size=1,
                                 dcp_rank=0, block_ids=np.arange(8), num_tokens=8 * 16, first_page=0,
-                                fingerprint=fingerprint(num_layers=6), wait_s=0.0)
-    out = bs.request(cluster.prefill[1].call("info")["address"], req, (TransferOutcome, Reply), 5.0)
+                                fingerprint=fingerprint(num_layers=6), wait_s=0.0, prompt_digest=PD)
+    out = _registered_request(cluster.prefill[1].call("info")["address"], memory, req)
     assert isinstance(out, TransferOutcome) and not out.ok
     assert "num_layers: ours 5, peer 6" in out.reason and out.cp_rank == 1
     # ...and the same request id still serves a matching consumer.
@@ -185,6 +187,19 @@ def test_fingerprint_mismatch(cluster):
 
 
 _FAKE_KV = np.zeros((L, 8, 1024), np.uint8)  # never written: the request fails its fingerprint check
+
+
+def _registered_request(address: str, memory, req):
+    """``req`` on a fresh link registered as a session on this host with ``memory``; its answer."""
+    sock = sockets.socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+        sock.send(encode(RegisterConsumer.of("x", "127.0.0.1:1", memory)))
+        sock.send(encode(req))
+        assert sock.poll(5000), "no answer"
+        return decode(sock.recv(), (TransferOutcome, Reply))
+    finally:
+        sock.close()
 
 
 def _fake_regions():
@@ -200,7 +215,7 @@ def test_malformed_and_version_mismatch(cluster):
     good = encode(Reply(True, ""))
     other = good.replace(bytes([0xA1, ord("v"), PROTOCOL_VERSION]), bytes([0xA1, ord("v"), PROTOCOL_VERSION + 1]))
     for junk, match in [(b"\x00\xffjunk", "not a valid msgpack"), (other, f"unsupported protocol version {PROTOCOL_VERSION + 1}"),
-                        (good, "expected TransferRequest/CancelTransfer/ReleaseTransfer, got Reply")]:
+                        (good, "expected RegisterConsumer/TransferRequest/CancelTransfer/ReleaseTransfer, got Reply")]:
         sock = sockets.socket(zmq.DEALER)
         sock.connect(address)
         sock.send(junk)

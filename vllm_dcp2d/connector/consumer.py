@@ -41,6 +41,7 @@ class ConsumerWorker:
         self._loading: dict[str, tuple[str, list[int], int]] = {}  # transfer key -> (req id, blocks, first page)
         self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
         self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
+        self._reported_quarantines = False  # the last step reported an age: report 0 once none is left
         self._meta = DCP2DWorkerMeta()
         self._first_run: list[str] = []  # the bound step's DCP2DMetadata.first_run
         self._failed: set[str] = set()
@@ -54,7 +55,8 @@ class ConsumerWorker:
                                  dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                                  timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
                                  cancel_grace_s=self.cfg.cancel_grace_s, on_output=ring,
-                                 heads=self.heads, auth=self.auth, verify=self.cfg.verify_kv)
+                                 heads=self.heads, auth=self.auth, verify=self.cfg.verify_kv,
+                                 fence_s=self.cfg.fence_s, max_quarantined_blocks=self.cfg.max_quarantined_blocks)
         log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d, KV heads [%d, %d) of %d", self.tp_rank,
                  self.dcp_rank, self.dcp_size, self.heads.start, self.heads.stop, self.num_kv_heads)
 
@@ -121,10 +123,16 @@ class ConsumerWorker:
                 else:
                     self._fail(req_id, f.transfer_key, f, block_ids, first_page)
                     self._release(f.transfer_key, f.bootstrap, f.num_tokens, f.remote_engine_id, f.prompt_digest)
+            now = time.monotonic()
             for f in lifted:
                 _, req_id, n = self._quarantines.pop(id(f))
                 self._meta.lifted.add((req_id, self.tp_rank))
                 self.stats.count("lifted", n)
+                self.stats.record_stage("quarantine_seconds", now - f.started - f.seconds)
+            if self._quarantines or self._reported_quarantines:
+                ended = [f.started + f.seconds for f, _, _ in self._quarantines.values()]
+                self.stats.record_level("quarantine_oldest_seconds", now - min(ended) if ended else 0.0)
+                self._reported_quarantines = bool(self._quarantines)
         refused, self._refused = self._refused, []
         for req_id, spec, why in refused:
             recving.add(req_id)

@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm_dcp2d.vllm_compat.connector_api import KVConnectorPromMetrics
 
-from vllm_dcp2d.connector.stats import parse_path_key
+from vllm_dcp2d.connector.stats import LEVELS, parse_path_key
 
 __all__ = ["METRICS", "Metric", "DCP2DPromMetrics", "WRITE_SECONDS_BUCKETS", "exposed_names", "markdown_table"]
 
@@ -97,6 +97,12 @@ METRICS: tuple[Metric, ...] = (
            "Quarantined blocks given back once their prefill rank settled (the quarantine lifted)."),
     Metric("vllm:dcp2d_blocks_in_quarantine", "gauge", False, "decode", "quarantined - lifted",
            "Blocks in quarantine now (out of use): quarantined minus lifted since start."),
+    Metric("vllm:dcp2d_quarantine_oldest_seconds", "gauge", False, "decode", "quarantine_oldest_seconds",
+           "Age of the oldest quarantine now, the largest over the decode's TP ranks (0 when none): it lifts at "
+           "the latest `fence_s` after its fetch's deadline, so a value growing past that is a bug."),
+    Metric("vllm:dcp2d_quarantine_seconds", "histogram", False, "decode", "quarantine_seconds",
+           "Seconds each quarantine lasted, from its fetch's end to the lift (its prefill rank settled, was "
+           "seen restarted, or the fence passed)."),
     Metric("vllm:dcp2d_prefix_broadcast_bytes", "counter", False, "prefill", "prefix_broadcast_bytes",
            "Layer-split storage: bytes sent or received over the TP group filling transient layer slots."),
     Metric("vllm:dcp2d_stalls", "counter", False, "prefill", "stalls",
@@ -155,9 +161,11 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
                 metric = self._histogram_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
                                              buckets=list(WRITE_SECONDS_BUCKETS))
             elif m.kind == "gauge":
-                # Each front-end process holds the deltas it was sent: their sum is the level.
+                # Each front-end process holds the deltas it was sent: their sum is the level; a
+                # level itself (an age) is set, and across processes the largest counts.
+                mode = "livemax" if m.source in LEVELS else "livesum"
                 metric = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
-                                         multiprocess_mode="livesum")
+                                         multiprocess_mode=mode)
             else:
                 metric = self._counter_cls(name=m.name, documentation=m.doc, labelnames=labelnames)
             # Children created now, so every instance metric shows (at 0) from start-up.
@@ -188,3 +196,6 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
         level = data["quarantined"] - data["lifted"]
         if level:
             self._inst["quarantined - lifted"][engine_idx].inc(level)
+        for source in LEVELS:
+            if data.get(source):
+                self._inst[source][engine_idx].set(max(data[source]))

@@ -27,7 +27,7 @@ from typing import Any
 
 from vllm_dcp2d.vllm_compat.connector_api import KVConnectorStats
 
-__all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVATIONS"]
+__all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVATIONS", "LEVELS"]
 
 _COUNTERS = ("failed", "expired", "quarantined", "lifted", "prefix_broadcast_bytes", "stalls", "retries",
              "unauthenticated", "corrupt")
@@ -35,7 +35,9 @@ _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "second
 # Per-request stage durations (issue 29): a decode rank's, one observation per fetch; a prefill
 # rank's, one per request it held blocks for.
 _TIMERS = ("fetch_seconds", "reported_after_seconds", "held_seconds", "handover_seconds", "admit_seconds",
-           "resume_seconds", "first_step_seconds")
+           "resume_seconds", "first_step_seconds", "quarantine_seconds")
+# Levels each TP rank reports every step while they matter; the front-end keeps the largest.
+LEVELS = ("quarantine_oldest_seconds",)
 # Write durations kept per path between two snapshots, for the histogram. A
 # snapshot covers one engine step, so a path sees at most one write per request
 # per TP rank in it; past this bound the oldest are dropped (the log line's
@@ -91,6 +93,9 @@ class DCP2DStats(KVConnectorStats):
                  request handed to the senders: until every decode rank was served,
                  released it, or it expired. Each at most ``MAX_OBSERVATIONS`` per
                  snapshot, like ``write_seconds``.
+    quarantine_seconds: decode, per quarantine that lifted: from its fetch's end to the lift.
+    quarantine_oldest_seconds: decode, each TP rank's oldest quarantine's age now ([0.0] once
+                 after its last one lifted; [] when it had none): a stuck one shows growing.
     """
 
     def __post_init__(self):
@@ -108,7 +113,7 @@ class DCP2DStats(KVConnectorStats):
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        self.data = {"paths": {}, **dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _TIMERS}}
+        self.data = {"paths": {}, **dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _TIMERS + LEVELS}}
 
     def record_path(self, cp_rank: int, dcp_rank: int, nbytes: int, descriptors: int, seconds: float,
                     replicated_bytes: int = 0) -> None:
@@ -141,6 +146,13 @@ class DCP2DStats(KVConnectorStats):
             raise KeyError(f"stats timer {timer!r}: expected one of {_TIMERS}")
         self._observe(timer, seconds)
 
+    def record_level(self, level: str, value: float) -> None:
+        """This rank's ``level`` (one of ``LEVELS``) now."""
+        if level not in LEVELS:
+            raise KeyError(f"stats level {level!r}: expected one of {LEVELS}")
+        with self._lock:
+            self.data[level] = [float(value)]
+
     def _observe(self, timer: str, value: float) -> None:
         with self._lock:
             obs = self.data[timer]
@@ -162,7 +174,7 @@ class DCP2DStats(KVConnectorStats):
         return snap
 
     def is_empty(self) -> bool:
-        return not self.data["paths"] and not any(self.data[k] for k in _COUNTERS + _TIMERS)
+        return not self.data["paths"] and not any(self.data[k] for k in _COUNTERS + _TIMERS + LEVELS)
 
     def aggregate(self, other: KVConnectorStats) -> DCP2DStats:
         """Fold ``other`` (another TP rank, or a later interval) into ``self``."""
@@ -178,6 +190,8 @@ class DCP2DStats(KVConnectorStats):
                 self.data[k] += other.data[k]
             for k in _TIMERS:
                 self.data[k] = (self.data[k] + other.data[k])[-MAX_OBSERVATIONS:]
+            for k in LEVELS:  # the ranks' and later steps' levels: the front-end keeps the largest of a step
+                self.data[k] = (self.data[k] + other.data.get(k, []))[-MAX_OBSERVATIONS:]
         return self
 
     def reduce(self) -> dict[str, int | float]:

@@ -20,6 +20,7 @@ from vllm_dcp2d.transfer.messages import RankTable
 __all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
 
 CORRUPT = "KV checksum mismatch"
+REGISTER_EVERY_S = 60.0  # a link registers its session again this often (the prefill drops idle ones)
 CANCEL_RESEND_MAX_S = 30.0  # a quarantining rank is asked again after 1, 2, 4, ... 30 s
 SEND_HWM = 1000  # messages queued to one rank (ZMQ's default); past it a send fails instead of blocking
 
@@ -51,7 +52,7 @@ class Fetch:
     block_ids: tuple  # int64 arrays: this rank's block table of each KV cache group
     num_tokens: int
     first_page: int
-    deadline: float
+    deadline: float   # monotonic; the fence (``TransferRequest.not_after_ns``) is the same instant
     wait_s: float
     prompt_digest: str = ""  # messages.prompt_digest of the prompt here
     started: float = field(default_factory=time.monotonic)
@@ -66,6 +67,11 @@ class Fetch:
     settle_by: float = 0.0
     quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
     unsettled: dict = field(default_factory=dict)    # quarantined cp_rank -> (rank address, attempt_id), until it settles
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of its block tables: what its quarantine can keep out of use."""
+        return sum(int(t.size) for t in self.block_ids)
 
     @property
     def ok(self) -> bool:
@@ -97,6 +103,19 @@ class Rank:
         self.cancel_at = 0.0                  # when the quarantined attempts' cancels go out again
         self.used = time.monotonic()          # last asked or heard from (``Receiver`` closes idle links)
         self.backoff = sockets.Backoff(CANCEL_RESEND_MAX_S)
+        self.registered = ""                  # the Mooncake session this link last registered
+        self.registered_at = 0.0
+
+    def register(self, msg) -> bool:
+        """Send ``msg`` (a ``RegisterConsumer``) unless this link registered its session
+        within ``REGISTER_EVERY_S``; False if the link's queue is full."""
+        now = time.monotonic()
+        if msg.session == self.registered and now - self.registered_at < REGISTER_EVERY_S:
+            return True
+        if not self.send(msg):
+            return False
+        self.registered, self.registered_at = msg.session, now
+        return True
 
     def send(self, msg) -> bool:
         """Queue ``msg`` without blocking; False if ``SEND_HWM`` messages already wait

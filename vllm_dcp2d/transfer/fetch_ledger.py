@@ -19,8 +19,12 @@ Invariants (each tested directly in ``tests/transfer/test_fetch_ledger.py``)
 2. A quarantined attempt (no answer to its cancel in time, or an answer
    ``settled=False``) keeps the fetch's blocks out of use: the fetch reaches
    ``poll_lifted`` only once each of them settled (answered its cancel settled,
-   or its rank was seen restarted), and never before it reached ``poll``.
+   its rank was seen restarted, or its fence passed: ``settle_fenced``), and never
+   before it reached ``poll``.
 3. Each fetch is reported by ``poll`` once, and by ``poll_lifted`` at most once.
+4. A quarantine ends: every quarantined attempt settles at the latest ``fence_s``
+   after its fetch's deadline, when no write of it can still land (no prefill rank
+   starts one after the deadline, and one started before it ended by then).
 """
 
 from __future__ import annotations
@@ -159,6 +163,20 @@ class FetchLedger:
             if f.bootstrap == bootstrap:
                 lifted = self.settle((addr, attempt), how) or lifted
         return lifted
+
+    def settle_fenced(self, now: float, fence_s: float) -> bool:
+        """Settle every quarantined attempt whose fetch's deadline is ``fence_s`` past
+        (invariant 4). Returns whether a quarantine lifted."""
+        lifted = False
+        for where, (f, _) in list(self._unsettled.items()):
+            if f.deadline + fence_s <= now:
+                lifted = self.settle(where, f"its fence passed ({fence_s:.0f}s after the fetch's deadline)") or lifted
+        return lifted
+
+    def quarantined_blocks(self, bootstrap: str) -> int:
+        """Blocks kept quarantined by attempts of fetches from ``bootstrap`` (each fetch once)."""
+        fetches = {id(f): f for f, _ in self._unsettled.values() if f.bootstrap == bootstrap}
+        return sum(f.blocks for f in fetches.values())
 
     def busy(self, addr: str) -> bool:
         """Whether anything is in flight or quarantined on ``addr``."""

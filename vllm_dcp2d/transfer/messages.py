@@ -11,8 +11,9 @@ and range, and the size of every string, list and array; any malformed or
 hostile input raises :class:`MessageError` (and nothing else), with memory
 bounded by ``MAX_MESSAGE_BYTES``.
 
-The message types: ``TransferRequest`` (a decode rank's attempt at one prefill
-rank) and its one ``TransferOutcome``, ``CancelTransfer``, ``ReleaseTransfer``; the
+The message types: ``RegisterConsumer`` (where a decode rank's side channel gets its
+writes), ``TransferRequest`` (a decode rank's attempt at one prefill rank) and its one
+``TransferOutcome``, ``CancelTransfer``, ``ReleaseTransfer``; the
 bootstrap's ``RegisterRank``, ``QueryRanks``, ``RankTable``, ``Reply``; and the
 ``Fingerprint`` both sides compare. Over ~400 lines on purpose: this is the whole
 wire schema, every type beside the version history that names its changes, read
@@ -36,7 +37,8 @@ from vllm_dcp2d.plan import KVRegions, Memory, block_tables, region_ends
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
-    "TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer", "RegisterRank", "QueryRanks", "RankTable", "Reply",
+    "RegisterConsumer", "TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer", "RegisterRank",
+    "QueryRanks", "RankTable", "Reply",
     "encode", "decode", "attempt_of", "clip", "prompt_digest", "MAX_NAME", "MAX_REASON",
 ]
 
@@ -61,8 +63,11 @@ __all__ = [
 # reshard (issue 39): TransferRequest.head_count/head_runs (where heads sit in the consumer's
 # pages); a producer serves a request whose heads intersect its own (was: equal), writing
 # only the common heads; Fingerprint.page_bytes and layout are compared per KV head when
-# the two ranks' pages hold different head counts.
-PROTOCOL_VERSION = 8
+# the two ranks' pages hold different head counts. 9 = writes only where the asking decode
+# registered (issue 48): ``RegisterConsumer`` carries a side channel's Mooncake session and
+# registered memory, once per connection; TransferRequest loses session/memory_addr/memory_bytes
+# and gains not_after_ns (the fence: the producer starts no write of the attempt after it).
+PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
 MAX_COUNT = 1 << 48        # pages, bytes, descriptors
@@ -181,6 +186,54 @@ class Fingerprint(_Message):
 
 
 @dataclass(frozen=True, eq=False)
+class RegisterConsumer(_Message):
+    """Decode rank -> prefill CP rank, first on each side channel (again when its Mooncake
+    session changes, and every ``fetch.REGISTER_EVERY_S``): where the ``TransferRequest``s of
+    this connection are written. The producer writes only there: a request cannot name
+    another session or memory (docs/security.md). Without a secret the producer takes only a
+    session whose host is the address the connection comes from, and never one of its own.
+
+    engine_id:     the consumer (decode instance); with a secret it names the source whose
+                   open attempts and bytes are capped (else the connection's address does).
+    session:       the consumer's Mooncake session ``host:rpc_port``.
+    memory_addr, memory_bytes: int64 ``[m]`` the ranges the consumer registered with
+                   Mooncake; every request's regions (``num_blocks`` blocks each) must lie
+                   inside one of them (``TransferRequest.check_inside``).
+    """
+
+    engine_id: str
+    session: str
+    memory_addr: np.ndarray
+    memory_bytes: np.ndarray
+
+    SCHEMA = {"engine_id": _NAME, "session": Str(256), "memory_addr": Ids(MAX_RANGES, lo=1, min_n=1),
+              "memory_bytes": Ids(MAX_RANGES, lo=1, min_n=1)}
+
+    @classmethod
+    def of(cls, engine_id: str, session: str, memory: Memory) -> RegisterConsumer:
+        return cls(engine_id, session, memory.addr, memory.nbytes)
+
+    def memory(self) -> Memory:
+        return Memory(self.memory_addr, self.memory_bytes)
+
+    def host(self) -> str:
+        """The host part of ``session`` (``host:port``; an IPv6 host may be bracketed)."""
+        return self.session.rpartition(":")[0].strip("[]")
+
+    def validate(self) -> None:
+        host, _, port = self.session.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise MessageError(f"session must be 'host:port' with a port in [1, 65535], got {self.session!r}")
+        if self.memory_addr.size != self.memory_bytes.size:
+            raise MessageError(f"memory_addr has {self.memory_addr.size} ranges, memory_bytes "
+                               f"{self.memory_bytes.size}")
+        try:
+            self.memory()
+        except ValueError as e:
+            raise MessageError(f"memory_addr/memory_bytes: {e}") from None
+
+
+@dataclass(frozen=True, eq=False)
 class TransferRequest(_Message):
     """Decode DCP rank -> one prefill CP rank: "write your layers of my pages".
 
@@ -191,7 +244,6 @@ class TransferRequest(_Message):
     consumer_rank, consumer_size: this worker and how many workers of the consumer
                    fetch the request (e.g. decode TP size); the producer frees the
                    request once all of them got their pages.
-    session:       consumer's Mooncake session id ``host:rpc_port``.
     dcp_size, dcp_rank: the consumer's DCP topology, per request (design §6.7).
     block_ids:     int64 ``[n]`` the consumer's block tables, one per KV cache group,
                    concatenated (``group_sizes``). In a DCP-sharded group page ``i``
@@ -201,10 +253,9 @@ class TransferRequest(_Message):
     num_tokens:    prompt tokens the consumer expects; the producer fails the
                    fetch if its request holds another count.
     first_page:    first sequence page to send (earlier ones are cached on decode).
-    num_blocks:    blocks of each of the consumer's regions; every block id is below it.
-    memory_addr, memory_bytes: int64 ``[m]`` the ranges the consumer registered with
-                   Mooncake; every region's ``num_blocks`` blocks lie inside one of them,
-                   so no planned write can land outside (``validate``).
+    num_blocks:    blocks of each of the consumer's regions; every block id is below it, and
+                   every region's ``num_blocks`` blocks lie inside the memory the connection
+                   registered (``RegisterConsumer``; ``check_inside``).
     layer_ids:     int64 ``[L]``; base: int64 ``[L*R]`` row-major ``[L, R]``;
     page_stride, page_bytes: int64 ``[R]``; layer_group: int64 ``[L]``;
     group_sharded: int64 ``[G]`` (1 or 0): the consumer's ``KVRegions``.
@@ -218,6 +269,9 @@ class TransferRequest(_Message):
     prompt_digest: ``prompt_digest`` of the prompt the consumer expects; the producer
                    refuses a request whose prompt differs, before any write.
     verify:        ask for the checksum of what is written (``TransferOutcome.checksum``).
+    not_after_ns:  the fence (docs/connector.md, "Block lifetime"): wall-clock ns (``time.time_ns``,
+                   the consumer's clock) after which the producer starts no write of this
+                   attempt; 0 = the producer's own bound (arrival + its longest wait + its expiry).
     head_count, head_runs: int64 ``[R]``: the consumer's ``KVRegions.head_count/head_runs``
                    (where its heads sit in a page; default 1 each). Each head count is at most
                    the rank's ``head_end - head_start``, each run count at most the page's tokens.
@@ -228,7 +282,6 @@ class TransferRequest(_Message):
     engine_id: str
     consumer_rank: int
     consumer_size: int
-    session: str
     dcp_size: int
     dcp_rank: int
     block_ids: np.ndarray
@@ -236,8 +289,6 @@ class TransferRequest(_Message):
     num_tokens: int
     first_page: int
     num_blocks: int
-    memory_addr: np.ndarray
-    memory_bytes: np.ndarray
     layer_ids: np.ndarray
     base: np.ndarray
     page_stride: np.ndarray
@@ -250,15 +301,15 @@ class TransferRequest(_Message):
     head_end: int = 0
     prompt_digest: str = ""
     verify: bool = False
+    not_after_ns: int = 0
     head_count: np.ndarray | None = None
     head_runs: np.ndarray | None = None
 
     SCHEMA = {"transfer_key": _NAME, "attempt_id": Int(0, MAX_ADDR), "engine_id": _NAME,
-              "consumer_rank": Int(0, 1 << 16), "consumer_size": Int(1, 1 << 16), "session": Str(256),
+              "consumer_rank": Int(0, 1 << 16), "consumer_size": Int(1, 1 << 16),
               "dcp_size": Int(1, 1 << 12), "dcp_rank": Int(0, 1 << 12), "block_ids": Ids(MAX_IDS, hi=MAX_COUNT),
               "num_tokens": Int(0, MAX_COUNT), "first_page": Int(0, MAX_COUNT), "num_blocks": Int(1, MAX_IDS),
-              "memory_addr": Ids(MAX_RANGES, lo=1, min_n=1), "memory_bytes": Ids(MAX_RANGES, lo=1, min_n=1),
-              "layer_ids": Ids(1 << 16, hi=1 << 16, min_n=1),
+              "not_after_ns": Int(0, MAX_ADDR), "layer_ids": Ids(1 << 16, hi=1 << 16, min_n=1),
               "base": Ids(1 << 20, min_n=1), "page_stride": Ids(64, lo=1, min_n=1),
               "page_bytes": Ids(64, lo=1, min_n=1), "fingerprint": Nested(Fingerprint),
               "wait_s": Float(3600.0), "group_sizes": Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),
@@ -275,12 +326,11 @@ class TransferRequest(_Message):
                 object.__setattr__(self, name, np.ones(np.asarray(self.page_stride).size, dtype=np.int64))
 
     @classmethod
-    def build(cls, *, regions: KVRegions, memory: Memory, block_ids, **kw) -> TransferRequest:
-        """Fill the KV fields from ``regions`` and ``memory`` (what the consumer
-        registered); ``block_ids``: an int sequence (one group) or a tuple of them,
-        one per group of ``regions``."""
+    def build(cls, *, regions: KVRegions, block_ids, **kw) -> TransferRequest:
+        """Fill the KV fields from ``regions``; ``block_ids``: an int sequence (one group)
+        or a tuple of them, one per group of ``regions``."""
         tables = block_tables("block_ids", block_ids, regions.num_groups)
-        return cls(layer_ids=regions.layer_ids, memory_addr=memory.addr, memory_bytes=memory.nbytes, base=regions.base.reshape(-1), page_stride=regions.page_stride,
+        return cls(layer_ids=regions.layer_ids, base=regions.base.reshape(-1), page_stride=regions.page_stride,
                    page_bytes=regions.page_bytes, layer_group=regions.layer_group,
                    group_sharded=regions.group_sharded.astype(np.int64), head_count=regions.head_count,
                    head_runs=regions.head_runs, block_ids=np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64),
@@ -329,21 +379,23 @@ class TransferRequest(_Message):
             raise MessageError(f"bad KV regions: {e}") from None
         if self.block_ids.size and int(self.block_ids.max()) >= self.num_blocks:
             raise MessageError(f"block_ids must be < num_blocks={self.num_blocks}, got {int(self.block_ids.max())}")
-        if self.memory_addr.size != self.memory_bytes.size:
-            raise MessageError(f"memory_addr has {self.memory_addr.size} ranges, memory_bytes "
-                               f"{self.memory_bytes.size}")
         try:
-            memory = Memory(self.memory_addr, self.memory_bytes)
-            ends = region_ends(regions, self.num_blocks)
+            region_ends(regions, self.num_blocks)
         except ValueError as e:
-            raise MessageError(f"memory_addr/memory_bytes, base, page_stride, num_blocks: {e}") from None
+            raise MessageError(f"base, page_stride, num_blocks: {e}") from None
+
+    def check_inside(self, memory: Memory) -> None:
+        """Raise ``MessageError`` unless every region's ``num_blocks`` blocks lie inside
+        ``memory`` (what the connection registered): then no planned write can land outside."""
+        regions = self.regions()
+        ends = region_ends(regions, self.num_blocks)
         inside = memory.holds(regions.base.reshape(-1), (ends - regions.base).reshape(-1)).reshape(ends.shape)
         if not inside.all():
             k, j = map(int, np.argwhere(~inside)[0])
             raise MessageError(f"layer {int(regions.layer_ids[k])} region {j}: [{int(regions.base[k, j]):#x}, "
                                f"{int(ends[k, j]):#x}) ({self.num_blocks} blocks of page_stride "
-                               f"{int(regions.page_stride[j])}) is not inside the memory the consumer registered "
-                               f"(memory_addr/memory_bytes)")
+                               f"{int(regions.page_stride[j])}) is not inside the memory this connection "
+                               f"registered (RegisterConsumer)")
 
 
 @dataclass(frozen=True)
@@ -567,7 +619,7 @@ class Reply(_Message):
         object.__setattr__(self, "reason", clip(self.reason))
 
 
-_TYPES = {c.__name__: c for c in (TransferRequest, TransferOutcome, CancelTransfer, ReleaseTransfer, RegisterRank,
+_TYPES = {c.__name__: c for c in (RegisterConsumer, TransferRequest, TransferOutcome, CancelTransfer, ReleaseTransfer, RegisterRank,
                                    QueryRanks, RankTable, Reply)}
 
 

@@ -51,7 +51,7 @@ from vllm_dcp2d.transfer.directory import Directory
 from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
-                                           Reply, TransferOutcome, TransferRequest)
+                                           RegisterConsumer, Reply, TransferOutcome, TransferRequest)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, blocks_within, senders_for
 from vllm_dcp2d.transfer.transport import STALL_S, MooncakeTransport, TransportError
 
@@ -79,6 +79,11 @@ class Receiver:
     timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
                  may hold the request while its prefill is still running.
     cancel_grace_s: how long a failing fetch waits for its cancels to be confirmed.
+    fence_s:     a quarantine lifts at the latest this long after its fetch's deadline: no
+                 prefill rank starts a write after the deadline (``TransferRequest.not_after_ns``),
+                 and one started before it has ended by then (docs/connector.md, "Block lifetime").
+    max_quarantined_blocks: blocks one prefill instance may keep quarantined here; past it
+                 its fetches are refused (0: a quarter of this rank's blocks).
     on_output:  called with no arguments, on this object's thread, right after a
                 fetch ended or a quarantine lifted (what ``poll``/``poll_lifted`` return
                 next); must not block (the worker rings the step bell: ``step_bell``).
@@ -88,7 +93,8 @@ class Receiver:
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
                  dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
                  cancel_grace_s: float = 2.0, on_output=None, heads: range | None = None,
-                 auth: Auth = NO_AUTH, verify: bool = False):
+                 auth: Auth = NO_AUTH, verify: bool = False, fence_s: float = 120.0,
+                 max_quarantined_blocks: int = 0):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
                              f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
@@ -97,12 +103,13 @@ class Receiver:
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
         self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
         self.auth, self.verify = auth, verify
-        self.timeout_s, self.wait_s, self.cancel_grace_s = timeout_s, wait_s, cancel_grace_s
+        self.timeout_s, self.wait_s, self.cancel_grace_s, self.fence_s = timeout_s, wait_s, cancel_grace_s, fence_s
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
             transport.register(a, n)
         self.memory = Memory.of(transport.registered().items())
         self.num_blocks = blocks_within(regions, self.memory)
+        self.max_quarantined_blocks = max_quarantined_blocks or max(64, self.num_blocks // 4)
         self.failed = ""
         self.on_output = on_output
         self.ledger = FetchLedger()
@@ -236,6 +243,13 @@ class Receiver:
                 self._fail(fetch, FetchError(fetch.transfer_key, None, f"{type(e).__name__}: {e}"))
 
     def _begin(self, f: Fetch):
+        held = self.ledger.quarantined_blocks(f.bootstrap)
+        if held >= self.max_quarantined_blocks:
+            why = (f"the prefill instance at {f.bootstrap} keeps {held} blocks of this decode rank quarantined (at "
+                   f"most {self.max_quarantined_blocks}): its fetches are refused until its ranks settle, at the "
+                   f"latest {self.fence_s:.0f}s after each fetch's deadline")
+            self._announce(self.ledger.finish(f, FetchError(f.transfer_key, None, why), track=False))
+            return
         if not self.ledger.begin(f):
             self._announce(self.ledger.finish(f, FetchError(f.transfer_key, None, "a fetch of this request is "
                                                             "already running"), track=False))
@@ -273,19 +287,23 @@ class Receiver:
         fp = self.fingerprint
         f.senders = tuple(int(r) for r in senders_for(table.layers, table.heads, fp.num_layers, fp.num_kv_heads,
                                                       self.heads))
+        # The fence: the fetch's deadline on the wall clock, which the prefill ranks read.
+        not_after = time.time_ns() + int(max(0.0, f.deadline - time.monotonic()) * 1e9)
+        me = RegisterConsumer.of(self.engine_id, self.transport.session_id, self.memory)
         for cp_rank in f.senders:
             addr = table.addresses[cp_rank]
             attempt = next(self._attempts)
+            consumer_rank, consumer_size = self._dir.askers(table, cp_rank)
             msg = TransferRequest.build(
-                regions=self.regions, memory=self.memory, transfer_key=f.transfer_key, attempt_id=attempt,
-                engine_id=self.engine_id, consumer_rank=self._dir.askers(table, cp_rank)[0],
-                consumer_size=self._dir.askers(table, cp_rank)[1], session=self.transport.session_id, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
-                block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
+                regions=self.regions, transfer_key=f.transfer_key, attempt_id=attempt, engine_id=self.engine_id,
+                consumer_rank=consumer_rank, consumer_size=consumer_size, dcp_size=self.dcp_size,
+                dcp_rank=self.dcp_rank, block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
                 num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s,
                 head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,
-                verify=self.verify)
+                verify=self.verify, not_after_ns=not_after)
             try:
-                sent = self._dir.rank(addr).send(msg)
+                rank = self._dir.rank(addr)
+                sent = rank.register(me) and rank.send(msg)  # in order on the link: registered first
             except MessageError as e:  # this request cannot be put on the wire (a key too long, ...)
                 return self._fail(f, FetchError(f.transfer_key, cp_rank, f"cannot send the request: {e}"))
             if not sent:
@@ -332,6 +350,7 @@ class Receiver:
     def _link(self, rank: Rank):
         if link_events(rank.monitor):
             rank.down = True
+            rank.registered = ""  # a restarted rank knows nothing of it: register again
             self._lost(rank, "connection lost")
 
     def _read(self, rank: Rank):
@@ -370,6 +389,7 @@ class Receiver:
                 self._finish(f, f.failing, peer_fault=f.peer_fault)
             return
         if not msg.ok:
+            rank.registered = ""  # the rank may have lost or refused it: the next fetch registers again
             return self._fail(f, FetchError(f.transfer_key, cp_rank, msg.reason))
         pages = -(-f.num_tokens // self.fingerprint.page_size)
         if (msg.num_tokens, msg.num_pages) != (f.num_tokens, pages):
@@ -406,6 +426,7 @@ class Receiver:
         in flight to it. They stay in flight (it may still be writing) until it
         answers their cancel, which waits in ZMQ's queue until the link is back."""
         self._dir.forget_tables_with(rank.address)  # the rank may come back elsewhere
+        rank.registered = ""  # and know nothing of this link: register again
         for f, cp_rank, _ in self.ledger.on_rank(rank.address):
             if f.failing is None:
                 self._fail(f, FetchError(f.transfer_key, cp_rank, f"{why} ({rank.address})"), peer_fault=True)
@@ -486,6 +507,7 @@ class Receiver:
                 self.ledger.quarantine(f, cp_rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
                 self._backoff(self._dir.ranks[where[0]])
             self._finish(f, f.failing, peer_fault=f.peer_fault)
+        self._announce(self.ledger.settle_fenced(now, self.fence_s))
         for f in [f for f in self.ledger.active() if f.failing is None and f.deadline <= now]:
             if f.table is None:
                 q = self._dir.queries.get(f.bootstrap)

@@ -32,11 +32,17 @@ Invariants (each tested directly in ``tests/transfer/test_send_ledger.py``)
    claim the request either.
 7. No write reads a request's blocks for an attempt whose prompt (token count and
    ``prompt_digest``) is not the request's: a reused key or a prompt tokenized
-   otherwise fails before any byte moves. Without an authenticated peer
-   (``reveal`` False) the answer does not name the request's own length.
-8. Open attempts (waiting or being served, not answered) are bounded: at most
-   ``MAX_OPEN_PER_PEER`` per decode socket and ``MAX_OPEN`` in all, holding at most
-   ``MAX_OPEN_BYTES`` of requests; past that an attempt is refused at arrival.
+   otherwise fails before any byte moves, and does not claim the request. Without an
+   authenticated peer (``reveal`` False) such an attempt is treated exactly as one for
+   an unknown key: the same answer, at the same time (it waits as one would), so
+   neither the request's length nor its existence is told.
+8. What sources hold is bounded per source (the decode's address, or its engine id
+   when sealed: ``quota.py``) and in all: open attempts (waiting or being served, not
+   answered), at most ``MAX_OPEN_PER_SOURCE`` per source and ``MAX_OPEN`` in all, and
+   their encoded bytes with the releases remembered for requests not added yet, at most
+   ``MAX_SOURCE_BYTES`` per source and ``MAX_OPEN_BYTES`` in all; the last eighth of
+   each is kept for sources that hold little. Past that an attempt is refused at
+   arrival and a release is dropped.
 6. A request no decode rank has asked for (no attempt, no release) within
    ``claim_s`` of its ``add`` is freed then ("unclaimed"), like an expiry: no write
    can read its blocks, since none was ever asked for; the first attempt or counted
@@ -52,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferRequest
+from vllm_dcp2d.transfer.quota import Quota
 from vllm_dcp2d.transfer.transport import STALL_S
 
 __all__ = ["Attempt", "Request", "Answer", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
@@ -59,10 +66,12 @@ __all__ = ["Attempt", "Request", "Answer", "SendLedger", "RELEASE_MEMORY_S", "MA
 log = logging.getLogger(__name__)
 
 RELEASE_MEMORY_S = 30.0  # how long a release for a request not added yet (or just finished) is remembered
-MAX_EARLY_RELEASES = 4096  # releases remembered for requests not added yet (oldest dropped)
-MAX_OPEN_PER_PEER = 256  # attempts open at once from one decode socket (invariant 8)
-MAX_OPEN = 4096          # ... from all of them
-MAX_OPEN_BYTES = 256 << 20  # encoded bytes of the open attempts' requests
+MAX_EARLY_RELEASES = 4096  # releases remembered for requests not added yet, in all (invariant 8)
+MAX_EARLY_PER_SOURCE = 512  # ... from one source
+MAX_OPEN_PER_SOURCE = 1024  # attempts open at once from one source: its hosts' decode ranks (invariant 8)
+MAX_OPEN = 4096             # ... from all of them
+MAX_SOURCE_BYTES = 64 << 20  # encoded bytes of one source's open attempts and remembered releases
+MAX_OPEN_BYTES = 256 << 20   # ... of all sources
 
 
 @dataclass(eq=False)
@@ -75,6 +84,10 @@ class Attempt:
     deadline: float  # when waiting for the request's prefill ends
     size: int = 0    # bytes of its encoded request (what it holds while open)
     waited_s: float = float("inf")  # how long it may wait: its wait_s, cut to the rank's limit
+    source: str = ""  # whose quota it counts against (``quota.py``)
+    session: str = ""  # the Mooncake session its writes go to (its connection's registration)
+    memory: object = None  # ``Memory`` the connection registered: no write lands outside it
+    not_after_ns: int = 0  # the fence: no write of it starts after this (wall clock, ns)
     lock: threading.Lock = field(default_factory=threading.Lock)
     sent: set = field(default_factory=set)  # layers written (of the current epoch)
     epoch: int = 0       # bumped by a preemption: writes of an older epoch count for nothing
@@ -152,11 +165,14 @@ class SendLedger:
         self._finished: dict[str, str] = {}
         self._aborting: dict[str, list[Attempt]] = {}  # key -> its attempts with a layer write in flight
         self._unsettled: dict[tuple, float] = {}  # attempt key -> until when cancels are answered unsettled
-        self._early: dict[str, tuple[float, list[ReleaseTransfer]]] = {}  # key not added yet -> releases
+        # key not added yet -> (until, [(release, source, bytes)]), oldest first
+        self._early: dict[str, tuple[float, list[tuple[ReleaseTransfer, str, int]]]] = {}
         self._gone: dict[str, float] = {}  # key -> until when releases for it are ignored (just finished)
         self._releasing: set[str] = set()  # covered keys waiting for another engine's open attempts
-        self._per_peer: dict[bytes, int] = {}  # decode socket -> its open attempts (invariant 8)
-        self._open_bytes = 0
+        # Invariant 8: open attempts and their bytes, and the bytes of remembered releases
+        # (items=0: they have a count of their own, ``_early_quota``).
+        self._quota = Quota("open transfer requests", MAX_OPEN_PER_SOURCE, MAX_OPEN, MAX_SOURCE_BYTES, MAX_OPEN_BYTES)
+        self._early_quota = Quota("remembered releases", MAX_EARLY_PER_SOURCE, MAX_EARLY_RELEASES, 1, 1)
         self._answers: list[Answer] = []  # decided, not taken by the owner yet
 
     # ---- requests: the owner's side ----
@@ -171,9 +187,16 @@ class SendLedger:
             state = self._requests[key] = Request(block_ids, num_tokens, num_pages, now + min(expiry_s, claim_s),
                                                   now + expiry_s if claim_s < expiry_s else None,
                                                   prompt_digest=prompt_digest)
-            waiting = self._waiting.pop(key, [])
+            waiting, other = [], []
+            for a in self._waiting.pop(key, []):
+                (waiting if self._matches(a.req, state) else other).append(a)
+            for a in other:  # another prompt under this key (invariant 7)
+                if self.reveal:
+                    self._close(a, self._mismatch(key, a.req, state))
+                else:  # as if the key were unknown: it waits out its deadline
+                    self._waiting.setdefault(key, []).append(a)
             self._gone.pop(key, None)
-            early = self._early.pop(key, (0.0, []))[1]
+            early = self._pop_early(key)
             if waiting:
                 state.claim()
             for msg in early:  # the decode dropped it before we had it
@@ -234,36 +257,47 @@ class SendLedger:
     def busy_reason(self, a: Attempt) -> str:
         """Why ``arrive`` refused ``a`` ("busy")."""
         with self._lock:
-            return (f"{self.name} refuses the transfer request: {self._per_peer.get(a.identity, 0)} open from this "
-                    f"decode rank (at most {MAX_OPEN_PER_PEER}), {len(self._open)} in all (at most {MAX_OPEN}), "
-                    f"{self._open_bytes >> 20} MiB held (at most {MAX_OPEN_BYTES >> 20})"
-                    + (" (its attempt id is already open)" if a.key in self._open else ""))
+            if a.key in self._open:
+                return f"{self.name} refuses the transfer request: its attempt id is already open"
+            return f"{self.name} refuses the transfer request: {self._quota.refuses(a.source, a.size)}"
+
+    def unknown_reason(self, key: str) -> str:
+        """The one answer to an attempt this rank will not serve at once: its key is
+        unknown, finished, or names another prompt (invariant 7: the same words for each)."""
+        return (f"no request {key!r} for this prompt on {self.name} (not added yet, finished, expired, or "
+                f"another prompt)")
 
     # ---- attempts: the decode's side ----
 
     def arrive(self, a: Attempt) -> str:
-        """A ``TransferRequest`` came in: "serve" (its request is added), "wait" (it
-        waits for the prefill), "unknown" or "busy" (the caller answers it failed;
-        ``busy_reason`` says why a "busy" one was refused)."""
+        """A ``TransferRequest`` came in: "serve" (its request is added, for its prompt),
+        "wait" (it waits for the prefill), "unknown" (another prompt, unless ``reveal``:
+        then "mismatch"; or not added and not waiting) or "busy" (the caller answers it
+        failed; ``unknown_reason``, ``busy_reason`` and ``mismatch_reason`` say why)."""
         with self._lock:
-            peer = self._per_peer.get(a.identity, 0)
-            if (peer >= MAX_OPEN_PER_PEER or len(self._open) >= MAX_OPEN
-                    or self._open_bytes + a.size > MAX_OPEN_BYTES or a.key in self._open):
+            if a.key in self._open or self._quota.refuses(a.source, a.size):
                 return "busy"
-            state = self._requests.get(a.req.transfer_key)
-            known = state is not None
-            if known:
-                state.claim()
-            if known or a.req.wait_s > 0:
-                self._open[a.key] = a
-                self._per_peer[a.identity] = peer + 1
-                self._open_bytes += a.size
-            if known:
+            key = a.req.transfer_key
+            state = self._requests.get(key)
+            match = state is not None and self._matches(a.req, state)
+            if state is not None and not match and self.reveal:
+                return "mismatch"
+            if not match and a.req.wait_s <= 0:
+                return "unknown"
+            self._open[a.key] = a
+            self._quota.take(a.source, a.size)
+            if match:
+                state.claim()  # only a request for its prompt claims it (invariant 7)
                 return "serve"
-            if a.req.wait_s > 0:
-                self._waiting.setdefault(a.req.transfer_key, []).append(a)
-                return "wait"
-            return "unknown"
+            self._waiting.setdefault(key, []).append(a)  # not added yet, or (unrevealed) another prompt
+            return "wait"
+
+    def mismatch_reason(self, a: Attempt) -> str:
+        """Why ``arrive`` refused ``a`` ("mismatch": another prompt, told only to authenticated peers)."""
+        with self._lock:
+            state = self._requests.get(a.req.transfer_key)
+            return self.unknown_reason(a.req.transfer_key) if state is None else self._mismatch(
+                a.req.transfer_key, a.req, state)
 
     def cancel(self, identity: bytes, attempt_id: int, why: str) -> tuple[bool, bool]:
         """The consumer gave up on an attempt: no write of it starts any more, and it is
@@ -314,21 +348,29 @@ class SendLedger:
             if state is None:
                 self._close(a, f"request {key!r} finished or expired on {self.name}")
                 return None
-            if (a.req.num_tokens, a.req.prompt_digest) != (state.num_tokens, state.prompt_digest):
+            if not self._matches(a.req, state):  # the key was added again, for another prompt
                 self._close(a, self._mismatch(key, a.req, state))
                 return None
             if not self._begin(a, state):
                 return None
             return state, a.error, frozenset(a.sent)
 
+    @staticmethod
+    def _matches(req: TransferRequest, state: Request) -> bool:
+        return (req.num_tokens, req.prompt_digest) == (state.num_tokens, state.prompt_digest)
+
     def _mismatch(self, key: str, req: TransferRequest, state: Request) -> str:
+        """Another prompt under ``key``: logged here in full; told to the peer only if
+        authenticated (``reveal``), else the unknown key's words (invariant 7)."""
         what = "length" if req.num_tokens != state.num_tokens else "prompt"
         log.warning("%s: %s mismatch for %r: the decode asks for %d prompt tokens (digest %s), the prefill holds %d "
                     "(digest %s)", self.name, what, key[:80], req.num_tokens, req.prompt_digest[:12] or "none",
                     state.num_tokens, state.prompt_digest[:12] or "none")
-        mine = f", the prefill has {state.num_tokens}" if self.reveal else " (not the prefill's request)"
+        if not self.reveal:
+            return self.unknown_reason(key)
         return (f"{what} mismatch on {self.name}: the decode asks for {req.num_tokens} prompt tokens"
-                + (f" with prompt digest {req.prompt_digest[:12] or 'none'}" if what == "prompt" else "") + mine)
+                + (f" with prompt digest {req.prompt_digest[:12] or 'none'}" if what == "prompt" else "")
+                + f", the prefill has {state.num_tokens}")
 
     def end_answer(self, a: Attempt, state: Request, error: str) -> None:
         """The final write of ``a`` returned: answer it (ok counts its consumer rank
@@ -351,8 +393,10 @@ class SendLedger:
 
     # ---- releases and expiry ----
 
-    def release(self, msg: ReleaseTransfer) -> None:
-        """A decode rank will never fetch ``msg.transfer_key``."""
+    def release(self, msg: ReleaseTransfer, source: str = "", size: int = 0) -> None:
+        """A decode rank will never fetch ``msg.transfer_key``. ``source`` and ``size``: who
+        sent it and its encoded bytes, which a release for a request not added yet holds
+        while it is remembered (invariant 8; past its source's share it is dropped)."""
         key = msg.transfer_key
         with self._lock:
             state = self._requests.get(key)
@@ -361,11 +405,15 @@ class SendLedger:
             if key in self._gone:
                 log.debug("%s: release of %r ignored: already finished", self.name, key)
                 return
+            why = self._early_quota.refuses(source) or self._quota.refuses(source, size, items=0)
+            if why:
+                log.debug("%s: release of unknown %r dropped: %s", self.name, key[:80], why)
+                return
+            self._early_quota.take(source)
+            self._quota.take(source, size, items=0)
             log.debug("%s: release of unknown %r remembered for %.0fs", self.name, key, RELEASE_MEMORY_S)
             _, msgs = self._early.pop(key, (0.0, []))
-            self._early[key] = (time.monotonic() + RELEASE_MEMORY_S, [*msgs[-255:], msg])
-            while len(self._early) > MAX_EARLY_RELEASES:
-                del self._early[next(iter(self._early))]
+            self._early[key] = (time.monotonic() + RELEASE_MEMORY_S, [*msgs, (msg, source, size)])
 
     def expire(self, now: float) -> None:
         """Called on every poll: requests past their expiry, attempts waiting too long."""
@@ -374,7 +422,7 @@ class SendLedger:
                 for k in [k for k, t in table.items() if t <= now]:
                     del table[k]
             for k in [k for k, (until, _) in self._early.items() if until <= now]:
-                del self._early[k]
+                self._pop_early(k)
             for key in list(self._releasing):
                 state = self._requests.get(key)
                 if state is None:
@@ -413,14 +461,20 @@ class SendLedger:
             return
         a.answered = True
         if self._open.pop(a.key, None) is a:  # known until answered
-            left = self._per_peer.pop(a.identity) - 1
-            if left:
-                self._per_peer[a.identity] = left
-            self._open_bytes -= a.size
+            self._quota.give(a.source, a.size)
         if not a.settled:
             self._unsettled[a.key] = time.monotonic() + STALL_S
         state, error = a.result if a.result is not None else (None, a.closed)
         self._answers.append(Answer(a, state, error))
+
+    def _pop_early(self, key: str) -> list[ReleaseTransfer]:
+        """Forget the releases remembered for ``key``, giving back what they held."""
+        out = []
+        for msg, source, size in self._early.pop(key, (0.0, []))[1]:
+            self._early_quota.give(source)
+            self._quota.give(source, size, items=0)
+            out.append(msg)
+        return out
 
     def _begin(self, a: Attempt, state: Request | None) -> bool:
         if a.closed or (state is not None and state.closing):

@@ -48,7 +48,8 @@ import zmq
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, AuthError, PeerLog
-from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageError, RegisterRank,
+from vllm_dcp2d.transfer.consumers import Consumers, Registration, source_of
+from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageError, RegisterConsumer, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
                                            clip, decode)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
@@ -110,6 +111,7 @@ class Sender:
         self.malformed = 0
         self._failed_why = ""
         self.ledger = SendLedger(f"cp rank {cp_rank}", reveal=auth.enabled)
+        self.consumers = Consumers(f"cp rank {cp_rank}", transport.sessions, auth.enabled)  # the I/O thread's
         self._writers = Writers(f"cp rank {cp_rank}", after=self._flush)
         self._stop = threading.Event()
         self._sock = sockets.socket(zmq.ROUTER)
@@ -149,7 +151,7 @@ class Sender:
         ids, pages = self._blocks(block_ids, num_tokens)
         for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s, self.claim_s,
                                  prompt_digest):
-            self._writers.submit(a.req.session, partial(self._answer, a))
+            self._writers.submit(a.session, partial(self._answer, a))
         self._flush()
 
     def layer_ready(self, transfer_key: str, layer: int, block_ids, num_tokens: int, event=None,
@@ -172,7 +174,7 @@ class Sender:
             return
         ids, _ = self._blocks(block_ids, num_tokens)
         for a, epoch in waiting:
-            self._writers.submit(a.req.session, partial(self._write_layer, a, layer, ids, int(num_tokens), event,
+            self._writers.submit(a.session, partial(self._write_layer, a, layer, ids, int(num_tokens), event,
                                                         epoch, prompt_digest))
 
     def restart(self, transfer_key: str) -> int:
@@ -258,7 +260,9 @@ class Sender:
                     self._receive()
                 if self._waker.socket in events:
                     self._waker.drain()
-                self.ledger.expire(time.monotonic())
+                now = time.monotonic()
+                self.ledger.expire(now)
+                self.consumers.expire(now)
                 for answer in self.ledger.take_answers():
                     self._send(answer.attempt.identity, self._outcome(answer))
         finally:
@@ -272,26 +276,33 @@ class Sender:
 
     def _receive(self):
         """One message off the socket; whatever it holds, only its own attempt fails."""
-        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(frames) != 2:
             return
-        identity, frame = frames
+        identity, frame = frames[0].bytes, frames[1]
+        peer = frame.get("Peer-Address") or ""  # the connection's remote address (ZMQ, tcp)
         try:
-            payload = self.auth.open(frame)
+            payload = self.auth.open(frame.bytes)
         except AuthError as e:  # not from a peer that holds the secret: nothing to answer
             return self._peers.warn("auth", "cp rank %d: %s", self.cp_rank, str(e))
         try:
-            self._handle(identity, payload)
+            self._handle(identity, payload, peer)
         except Exception as e:  # a bug, not bad input (decode names that): fail the attempt, keep serving
             log.exception("cp rank %d: handling a message failed", self.cp_rank)
             self._reject(identity, payload, f"cp rank {self.cp_rank} could not handle it: {type(e).__name__}: {e}")
 
-    def _handle(self, identity: bytes, payload: bytes) -> None:
+    def _handle(self, identity: bytes, payload: bytes, peer: str = "") -> None:
         try:
-            req = decode(payload, (TransferRequest, CancelTransfer, ReleaseTransfer))
+            req = decode(payload, (RegisterConsumer, TransferRequest, CancelTransfer, ReleaseTransfer))
         except MessageError as e:
             self.malformed += 1
             return self._reject(identity, payload, f"cp rank {self.cp_rank} rejected message: {e}")
+        if isinstance(req, RegisterConsumer):
+            reg = self.consumers.register(identity, req, peer)
+            if reg.refused:
+                self.errors.append(clip(reg.refused, 400))
+                self._peers.warn("register", "%s", reg.refused)
+            return None
         if isinstance(req, CancelTransfer):
             why = f"cancelled by the consumer on cp rank {self.cp_rank}"
             known, settled = self.ledger.cancel(identity, req.attempt_id, why)
@@ -299,8 +310,13 @@ class Sender:
                 self._send(identity, self._outcome_failed(req, why, settled=settled))
             return self._flush()
         if isinstance(req, ReleaseTransfer):
-            self.ledger.release(req)
+            if req.prompt_digest or self.auth.enabled:  # freeing a request takes knowing its prompt
+                self.ledger.release(req, source_of(peer, req.engine_id, self.auth.enabled), len(payload))
             return self._flush()
+        reg = self.consumers.get(identity)
+        why = self._refuses(req, reg)
+        if why:
+            return self._send(identity, self._failed(req, why))
         if max(req.head_start, self.heads.start) >= min(req.head_end, self.heads.stop):  # nothing of ours it holds
             return self._send(identity, self._failed(req, (
                 f"KV heads differ: cp rank {self.cp_rank} holds KV heads [{self.heads.start}, {self.heads.stop}) of "
@@ -310,16 +326,38 @@ class Sender:
             self.fingerprint.check(req.fingerprint, len(self.heads), req.head_end - req.head_start)
         except MessageError as e:
             return self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
-        a = Attempt(identity, req, time.monotonic() + min(req.wait_s, self.max_wait_s), len(payload),
-                    min(req.wait_s, self.max_wait_s))
+        wait_s = min(req.wait_s, self.max_wait_s)
+        # The fence: no write of it starts after the decode's deadline (or, if it names none,
+        # after this rank would have expired it anyway).
+        not_after = req.not_after_ns or time.time_ns() + int((wait_s + self.expiry_s) * 1e9)
+        a = Attempt(identity, req, time.monotonic() + wait_s, len(payload), wait_s, source=reg.source,
+                    session=reg.session, memory=reg.memory, not_after_ns=not_after)
         how = self.ledger.arrive(a)
         if how == "busy":
             return self._send(identity, self._failed(req, self.ledger.busy_reason(a)))
         if how == "serve":
-            self._writers.submit(req.session, partial(self._answer, a))
+            self._writers.submit(a.session, partial(self._answer, a))
         elif how == "unknown":
-            self._send(identity, self._failed(req, f"unknown request id {req.transfer_key!r} on cp rank "
-                                                   f"{self.cp_rank} (not added, or already finished/expired)"))
+            self._send(identity, self._failed(req, self.ledger.unknown_reason(req.transfer_key)))
+        elif how == "mismatch":
+            self._send(identity, self._failed(req, self.ledger.mismatch_reason(a)))
+
+    def _refuses(self, req: TransferRequest, reg: Registration | None) -> str:
+        """Why ``req`` (arriving on a connection registered as ``reg``) is refused before it
+        becomes an attempt ("" if it is not): writes go only where the connection registered."""
+        if reg is None:
+            return (f"cp rank {self.cp_rank}: this connection has not registered its Mooncake session "
+                    f"(RegisterConsumer first)")
+        if reg.refused:
+            return reg.refused
+        try:
+            req.check_inside(reg.memory)
+        except MessageError as e:
+            return f"cp rank {self.cp_rank}: {e}"
+        if not req.prompt_digest and not self.auth.enabled:
+            return (f"cp rank {self.cp_rank}: a transfer request must name its prompt's digest (prompt_digest) "
+                    f"when the instances share no auth secret")
+        return ""
 
     def _reject(self, identity: bytes, payload: bytes, reason: str) -> None:
         """Answer a message this rank could not take: for its attempt if the attempt
@@ -347,13 +385,16 @@ class Sender:
         Raises ValueError (cannot plan, or a write would leave registered memory)
         or TransportError."""
         req = a.req
+        if time.time_ns() >= a.not_after_ns:
+            raise TransportError(f"the decode's deadline for this attempt passed: cp rank {self.cp_rank} starts no "
+                                 f"write of it (the fence)")
         t0 = time.perf_counter()
         dst = req.regions()
         desc = plan_path(self.regions, block_ids, layers, dst, req.tables(),
                          req.dcp_size, req.dcp_rank, req.first_page, num_pages, self.heads, self._their_heads(req))
-        # TransferRequest.validate keeps every destination inside what the consumer
-        # registered; this checks the plan against it, and the source against ours.
-        consumer = Memory(req.memory_addr, req.memory_bytes)
+        # check_inside kept every destination inside what the connection registered; this
+        # checks the plan against it, and the source against ours.
+        consumer = a.memory
         if not consumer.holds(desc.dst, desc.length).all():
             raise ValueError("a planned write falls outside the memory the consumer registered")
         if not self._memory.holds(desc.src, desc.length).all():
@@ -363,8 +404,8 @@ class Sender:
         t1 = time.perf_counter()
         stalls: list[int] = []
         try:
-            nbytes, written, batches = write(self.transport, self._staging, self._memory, req.session, desc,
-                                             stalls, consumer)
+            nbytes, written, batches = write(self.transport, self._staging, self._memory, a.session, desc,
+                                             stalls, consumer, a.not_after_ns)
         finally:
             # A write given up after a stall may still deliver its queued bytes,
             # also when a retry on a fresh engine then succeeded: not settled.

@@ -212,11 +212,11 @@ class StagingPool:
 
 
 def write(transport, pool: StagingPool | None, memory: Memory, session: str, desc: Descriptors,
-          stalls: list[int], dst_memory: Memory | None = None) -> tuple[int, int, int]:
+          stalls: list[int], dst_memory: Memory | None = None, not_after_ns: int = 0) -> tuple[int, int, int]:
     """Write ``desc`` (KV -> ``session``'s memory) on ``transport``, through a slot of
     ``pool`` when one is free and staging merges enough. ``memory``: the KV ranges
     any source must lie in; ``dst_memory``: the consumer's registered ranges (runs
-    merge within one). ``stalls`` as ``MooncakeTransport.write``. Returns
+    merge within one). ``stalls`` and ``not_after_ns`` as ``MooncakeTransport.write``. Returns
     ``(bytes, descriptors, batches)`` written; raises what the transport raises.
     A slot goes back clean unless a write through it stalled (then a late delivery
     may read it); a write that failed at once read nothing more."""
@@ -226,7 +226,7 @@ def write(transport, pool: StagingPool | None, memory: Memory, session: str, des
 
     def send(d: Descriptors) -> None:
         nonlocal nbytes, written, batches
-        nbytes += transport.write(session, d, stalls)
+        nbytes += transport.write(session, d, stalls, not_after_ns)
         written += len(d)
         batches += -(-len(d) // transport.max_batch)
 

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 STALL_S = 10       # renew_on_failure: seconds without progress before a TCP write is given up
 STALL_RETRIES = 2  # renew_on_failure: fresh engines tried after stalls, per batch
 RETIRED_KEPT = 4   # replaced engines kept alive (>= 40 s: each renewal follows a STALL_S stall)
+# A batch still running this long after it started is given up (stalled), however it
+# progresses: with the engine's own progress timeout (STALL_S, renew_on_failure) it bounds
+# how long after its start a write can land, which the decode's fence_s must exceed.
+WRITE_LIMIT_S = 60
 POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3  # a write's status polls back off from 20 us to 1 ms
 
 
@@ -205,7 +209,13 @@ class MooncakeTransport:
         with self._lock:
             return dict(self._regs)
 
-    def write(self, peer: str, desc: Descriptors, stalls: list[int] | None = None) -> int:
+    def sessions(self) -> set[str]:
+        """This transport's own sessions: its engine's and those of the retired engines
+        still alive (a peer must never get us to write into our own memory)."""
+        with self._lock:
+            return {self.session_id, *(f"{self.hostname}:{e.get_rpc_port()}" for e in self._retired)}
+
+    def write(self, peer: str, desc: Descriptors, stalls: list[int] | None = None, not_after_ns: int = 0) -> int:
         """Write ``desc`` (local ``src`` -> ``peer``'s ``dst``) and wait for completion.
 
         peer: the target's ``session_id``. desc: int64 ``[n]`` src/dst/length
@@ -215,6 +225,8 @@ class MooncakeTransport:
         (no descriptor completed for ``STALL_S``, retried or not). The engine
         may still deliver such an attempt's queued bytes later (0.3.13 returns -1
         while work is still queued), so its destination is not settled.
+        not_after_ns: the fence (``TransferRequest.not_after_ns``): no batch, and no retry
+        of one, starts once ``time.time_ns()`` passed it (0: none); raises TransferError then.
         """
         with self._lock:
             self._check_open()
@@ -223,6 +235,9 @@ class MooncakeTransport:
         with plock:
             for b in desc.batches(self.max_batch):
                 for attempt in range(STALL_RETRIES + 1):
+                    if not_after_ns and time.time_ns() >= not_after_ns:
+                        raise TransferError(peer, len(b), -1, done, ": the attempt's deadline passed, so no write "
+                                                                    "of it starts any more (the fence)")
                     rc, stalled = self._write_batch(self._engine, peer, b)
                     if stalled:
                         self._count("stalls")
@@ -263,7 +278,7 @@ class MooncakeTransport:
                 break
             pending.append(bid)
         stalled, nap = False, POLL_MIN_S
-        progress = time.monotonic()
+        progress = started = time.monotonic()
         while pending:
             still, now = [], time.monotonic()
             for bid in pending:
@@ -281,7 +296,7 @@ class MooncakeTransport:
             pending = still
             if not pending:
                 break
-            if now - progress >= STALL_S:
+            if now - progress >= STALL_S or now - started >= WRITE_LIMIT_S:
                 return -1, True  # the pending ids are abandoned on this engine
             time.sleep(nap)
             nap = min(2 * nap, POLL_MAX_S)
