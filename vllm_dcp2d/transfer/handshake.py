@@ -49,7 +49,7 @@ import time
 __all__ = ["HandshakeFailed", "Sessions", "probe", "HANDSHAKE_TIMEOUT_S", "BACKOFF_S", "MAX_REPLY_BYTES",
            "MAX_REMEMBERED"]
 
-HANDSHAKE_TIMEOUT_S = 2.0  # a whole probe (connect, request, answer); one took 0.3-4 ms on a loaded 2-core host
+HANDSHAKE_TIMEOUT_S = 2.0  # a whole probe (connect, request, answer): 0.05 ms p50, 2.5 ms p90 on a busy 2-core host
 BACKOFF_S = 10.0           # a session whose handshake failed is refused this long
 MAX_REPLY_BYTES = 1 << 20  # Mooncake's own cap on a handshake message (MC_HANDSHAKE_MAX_LENGTH's default)
 MAX_REMEMBERED = 4096      # failed sessions kept; an older one is forgotten (and probed again)
