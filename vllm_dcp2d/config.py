@@ -49,6 +49,7 @@ class DCP2DConfig:
     auth_secret_file: str = ""
     verify_kv: bool = False
     max_prefill_wait_s: float = 60.0
+    handshake_timeout_s: float = 2.0
 
 
 # key -> (role it matters to, doc). Order is the README's order.
@@ -160,6 +161,12 @@ KEYS: dict[str, tuple[str, str]] = {
     "max_prefill_wait_s": ("producer", "The longest a decode's transfer request may wait at this prefill for a "
                            "request it does not know yet (the decode's `prefill_wait_s` is cut to it), so no peer "
                            "can hold this rank's memory longer."),
+    "handshake_timeout_s": ("producer", "The longest this prefill waits for a decode's Mooncake session to answer "
+                            "its handshake, checked on a socket of its own before the engine opens the session "
+                            "(which it does under a lock all its writes share, for up to 60 s). A session that "
+                            "does not answer in time (a black hole, a frozen or vanished decode) fails its fetch "
+                            "and is refused for 10 s; the other decodes' writes never wait for it "
+                            "(docs/security.md, \"Sessions that do not answer\"). At most 60."),
 }
 
 assert list(KEYS) == [f.name for f in fields(DCP2DConfig)]
@@ -218,6 +225,10 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
             v = extra[key]
             _expect(key, v, _is_num(v) and 0 < v <= 86400, "seconds, a number in (0, 86400]")
             extra[key] = float(v)
+    if "handshake_timeout_s" in extra:
+        v = extra["handshake_timeout_s"]
+        _expect("handshake_timeout_s", v, _is_num(v) and 0 < v <= 60, "seconds, a number in (0, 60]")
+        extra["handshake_timeout_s"] = float(v)
     if "cpu_poll_sleep_us" in extra:
         v = extra["cpu_poll_sleep_us"]
         _expect("cpu_poll_sleep_us", v, _is_int(v) and 0 <= v <= 100_000, "an int in [0, 100000] microseconds")

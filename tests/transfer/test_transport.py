@@ -9,7 +9,7 @@ import pytest
 
 from vllm_dcp2d.plan import Descriptors
 from vllm_dcp2d.connector.stats import DCP2DStats
-from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError, TransportError
+from vllm_dcp2d.transfer.transport import HandshakeError, MooncakeTransport, TransferError, TransportError
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -86,14 +86,15 @@ def test_concurrent_writes_to_one_peer(pair):
 
 
 def test_dead_peer_raises_typed_error_fast(pair):
+    """Nothing listens there: its handshake fails (test_handshake.py has every other way)."""
     a, _, src, dst = pair
     desc = Descriptors(np.array([src.ctypes.data]), np.array([dst.ctypes.data]), np.array([4096]))
     t0 = time.monotonic()
-    with pytest.raises(TransferError) as e:
+    with pytest.raises(HandshakeError) as e:
         a.write("127.0.0.1:1", desc)
     assert time.monotonic() - t0 < 5
-    assert (e.value.peer, e.value.entries, e.value.code) == ("127.0.0.1:1", 1, -1)
-    assert "127.0.0.1:1" in str(e.value) and "code -1" in str(e.value)
+    assert e.value.peer == "127.0.0.1:1" and "'127.0.0.1:1' did not answer its handshake" in str(e.value)
+    assert "Connection refused" in str(e.value)
 
 
 def test_unregistered_destination_fails_then_engine_still_works(pair):
@@ -171,7 +172,7 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
         with pytest.raises(TransferError, match="code -1"):
             a.write(b.session_id, bad)
         assert a.session_id == first  # failed at once: no new engine
-        assert a.take_counts() == {"stalls": 0, "retries": 0}
+        assert a.take_counts() == {"stalls": 0, "retries": 0, "handshake_failures": 0, "handshake_refusals": 0}
         monkeypatch.setattr(tr, "STALL_S", 2.0)
         stalled = a._engine = Wedged(a._engine)  # no progress for STALL_S: a stall
         good = Descriptors(np.array([src.ctypes.data + 8192]), np.array([dst.ctypes.data]), np.array([4096]))
@@ -181,7 +182,8 @@ def test_renew_on_failure_retries_a_stalled_write_on_a_fresh_engine(pair, monkey
         for name, n in a.take_counts().items():
             stats.count(name, n)
         assert not stats.is_empty() and (stats.reduce()["stalls"], stats.reduce()["retries"]) == (1, 1)
-        assert a.take_counts() == {"stalls": 0, "retries": 0}  # taken: reset
+        assert a.take_counts() == {"stalls": 0, "retries": 0, "handshake_failures": 0,
+                                   "handshake_refusals": 0}  # taken: reset
         assert a.registered() == {src.ctypes.data: src.nbytes}
         assert np.array_equal(dst[:4096], src[8192:8192 + 4096])
     finally:

@@ -9,6 +9,7 @@ the stranger's memory, ...). The live-engine half is ``test_e2e.py`` (no secret)
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import threading
 import time
@@ -17,10 +18,11 @@ import numpy as np
 import pytest
 import zmq
 
+from tests.support.bad_peers import BadPeer, closed_session
 from tests.support.stranger import run as stranger
 from tests.transfer.test_safety import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions, wait_until
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer import directory, http_bootstrap
+from vllm_dcp2d.transfer import directory, handshake, http_bootstrap
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
 from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, HttpTableQuery
@@ -202,6 +204,42 @@ def test_a_frozen_decode_holds_up_only_its_own_fetches(stack):
     assert f.ok and time.monotonic() - t0 < 5 and np.array_equal(h.dst, h.expected(p.src))
     frozen[0].thaw()
     assert wait_fetch(f1.recv, "a", 20).ok and wait_fetch(f1.recv, "b", 20).ok
+
+
+@pytest.mark.parametrize("kind", ["silent", "garbage", "closed"])
+def test_a_black_hole_session_costs_only_its_own_fetch(stack, kind):
+    """Security review: a TransferRequest naming a Mooncake session that accepts TCP and
+    never answers (a frozen decode's does the same) held the rank's engine 60 s, and another
+    decode's KV came 57.6 s late: the engine opens a new session under a lock every write
+    takes, and finding 5's writer per decode does not reach it. Each session is probed
+    first, bounded (``handshake.py``): while the probe waits, a known decode and a new one
+    get their KV at once (0.5 s: about 10 ms here, far below the 2 s bound); the black hole's
+    fetch fails within the bound, naming the handshake, and its next one is refused at once."""
+    gc.collect()  # earlier tests' engines die now, not in a timed part (their destructor holds the GIL)
+    p = Prefill(stack)
+    known, fresh, bad = Decode(stack), Decode(stack), Decode(stack)
+    hole = stack.enter_context(BadPeer(kind)) if kind != "closed" else None
+    bad.transport.session_id = hole.session if hole else closed_session()  # what its requests name
+    p.add("warm")
+    assert known.fetch(p.boot.address, "warm").ok  # its session is open on the rank's engine
+    for key in "abcd":
+        p.add(key)
+    t0 = time.monotonic()
+    bad.recv.start("a", p.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=DIGEST)
+    if hole:
+        assert hole.first.wait(20)  # the rank's writer for it waits in the handshake now
+    for d, key in ((fresh, "b"), (known, "c")):
+        t1 = time.monotonic()
+        f = d.fetch(p.boot.address, key)
+        assert f.ok and np.array_equal(d.dst, d.expected(p.src)), f.error
+        assert time.monotonic() - t1 < 0.5, (key, time.monotonic() - t1)
+    f = wait_fetch(bad.recv, "a", 20)
+    assert not f.ok and "did not answer its handshake" in f.error.reason, f.error
+    assert time.monotonic() - t0 < handshake.HANDSHAKE_TIMEOUT_S + 2.0
+    t1 = time.monotonic()
+    f = bad.fetch(p.boot.address, "d")
+    assert not f.ok and "is refused for another" in f.error.reason and time.monotonic() - t1 < 0.5, f.error
+    assert not bad.dst.any() and (hole is None or hole.accepted == 1)
 
 
 def test_waits_and_open_attempts_are_bounded(stack):

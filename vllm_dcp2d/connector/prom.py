@@ -110,6 +110,11 @@ METRICS: tuple[Metric, ...] = (
            "is then answered unsettled: the decode quarantines its blocks)."),
     Metric("vllm:dcp2d_retries", "counter", False, "prefill", "retries",
            "Batches re-sent on a fresh Mooncake engine after a stall."),
+    Metric("vllm:dcp2d_handshake_failures", "counter", False, "prefill", "handshake_failures",
+           "Decode Mooncake sessions that did not answer their handshake within `handshake_timeout_s` (a "
+           "black hole, a frozen or vanished decode): each is refused for 10 s, its fetch failed."),
+    Metric("vllm:dcp2d_handshake_refusals", "counter", False, "prefill", "handshake_refusals",
+           "Writes refused at once (nothing sent) to a session whose handshake failed within the last 10 s."),
     Metric("vllm:dcp2d_unauthenticated_messages", "counter", False, "both", "unauthenticated",
            "Side-channel frames dropped unread: unsealed, forged, replayed or stale with `auth_secret_file` "
            "set, or sealed without it (docs/security.md)."),

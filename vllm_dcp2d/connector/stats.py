@@ -30,7 +30,7 @@ from vllm_dcp2d.vllm_compat.connector_api import KVConnectorStats
 __all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVATIONS", "LEVELS"]
 
 _COUNTERS = ("failed", "expired", "quarantined", "lifted", "prefix_broadcast_bytes", "stalls", "retries",
-             "unauthenticated", "corrupt")
+             "unauthenticated", "corrupt", "handshake_failures", "handshake_refusals")
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
 # Per-request stage durations (issue 29): a decode rank's, one observation per fetch; a prefill
 # rank's, one per request it held blocks for.
@@ -87,6 +87,9 @@ class DCP2DStats(KVConnectorStats):
     retries:     batches re-sent on a fresh Mooncake engine after a stall.
     unauthenticated: side-channel frames dropped unread (``auth.py``).
     corrupt:     fetches whose KV failed its checksum (``verify_kv``; counted in ``failed`` too).
+    handshake_failures: Mooncake sessions that did not answer their handshake within
+                 ``handshake_timeout_s`` (``transfer/handshake.py``); each is refused for a while.
+    handshake_refusals: writes refused at once for that (their fetch fails; nothing sent).
     fetch_seconds: decode, per ended fetch that succeeded: from asking the prefill
                  ranks to the last answer. reported_after_seconds: from then to the
                  engine step that reported it (``step_bell``). held_seconds: prefill, per

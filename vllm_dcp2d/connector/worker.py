@@ -105,7 +105,8 @@ class WorkerSide:
                host_kv: bool) -> None:
         # A producer's engine only writes: it may be replaced after a failed write.
         self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol,
-                                           renew_on_failure=self.is_producer and not self.is_consumer)
+                                           renew_on_failure=self.is_producer and not self.is_consumer,
+                                           handshake_timeout_s=self.cfg.handshake_timeout_s)
         for addr, nbytes in memory:
             self.transport.register(addr, nbytes)
         if self.producer is not None:

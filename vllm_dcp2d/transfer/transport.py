@@ -8,12 +8,16 @@ batch of more than ~2048 entries to one peer fails part-way (per-peer TCP queue
 destination partly written ("content unknown"); the ``protocol`` argument does
 not choose the transport, ``MC_FORCE_TCP=1`` does; a frozen peer blocks a call
 for ``MC_TRANSFER_TIMEOUT`` seconds (>= 5, read by the engine); 0.3.13.post1's
-TCP sessions can stall for minutes (``renew_on_failure``).
+TCP sessions can stall for minutes (``renew_on_failure``); the first write to a
+session opens it (Mooncake's handshake) holding a lock every other write of the
+engine needs, for up to 60 s if the peer is silent (``handshake.py``): a session
+is probed first, and opened alone on the engine, with a bound (``_enter``).
 
 Every method of ``MooncakeTransport`` is thread-safe; writes to one peer are
 serialized (they share the engine's per-peer queue). ``write`` never spins: it
 submits each descriptor as a one-entry transfer and sleeps between status polls
-(``_write_batch`` says why).
+(``_write_batch`` says why). Over ~400 lines: the engine's lock and the gate that
+keeps writes out of it while a session opens (``_enter``) guard the same calls.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import threading
 import time
 
 from vllm_dcp2d.plan import Descriptors
+from vllm_dcp2d.transfer.handshake import BACKOFF_S, HANDSHAKE_TIMEOUT_S, Sessions
 
-__all__ = ["TransportError", "TransferError", "MooncakeTransport", "unpinned"]
+__all__ = ["TransportError", "TransferError", "HandshakeError", "MooncakeTransport", "unpinned"]
 
 log = logging.getLogger(__name__)
 STALL_S = 10       # renew_on_failure: seconds without progress before a TCP write is given up
@@ -83,6 +88,28 @@ class TransferError(TransportError):
                          f"descriptors ({done_bytes} bytes written before it){detail}")
 
 
+class HandshakeError(TransportError):
+    """``peer`` did not answer Mooncake's handshake in time, or is refused for a while after
+    it failed to (``handshake.Sessions``): nothing of the write was sent."""
+
+    def __init__(self, peer: str, reason: str):
+        self.peer = peer
+        super().__init__(reason)
+
+
+class _Use:
+    """Who calls into the current engine (``MooncakeTransport._enter``): the sessions it
+    opened, the one it is opening now and since when (``overdue`` once that took over the
+    bound), and how many writers are submitting to it. A fresh one comes with every engine."""
+
+    def __init__(self):
+        self.opened: set[str] = set()
+        self.opening: str | None = None
+        self.since = 0.0
+        self.overdue = False
+        self.submitting = 0
+
+
 class MooncakeTransport:
     """One Mooncake ``TransferEngine`` in P2PHANDSHAKE mode (no metadata server).
 
@@ -96,11 +123,17 @@ class MooncakeTransport:
     renew_on_failure:   a write-only transport gives a TCP write up after ``STALL_S``
                         seconds without progress and retries it on a fresh engine
                         (``renew``), up to ``STALL_RETRIES`` times. Writes that fail
-                        at once (dead peer) are not retried.
+                        at once (dead peer) are not retried. It also bounds what a
+                        session that answers the probe and not the engine costs others
+                        (``_late``).
+    handshake_timeout_s: the longest a session's handshake may take, probe and the
+                        engine's own (``handshake.py``); one that failed is refused
+                        for ``handshake_backoff_s``.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", max_batch: int = 1024,
-                 transfer_timeout_s: float | None = None, renew_on_failure: bool = False):
+                 transfer_timeout_s: float | None = None, renew_on_failure: bool = False,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, handshake_backoff_s: float = BACKOFF_S):
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if not 1 <= max_batch <= 65535:
@@ -115,11 +148,14 @@ class MooncakeTransport:
             for var in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
                 os.environ.setdefault(var, str(STALL_S))
         self.max_batch = max_batch
+        self._sessions = Sessions(handshake_timeout_s, handshake_backoff_s)
         self.hostname, self.protocol, self.renew_on_failure = hostname, protocol, renew_on_failure
         self._engine = self._new_engine()
         self._retired: list = []  # replaced engines, newest last: a write may still run on one
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
+        self._gate = threading.Condition(self._lock)  # _use changed: a writer may go on
+        self._use = _Use()
         self._regs: dict[int, int] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
         self._counts = {"stalls": 0, "retries": 0}
@@ -162,6 +198,8 @@ class MooncakeTransport:
                     old.unregister_memory(addr)
             self._retired = self._retired[-RETIRED_KEPT:]
             self._engine = engine
+            self._use = _Use()  # it opened no session yet
+            self._gate.notify_all()
             self.session_id = f"{self.hostname}:{engine.get_rpc_port()}"
 
     def __enter__(self):
@@ -220,7 +258,9 @@ class MooncakeTransport:
 
         peer: the target's ``session_id``. desc: int64 ``[n]`` src/dst/length
         (``dst`` inside memory the peer registered). Returns the bytes written.
-        Raises TransferError on the first failed batch; later batches are not sent.
+        Raises TransferError on the first failed batch; later batches are not sent;
+        HandshakeError (nothing sent) when the engine has not opened ``peer`` yet
+        and it does not answer its handshake (``handshake.py``), or failed to lately.
         stalls: if given, gets the return code of every attempt that stalled
         (no descriptor completed for ``STALL_S``, retried or not). The engine
         may still deliver such an attempt's queued bytes later (0.3.13 returns -1
@@ -238,7 +278,7 @@ class MooncakeTransport:
                     if not_after_ns and time.time_ns() >= not_after_ns:
                         raise TransferError(peer, len(b), -1, done, ": the attempt's deadline passed, so no write "
                                                                     "of it starts any more (the fence)")
-                    rc, stalled = self._write_batch(self._engine, peer, b)
+                    rc, stalled = self._write_batch(peer, b)
                     if stalled:
                         self._count("stalls")
                         if stalls is not None:
@@ -255,8 +295,7 @@ class MooncakeTransport:
                 done += b.nbytes
         return done
 
-    @staticmethod
-    def _write_batch(engine, peer: str, b: Descriptors) -> tuple[int, bool]:
+    def _write_batch(self, peer: str, b: Descriptors) -> tuple[int, bool]:
         """One attempt at ``b`` (<= ``max_batch`` descriptors): ``(rc, stalled)``.
 
         Each descriptor goes out as its own one-entry transfer and the thread
@@ -268,15 +307,28 @@ class MooncakeTransport:
         TCP stall of issue 14). ``rc``: 0 when every descriptor completed,
         else negative. ``stalled``: no descriptor completed for ``STALL_S``, or
         the engine reported a timeout; the attempt's bytes may still land.
+        Raises HandshakeError as ``write``.
         """
         src, dst, length = b.src.tolist(), b.dst.tolist(), b.length.tolist()
         pending, rc = [], 0
-        for s, d, n in zip(src, dst, length):
-            bid = engine.transfer_submit_write(peer, s, d, n)
-            if bid == 0:  # not submitted (e.g. no such peer): send no more
-                rc = -1
-                break
-            pending.append(bid)
+        engine, use, opening = self._enter(peer)
+        try:
+            for s, d, n in zip(src, dst, length):
+                if opening:  # the first write to peer opens it: Mooncake's handshake
+                    opening = False
+                    bid, overdue = self._open(engine, use, peer, s, d, n)
+                    if overdue:  # given up on; had it got through, that one write may still land
+                        rc = -1
+                        pending += [bid] if bid else []
+                        break
+                else:
+                    bid = engine.transfer_submit_write(peer, s, d, n)
+                if bid == 0:  # not submitted (e.g. no such peer): send no more
+                    rc = -1
+                    break
+                pending.append(bid)
+        finally:
+            self._leave(use)
         stalled, nap = False, POLL_MIN_S
         progress = started = time.monotonic()
         while pending:
@@ -302,16 +354,113 @@ class MooncakeTransport:
             nap = min(2 * nap, POLL_MAX_S)
         return rc, stalled
 
+    def _enter(self, peer: str) -> tuple[object, _Use, bool]:
+        """``(engine, use, opening)``: the engine to submit ``peer``'s writes to, held
+        (``use.submitting``) until ``_leave(use)``; ``opening``: the first submit opens
+        ``peer`` (``_open``; it holds the engine alone until then).
+
+        The engine's wrapper opens a session holding a lock every submit takes, so
+        nobody submits while a session opens: a writer to an opened session waits for
+        the open (what it would wait for inside the engine), at most
+        ``handshake_timeout_s`` (``_late``); an opener first waits for the submits in
+        flight (each a few microseconds of enqueueing), after probing ``peer`` on this
+        thread only (``Sessions.check``, its back-off). Raises HandshakeError when the
+        probe fails or the session is refused.
+        """
+        probed = False
+        while True:
+            with self._lock:
+                self._check_open()
+                use = self._use
+                late = self._wait_open(use)
+                if not late and use is self._use:
+                    if peer in use.opened:
+                        use.submitting += 1
+                        return self._engine, use, False
+                    if probed:
+                        use.opening, use.since, use.overdue = peer, time.monotonic(), False
+                        while use.submitting and use is self._use:
+                            self._gate.wait(1.0)  # a submit enqueues and returns: microseconds
+                        if use is self._use:
+                            return self._engine, use, True
+                        use.opening = None
+            if late:
+                self._late(late)
+            elif not probed:
+                why = self._sessions.check(peer)  # no lock held: only this writer waits for it
+                if why:
+                    raise HandshakeError(peer, why)
+                probed = True
+            # else: a new engine came meanwhile: open peer on it
+
+    def _wait_open(self, use: _Use) -> str:
+        """Under the lock: wait while a session opens on ``use``'s engine. "" once none does
+        (or the engine changed); else the session whose open this thread found past
+        ``handshake_timeout_s`` (marked ``overdue``, for this thread to handle)."""
+        while use.opening is not None and use is self._use:
+            left = use.since + self._sessions.timeout_s - time.monotonic()
+            if left <= 0 and not use.overdue:
+                use.overdue = True
+                return use.opening
+            self._gate.wait(left if left > 0 else 1.0)  # woken at the open's end or at renew
+        return ""
+
+    def _leave(self, use: _Use) -> None:
+        with self._lock:
+            use.submitting -= 1
+            if not use.submitting:
+                self._gate.notify_all()
+
+    def _open(self, engine, use: _Use, peer: str, s: int, d: int, n: int) -> tuple[int, bool]:
+        """The first submit to ``peer`` on ``engine``, which opens it: ``(batch id,
+        overdue)``, the id 0 when not submitted. Holds a submit slot of ``use`` after.
+        ``overdue``: a writer waiting for it found it past the bound (``_late``); the
+        session is refused then, and this write fails."""
+        bid = 0
+        try:
+            bid = engine.transfer_submit_write(peer, s, d, n)
+        finally:
+            with self._lock:
+                overdue = use.overdue
+                use.opening = None
+                if bid and not overdue:
+                    use.opened.add(peer)
+                use.submitting += 1
+                self._gate.notify_all()
+        if not bid and not overdue:
+            self._sessions.fail(peer, "the engine's own handshake failed")
+        return bid, overdue
+
+    def _late(self, peer: str) -> None:
+        """``peer``'s open took over ``handshake_timeout_s`` while others waited for it: it
+        answered the probe, not the engine (it froze since, or tells the two apart), and
+        the engine's lock stays held until the handshake's read gives up (60 s). ``peer``
+        is refused for its back-off; on a ``renew_on_failure`` transport a fresh engine
+        takes the other writes now (the opener returns when its handshake ends). Elsewhere
+        the others wait for it; the back-off keeps that to once per ``handshake_backoff_s``."""
+        why = f"it answered the probe, but not the engine's own handshake within {self._sessions.timeout_s:g} s"
+        self._sessions.fail(peer, why)
+        if not self.renew_on_failure:
+            log.warning("Mooncake session %s: %s; this engine's writes wait for it (at most 60 s)", peer, why)
+            return
+        log.warning("Mooncake session %s: %s; the other writes go on on a fresh engine", peer, why)
+        try:
+            self.renew()
+        except TransportError as e:
+            log.warning("renewing the Mooncake engine failed: %s", e)
+
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
 
     def take_counts(self) -> dict[str, int]:
-        """``{"stalls", "retries"}`` since the last call: writes given up after
-        ``STALL_S`` without progress, and batches re-sent on a fresh engine."""
+        """``{"stalls", "retries", "handshake_failures", "handshake_refusals"}`` since the
+        last call: writes given up after ``STALL_S`` without progress, batches re-sent on
+        a fresh engine, sessions that did not answer their handshake in time (each then
+        refused for ``handshake_backoff_s``), and writes refused at once for that."""
         with self._lock:
             counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
-        return counts
+        return counts | self._sessions.take_counts()
 
     def close(self) -> None:
         """Unregister every registered range; idempotent. The engine itself is
