@@ -62,7 +62,8 @@ __all__ = [
 # the two ranks' pages hold different head counts. 9 = prompt_digest covers what vLLM keys KV on
 # besides the token ids (multimodal items with their positions, prompt embeds' bytes, the LoRA
 # adapter's name, cache_salt), each input length-prefixed, and is never "" for a prompt (was: the
-# token ids and multimodal identifiers, "" for prompt embeds).
+# token ids and multimodal identifiers, "" for prompt embeds); TransferOutcome.checksum is
+# ``checksum.py``'s 16-lane linear checksum, computed with torch where the KV is (was: xxh3-128 of host memory).
 PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
@@ -402,8 +403,8 @@ class TransferOutcome(_Message):
     settled:           no write of this fetch can still land. False when a write
                        timed out: Mooncake may deliver its queued bytes later, so
                        the consumer must keep those blocks out of use (quarantine).
-    checksum:          with ``TransferRequest.verify``: ``checksum.path_checksum`` of the
-                       bytes this rank wrote, in the plan's order; "" otherwise.
+    checksum:          with ``TransferRequest.verify``: ``checksum.checksum`` of the bytes
+                       this rank wrote, in the consumer's address order; "" otherwise.
     """
 
     transfer_key: str
