@@ -10,7 +10,7 @@ over loopback, at 8K and 32K tokens, for the tiny test model in fp32 and for one
 of GLM-5.2 (78 layers, CP8 -> DCP4, 64-token pages, 576 B per token and layer).
 Every write is checked byte for byte, every checksum pair compared. Part 3, per path and
 without the write: ``verify_kv``'s checksum (``checksum.py``, torch on the device holding the
-KV) at 1 and at all torch threads, against the xxh3-128 of host memory it replaced (a numpy
+KV; one thread on a host), against the xxh3-128 of host memory it replaced (a numpy
 gather of 32 MiB at a time, then xxh3, as protocol 8 did), for one decode rank's path of the
 tiny test model (4 layers, 2 KV heads of 64 bf16, 32-token pages, DCP 2) and of GLM-5.2 (78
 layers of a 656 B latent and a 132 B indexer key per token, 64-token pages, DCP 4), at 8K and
@@ -36,7 +36,7 @@ MODELS = [("tiny llama-mqa fp32 (CP2 -> DCP2)", 2, 32, 256, 2), ("GLM-5.2 (CP8 -
 
 def stats(xs: list[float]) -> str:
     a = np.array(xs) * 1e3
-    return f"{np.percentile(a, 50):.3f} | {np.percentile(a, 99):.3f} | {a.max():.3f}"
+    return f"{np.percentile(a, 50):.3f} / {np.percentile(a, 99):.3f} / {a.max():.3f}"
 
 
 def messages() -> list:
@@ -158,17 +158,16 @@ def part3(reps: int, device: str) -> None:
     import torch
 
     from vllm_dcp2d.transfer.checksum import KVBytes, checksum, path_ranges
-    from vllm_dcp2d.plan import KVRegions, Memory, plan_path
+    from vllm_dcp2d.plan import KVRegions, plan_path
 
-    host, threads = device == "cpu", torch.get_num_threads()
+    host = device == "cpu"
     print()
-    print(f"verify_kv's checksum per path on {device}: torch at 1 and {threads} threads"
-          + (", against protocol 8's xxh3-128 of host memory" if host else " (no xxh3 column off the host)"))
+    print(f"verify_kv's checksum per path, KV on {device}" + (" (one thread: checksum._one_host_thread), against "
+                                                            "protocol 8's xxh3-128 of host memory" if host else ""))
     print()
     print("| layout | tokens | path MiB | ranges prefill / decode | " + ("xxh3 prefill / decode ms p50 | " if host else "")
-          + f"torch 1 thread prefill / decode ms p50 | torch {threads} threads prefill / decode ms p50 "
-          f"| torch GB/s (decode, {threads} threads) |")
-    print("|---|---|---|---|" + ("---|" if host else "") + "---|---|---|")
+          + "checksum prefill / decode ms p50 | checksum GB/s (decode) |")
+    print("|---|---|---|---|" + ("---|" if host else "") + "---|---|")
     gen = torch.Generator().manual_seed(0)
     for label, layers, page, per_token, dcp in LAYOUTS:
         for tokens in (8192, 32768):
@@ -190,31 +189,24 @@ def part3(reps: int, device: str) -> None:
             for s_, d_, n in zip(desc.src, desc.dst, desc.length):  # the write: every descriptor's bytes
                 _view(dst, int(d_), int(n)).copy_(_view(src, int(s_), int(n)))
             ranges = path_ranges(regions(dst), (dst_ids,), range(layers), dcp, 1, 0, pages)
-            kv_src, kv_dst = KVBytes.of_tensors(src), KVBytes.of_tensors(dst)
-            cols, sums = [], set()
-            runs = [("xxh3", None)] if host else []
-            runs += [("torch", 1), ("torch", threads)]
-            for kind, n_threads in runs:
-                times = ([], [])
-                for _ in range(reps):
-                    if n_threads:
-                        torch.set_num_threads(n_threads)
-                    for side, (kv, mem, s_, n_, o_) in enumerate(((kv_src, kv_src.memory, desc.src, desc.length,
-                                                                  desc.dst),
-                                                                 (kv_dst, kv_dst.memory, ranges.dst, ranges.length,
-                                                                  ranges.dst))):
+            sides = ((KVBytes.of_tensors(src), desc.src, desc.length, desc.dst),
+                     (KVBytes.of_tensors(dst), ranges.dst, ranges.length, ranges.dst))
+            cols = []
+            for kind in ("xxh3", "checksum") if host else ("checksum",):
+                times, sums = ([], []), set()
+                for rep in range(reps + 1):  # the first round warms up (oneDNN builds its GEMM) and is not counted
+                    for side, (kv, s_, n_, o_) in enumerate(sides):
                         t0 = time.perf_counter()
-                        got = xxh3_checksum(mem, s_, n_, o_) if kind == "xxh3" else checksum(kv, s_, n_, o_)
-                        times[side].append(time.perf_counter() - t0)
-                        sums.add((kind, got))
-                torch.set_num_threads(threads)
+                        sums.add(xxh3_checksum(kv.memory, s_, n_, o_) if kind == "xxh3" else checksum(kv, s_, n_, o_))
+                        if rep:
+                            times[side].append(time.perf_counter() - t0)
+                if len(sums) != 1:
+                    raise SystemExit(f"{label} {tokens}: {kind}: prefill and decode differ: {sums}")
                 cols.append(f"{np.median(times[0]) * 1e3:.2f} / {np.median(times[1]) * 1e3:.2f}")
-            if len(sums) != len({k for k, _ in sums}):
-                raise SystemExit(f"{label} {tokens}: prefill and decode checksums differ: {sums}")
             rate = desc.nbytes / np.median(times[1]) / 1e9
             print(f"| {label} | {tokens // 1024}K | {desc.nbytes / 2**20:.1f} | {len(desc)} / {len(ranges)} | "
                   + " | ".join(cols) + f" | {rate:.2f} |")
-            del src, dst, kv_src, kv_dst
+            del src, dst, sides
 
 
 def _view(bufs, addr: int, nbytes: int):

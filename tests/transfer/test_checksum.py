@@ -175,3 +175,27 @@ def test_a_read_outside_the_memory_is_refused():
         checksum(memory, np.array([buf.ctypes.data + 4000]), np.array([200]), np.array([0]))
     with pytest.raises(ValueError, match="multiple of"):
         checksum(memory, np.array([buf.ctypes.data]), np.array([200]), np.array([0]), 1000)
+
+
+@pytest.mark.skipif(cs._OMP is None, reason="this process's OpenMP runtime has no global symbols")
+def test_on_a_host_it_runs_on_its_own_thread_and_leaves_the_thread_count(monkeypatch):
+    """A checksum beside the forward: its torch ops run on the calling thread alone (no
+    OpenMP team contending with the forward's for the cores), and the thread's torch
+    thread count is what it was, also after an error."""
+    seen = []
+    real = cs._inner_f64
+    monkeypatch.setattr(cs, "_inner_f64", lambda x, r: seen.append(torch.get_num_threads()) or real(x, r))
+    monkeypatch.setitem(cs._INT8_GEMM, "cpu", False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        buf = np.ones(1 << 16, dtype=np.uint8)
+        memory = Memory.of([(buf.ctypes.data, buf.nbytes)])
+        checksum(memory, np.array([buf.ctypes.data]), np.array([buf.nbytes]), np.array([0]))
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(cs, "_inner_f64", lambda x, r: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            checksum(memory, np.array([buf.ctypes.data]), np.array([buf.nbytes]), np.array([0]))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

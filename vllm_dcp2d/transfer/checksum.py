@@ -32,9 +32,11 @@ it, as it could any unkeyed checksum (xxh3 included); keeping hostile writers of
 control plane is the secret's job (``auth.py``).
 
 Why this one (BENCHMARKS.md, "The trust boundary's cost"): the inner sum is an int8 GEMM,
-which the project's CPU runs on AMX and a GPU on its int8 tensor cores, so the check reads
-each byte about as fast as a copy: as fast as xxh3-128 of host memory here, which no GPU runs.
-A device without an int8 GEMM computes the same integers in float64 (exact below 2^53).
+which the project's CPU runs on AMX and a GPU on its int8 tensor cores, so the check costs
+about what gathering the path's pages costs: on one thread of this project's CPU as fast as or
+faster than the xxh3-128 of host memory it replaced (which no GPU runs), so one algorithm
+serves both kinds of KV and nothing is negotiated. A device whose int8 GEMM is missing or
+fails a known-answer check computes the same integers in float64 (exact below 2^53).
 
 Public API
 ----------
@@ -49,6 +51,8 @@ Public API
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 
 import numpy as np
@@ -113,8 +117,8 @@ class KVBytes:
             view = torch.as_strided(t, (t.numel() - unit + 1, unit), (1, 1))
             sel = np.flatnonzero(where == r)
             idx = torch.from_numpy(at[sel] - int(self.memory.addr[r])).to(self.device)
-            if sel.size == len(at):
-                torch.index_select(view, 0, idx, out=rows)
+            if sel[-1] - sel[0] + 1 == sel.size:  # one run of the output (a plane of the path): in place
+                torch.index_select(view, 0, idx, out=rows[sel[0]:sel[-1] + 1])
             else:
                 rows[torch.from_numpy(sel).to(self.device)] = view.index_select(0, idx)
 
@@ -137,17 +141,48 @@ def checksum(memory: Memory | KVBytes, src: np.ndarray, length: np.ndarray, orde
     unit = int(np.gcd.reduce(np.append(length, chunk)))  # divides every range and every chunk boundary
     count = length // unit
     ends = np.cumsum(count)
-    lanes = _Lanes(kv.device, chunk // GROUP_BYTES)
-    buf = torch.empty(chunk, dtype=torch.uint8, device=kv.device)
-    for start in range(0, total, chunk):  # a loop per chunk, not per range
-        u = np.arange(start // unit, min(total, start + chunk) // unit, dtype=np.int64)
-        k = np.searchsorted(ends, u, side="right")
-        used = u.size * unit
-        kv.gather(src[k] + (u - ends[k] + count[k]) * unit, unit, buf[:used])
-        whole = -(-used // GROUP_BYTES) * GROUP_BYTES
-        buf[used:whole].zero_()
-        lanes.add(buf[:whole])
-    return lanes.digest(total)
+    with _one_host_thread(kv.device):
+        lanes = _Lanes(kv.device, chunk // GROUP_BYTES)
+        buf = torch.empty(chunk, dtype=torch.uint8, device=kv.device)
+        for start in range(0, total, chunk):  # a loop per chunk, not per range
+            u = np.arange(start // unit, min(total, start + chunk) // unit, dtype=np.int64)
+            k = np.searchsorted(ends, u, side="right")
+            used = u.size * unit
+            kv.gather(src[k] + (u - ends[k] + count[k]) * unit, unit, buf[:used])
+            whole = -(-used // GROUP_BYTES) * GROUP_BYTES
+            buf[used:whole].zero_()
+            lanes.add(buf[:whole])
+        return lanes.digest(total)
+
+
+@contextlib.contextmanager
+def _one_host_thread(device: torch.device):
+    """On a host, run the checksum's torch ops on the calling thread alone. It runs beside the
+    forward (a sender's writer, the receiver's thread): a team of the worker's thread count
+    would contend with the forward's for the same cores (here, with the other core busy, a
+    2-thread int8 GEMM took 20 times the 1-thread time), while one thread reads the KV faster
+    than the xxh3 path it replaced did. The calling thread's OpenMP setting, restored after:
+    ``torch.set_num_threads`` would change the process's (and clear oneDNN's primitive cache)."""
+    omp = _OMP if device.type == "cpu" else None
+    if omp is None:
+        yield
+        return
+    torch.get_num_threads()  # torch's first call on a thread sets its OpenMP team: before ours, not over it
+    before = omp.omp_get_max_threads()
+    omp.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        omp.omp_set_num_threads(before)
+
+
+def _openmp():
+    """The process's OpenMP runtime (torch's), or None where its symbols are not global."""
+    lib = ctypes.CDLL(None)
+    return lib if hasattr(lib, "omp_set_num_threads") and hasattr(lib, "omp_get_max_threads") else None
+
+
+_OMP = _openmp()
 
 
 class _Lanes:
