@@ -8,9 +8,15 @@ prefill's over its source pages, the decode's over its blocks, both ordered by t
 destination address) against the Mooncake TCP write of the same path, in one process
 over loopback, at 8K and 32K tokens, for the tiny test model in fp32 and for one path
 of GLM-5.2 (78 layers, CP8 -> DCP4, 64-token pages, 576 B per token and layer).
-Every write is checked byte for byte, every checksum pair compared.
+Every write is checked byte for byte, every checksum pair compared. Part 3, per path and
+without the write: ``verify_kv``'s checksum (``checksum.py``, torch on the device holding the
+KV; one thread on a host), against the xxh3-128 of host memory it replaced (a numpy
+gather of 32 MiB at a time, then xxh3, as protocol 8 did), for one decode rank's path of the
+tiny test model (4 layers, 2 KV heads of 64 bf16, 32-token pages, DCP 2) and of GLM-5.2 (78
+layers of a 656 B latent and a 132 B indexer key per token, 64-token pages, DCP 4), at 8K and
+32K tokens; ``--device cuda`` runs the torch column on a GPU (no xxh3 column there).
 
-    MC_LOG_LEVEL=ERROR .venv/bin/python bench/trust.py [--reps 30]
+    MC_LOG_LEVEL=ERROR .venv/bin/python bench/trust.py [--reps 30] [--part 3] [--device cpu]
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ MODELS = [("tiny llama-mqa fp32 (CP2 -> DCP2)", 2, 32, 256, 2), ("GLM-5.2 (CP8 -
 
 def stats(xs: list[float]) -> str:
     a = np.array(xs) * 1e3
-    return f"{np.percentile(a, 50):.3f} | {np.percentile(a, 99):.3f} | {a.max():.3f}"
+    return f"{np.percentile(a, 50):.3f} / {np.percentile(a, 99):.3f} / {a.max():.3f}"
 
 
 def messages() -> list:
@@ -125,14 +131,107 @@ def part2(reps: int) -> None:
                       f"{stats(sums)} | {stats(sumd)} | {ratio:.2f} |")
 
 
+# (label, layers, page tokens, bytes per token and layer of each region, DCP size)
+LAYOUTS = [("tiny llama (4 layers, 2 KV heads x 64 bf16)", 4, 32, (256,), 2),
+           ("GLM-5.2 (78 layers, latent 656 + indexer 132 B)", 78, 64, (656, 132), 4)]
+
+
+def xxh3_checksum(memory, src, length, order) -> str:
+    """Protocol 8's checksum: xxh3-128 of host memory, gathered 32 MiB at a time (for comparison)."""
+    import xxhash
+
+    from vllm_dcp2d.transfer.hostmem import gather
+
+    idx = np.argsort(order, kind="stable")
+    src, length = src[idx], length[idx]
+    h, end, start = xxhash.xxh3_128(), np.cumsum(length), 0
+    while start < src.size:
+        stop = max(start + 1, int(np.searchsorted(end, end[start] - length[start] + (32 << 20), side="right")))
+        buf = np.empty(int(length[start:stop].sum()), dtype=np.uint8)
+        gather(memory, src[start:stop], length[start:stop], buf)
+        h.update(buf)
+        start = stop
+    return h.hexdigest()
+
+
+def part3(reps: int, device: str) -> None:
+    import torch
+
+    from vllm_dcp2d.transfer.checksum import KVBytes, checksum, path_ranges
+    from vllm_dcp2d.plan import KVRegions, plan_path
+
+    host = device == "cpu"
+    print()
+    print(f"verify_kv's checksum per path, KV on {device}" + (" (one thread: checksum._one_host_thread), against "
+                                                            "protocol 8's xxh3-128 of host memory" if host else ""))
+    print()
+    print("| layout | tokens | path MiB | ranges prefill / decode | " + ("xxh3 prefill / decode ms p50 | " if host else "")
+          + "checksum prefill / decode ms p50 | checksum GB/s (decode) |")
+    print("|---|---|---|---|" + ("---|" if host else "") + "---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for label, layers, page, per_token, dcp in LAYOUTS:
+        for tokens in (8192, 32768):
+            pages = -(-tokens // page)
+            mine = len(range(1, pages, dcp))  # decode rank 1's pages
+            sizes = [page * b for b in per_token]
+            src = [torch.randint(0, 256, (layers, mine + 1, n), dtype=torch.uint8, generator=gen).to(device)
+                   for n in sizes]
+            dst = [torch.zeros((layers, mine + 1, n), dtype=torch.uint8, device=device) for n in sizes]
+
+            def regions(bufs):
+                base = np.stack([b.data_ptr() + np.arange(layers) * b[0].numel() for b in bufs], axis=1)
+                return KVRegions(np.arange(layers), base, np.array(sizes), np.array(sizes))
+
+            src_ids = np.zeros(pages, dtype=np.int64)
+            src_ids[1::dcp] = np.random.default_rng(0).permutation(mine + 1)[:mine]  # its blocks, shuffled
+            dst_ids = np.arange(mine)
+            desc = plan_path(regions(src), src_ids, range(layers), regions(dst), dst_ids, dcp, 1, 0, pages)
+            for s_, d_, n in zip(desc.src, desc.dst, desc.length):  # the write: every descriptor's bytes
+                _view(dst, int(d_), int(n)).copy_(_view(src, int(s_), int(n)))
+            ranges = path_ranges(regions(dst), (dst_ids,), range(layers), dcp, 1, 0, pages)
+            sides = ((KVBytes.of_tensors(src), desc.src, desc.length, desc.dst),
+                     (KVBytes.of_tensors(dst), ranges.dst, ranges.length, ranges.dst))
+            cols = []
+            for kind in ("xxh3", "checksum") if host else ("checksum",):
+                times, sums = ([], []), set()
+                for rep in range(reps + 1):  # the first round warms up (oneDNN builds its GEMM) and is not counted
+                    for side, (kv, s_, n_, o_) in enumerate(sides):
+                        t0 = time.perf_counter()
+                        sums.add(xxh3_checksum(kv.memory, s_, n_, o_) if kind == "xxh3" else checksum(kv, s_, n_, o_))
+                        if rep:
+                            times[side].append(time.perf_counter() - t0)
+                if len(sums) != 1:
+                    raise SystemExit(f"{label} {tokens}: {kind}: prefill and decode differ: {sums}")
+                cols.append(f"{np.median(times[0]) * 1e3:.2f} / {np.median(times[1]) * 1e3:.2f}")
+            rate = desc.nbytes / np.median(times[1]) / 1e9
+            print(f"| {label} | {tokens // 1024}K | {desc.nbytes / 2**20:.1f} | {len(desc)} / {len(ranges)} | "
+                  + " | ".join(cols) + f" | {rate:.2f} |")
+            del src, dst, sides
+
+
+def _view(bufs, addr: int, nbytes: int):
+    """uint8 ``[nbytes]`` at ``addr`` inside one of the tensors ``bufs``."""
+    for b in bufs:
+        off = addr - b.data_ptr()
+        if 0 <= off and off + nbytes <= b.numel():
+            return b.view(-1)[off:off + nbytes]
+    raise ValueError(f"{addr:#x} is in none of the buffers")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
-    reps = ap.parse_args().reps
-    if reps < 1:
-        raise SystemExit(f"--reps {reps}: expected at least 1")
-    part1(max(reps, 200))
-    part2(reps)
+    ap.add_argument("--part", choices=["1", "2", "3", "all"], default="all")
+    ap.add_argument("--device", default="cpu", help="where part 3 keeps the KV (cpu, cuda)")
+    args = ap.parse_args()
+    if args.reps < 1:
+        raise SystemExit(f"--reps {args.reps}: expected at least 1")
+    if args.part in ("1", "all"):
+        part1(max(args.reps, 200))
+    if args.part in ("2", "all"):
+        part2(args.reps)
+    if args.part in ("3", "all"):
+        part3(args.reps, args.device)
 
 
 if __name__ == "__main__":

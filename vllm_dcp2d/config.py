@@ -153,7 +153,7 @@ KEYS: dict[str, tuple[str, str]] = {
                          "off is dropped and counted (`vllm:dcp2d_unauthenticated_messages_total`). `\"\"` "
                          "(default): the secret in `$DCP2D_AUTH_SECRET`, else none (the side channel is then "
                          "open to whoever reaches it: docs/security.md). Give prefill and decode the same secret."),
-    "verify_kv": ("consumer", "Each prefill rank sends a checksum (xxh3-128) of the bytes it wrote for this decode "
+    "verify_kv": ("consumer", "Each prefill rank sends a checksum (`checksum.py`: 16 lanes of an int8-GEMM linear sum, computed with torch where the KV is) of the bytes it wrote for this decode "
                   "rank, which checks its blocks against it before reporting the load: a page that arrived wrong, "
                   "whoever wrote it, fails the load (`kv_load_failure_policy`) and never enters the prefix cache. "
                   "Costs a read of the KV on both sides, about as long as the write over TCP (BENCHMARKS.md, "

@@ -43,7 +43,7 @@ def llm(tmp_path_factory):
     gc.collect()  # an earlier module's dead engine: its finalizer must not run during this start
     engine = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
                  kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=4,
-                 enable_prefix_caching=False, kv_transfer_config=kv)
+                 enable_prefix_caching=False, enable_prompt_embeds=True, kv_transfer_config=kv)
     yield engine, stats
     del engine
     # Collected now, not during the next module's engine: an in-process engine's finalizer
@@ -134,11 +134,41 @@ def test_loaded_kv_is_used_and_only_for_its_own_prompt(llm, monkeypatch):
     (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local_b.outputs[0].token_ids
-    monkeypatch.setattr(scheduler, "prompt_digest", lambda ids, extras=(): "same")  # the prefill's
-    monkeypatch.setattr(siblings, "prompt_digest", lambda ids, extras=(): "same")  # the decode's
+    monkeypatch.setattr(scheduler, "prompt_digest", lambda *a, **k: "same")  # the prefill's
+    monkeypatch.setattr(siblings, "prompt_digest", lambda *a, **k: "same")  # the decode's
     (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids != local_b.outputs[0].token_ids
+
+
+@pytest.mark.timeout(180)
+def test_kv_is_fetched_only_by_a_request_of_the_same_salt_or_embeds(llm):
+    """Issue "trust boundary, round 3", item 5, through the engine's own requests: a prompt
+    prefilled with ``cache_salt`` "a" (or with prompt embeds E) is fetched by its decode
+    (one ok fetch; the tokens are the local ones), and not by a decode of the same tokens
+    with salt "b" (or of other embeds of its length): that one prefills here, and answers
+    as its own prompt does locally. Before, the digest left the salt out and was "" for
+    every embeds prompt, so both fetched the other request's KV."""
+    import torch
+
+    engine, stats = llm
+    ids = prompts()["pages"]
+    hidden = engine.llm_engine.vllm_config.model_config.get_hidden_size()
+    gen = torch.Generator().manual_seed(5)
+    mine, other = (torch.randn(len(ids), hidden, generator=gen).to(torch.bfloat16) for _ in range(2))
+    cases = [({"prompt_token_ids": ids, "cache_salt": "a"}, {"prompt_token_ids": ids, "cache_salt": "b"}),
+             ({"prompt_embeds": mine}, {"prompt_embeds": other})]
+    for own, foreign in cases:
+        (local_own,) = engine.generate(own, greedy(6), use_tqdm=False)
+        (local_foreign,) = engine.generate(foreign, greedy(6), use_tqdm=False)
+        for prompt, local, fetched in ((foreign, local_foreign, 0), (own, local_own, 1)):
+            (pre,) = engine.generate(own, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+            key, before = pre.kv_transfer_params["remote_request_id"], len(records(stats))
+            (dec,) = engine.generate(prompt, greedy(6, dict(pre.kv_transfer_params)), use_tqdm=False)
+            assert dec.outputs[0].token_ids == local.outputs[0].token_ids, sorted(prompt)
+            loads = [r for r in fetch_records(records(stats)[before:]) if r.get("transfer_key") == key]
+            assert len(loads) == fetched and all(r["ok"] for r in loads), (sorted(prompt), loads)
+    idle_free_blocks(engine)  # the foreign decodes left their prefill's KV to its expiry
 
 
 @pytest.mark.timeout(120)

@@ -38,9 +38,12 @@ def side(producer=False, consumer=False, **cfg):
     return s
 
 
-def request(rid="r", n=100, params=None, status=RequestStatus.RUNNING):
-    return NS(request_id=rid, num_prompt_tokens=n, prompt_token_ids=list(range(n)), kv_transfer_params=params,
-              status=status)
+def request(rid="r", n=100, params=None, status=RequestStatus.RUNNING, ids=None):
+    """What the scheduler side reads of a vLLM ``Request`` (a plain prompt: no embeds,
+    multimodal items, LoRA adapter or cache salt)."""
+    return NS(request_id=rid, num_prompt_tokens=n, prompt_token_ids=list(range(n)) if ids is None else ids,
+              kv_transfer_params=params, status=status, prompt_embeds=None, prompt_is_token_ids=None,
+              mm_features=[], lora_request=None, cache_salt=None)
 
 
 def sched_out(new=(), cached=(), tokens=None):
@@ -486,8 +489,7 @@ def test_a_prompt_whose_digest_is_not_the_params_one_prefills_locally_and_releas
     release of the key belongs to the request whose prompt it is."""
     s = side(consumer=True)
     params = {**REMOTE, "remote_prompt_digest": prompt_digest(list(range(100)))}
-    other = NS(request_id="b-1", num_prompt_tokens=100, prompt_token_ids=list(range(1, 101)),
-               kv_transfer_params=dict(params), status=RequestStatus.RUNNING)
+    other = request("b-1", params=dict(params), ids=list(range(1, 101)))
     assert s.get_num_new_matched_tokens(other, 0) == (0, False)
     with caplog.at_level("INFO"):
         s.update_state_after_alloc(other, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 0)
@@ -536,7 +538,7 @@ def test_a_waiting_request_s_prompt_is_hashed_once(monkeypatch):
     from vllm_dcp2d.connector import siblings
 
     calls = []
-    monkeypatch.setattr(siblings, "prompt_digest", lambda *a: calls.append(a) or prompt_digest(*a))
+    monkeypatch.setattr(siblings, "prompt_digest", lambda *a, **k: calls.append(a) or prompt_digest(*a, **k))
     s = side(consumer=True)
     req = request(params={**REMOTE, "remote_prompt_digest": prompt_digest(list(range(100)))})
     for _ in range(3):

@@ -139,7 +139,7 @@ class SchedulerSide:
         params = transfer_params(request.kv_transfer_params)
         if self.is_producer and params.get("do_remote_decode"):
             self._remote_decode[request.request_id] = request.num_prompt_tokens
-            self._digests[request.request_id] = prompt_digest(*compat.prompt_ids(request))
+            self._digests[request.request_id] = prompt_digest(**compat.prompt_inputs(request))
             self._bind_key(request.request_id, params.get(CLIENT_KEY_FIELD))
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
@@ -372,7 +372,7 @@ class SchedulerSide:
         num_tokens = request.num_prompt_tokens
         key = self._keys.get(request.request_id, request.request_id)
         if digest is None:
-            digest = prompt_digest(*compat.prompt_ids(request))
+            digest = prompt_digest(**compat.prompt_inputs(request))
         self._ready[request.request_id] = SendSpec(self._pages(block_ids, num_tokens), num_tokens, key,
                                                    time.monotonic(), digest)
         return True, {

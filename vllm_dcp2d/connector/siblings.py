@@ -63,7 +63,7 @@ class Siblings:
         if digest is None:
             if len(self._digests) >= MAX_DIGESTS:
                 del self._digests[next(iter(self._digests))]
-            digest = self._digests[request.request_id] = prompt_digest(*compat.prompt_ids(request))
+            digest = self._digests[request.request_id] = prompt_digest(**compat.prompt_inputs(request))
         return digest
 
     def admitted(self, req_id: str) -> None:

@@ -1,10 +1,11 @@
 """Host memory as numpy: read byte ranges of registered KV without a Python loop per range.
 
-Both the send staging (``staging.py``: a path's pages copied into a slot before one
-write) and the KV checksum (``checksum.py``: a path's bytes hashed on both sides)
-gather many equal-sized runs of host memory. ``gather`` does it with one fancy-indexed
+The send staging (``staging.py``: a path's pages copied into a slot before one write)
+gathers many equal-sized runs of host memory. ``gather`` does it with one fancy-indexed
 copy per registered range: every run is cut into units of the runs' common divisor,
-and each unit is a row of a strided view over that range.
+and each unit is a row of a strided view over that range. The KV checksum
+(``checksum.KVBytes``) gathers the same way with torch, on whichever device holds the
+KV, over ``bytes_at`` views where that is host memory.
 """
 
 from __future__ import annotations

@@ -22,9 +22,7 @@ as one when the protocol moves.
 
 from __future__ import annotations
 
-import array
 import hashlib
-import sys
 from dataclasses import dataclass, fields
 
 import msgpack
@@ -63,10 +61,15 @@ __all__ = [
 # reshard (issue 39): TransferRequest.head_count/head_runs (where heads sit in the consumer's
 # pages); a producer serves a request whose heads intersect its own (was: equal), writing
 # only the common heads; Fingerprint.page_bytes and layout are compared per KV head when
-# the two ranks' pages hold different head counts. 9 = writes only where the asking decode
-# registered (issue 48): ``RegisterConsumer`` carries a side channel's Mooncake session and
-# registered memory, once per connection; TransferRequest loses session/memory_addr/memory_bytes
-# and gains not_after_ns (the fence: the producer starts no write of the attempt after it).
+# the two ranks' pages hold different head counts. 9 = the trust boundary, round 3 (issue 48): writes
+# only where the asking decode registered: ``RegisterConsumer`` carries a side channel's Mooncake
+# session and registered memory, once per connection; TransferRequest loses session/memory_addr/
+# memory_bytes and gains not_after_ns (the fence: the producer starts no write of the attempt after
+# it); prompt_digest covers what vLLM keys KV on besides the token ids (multimodal items with their
+# positions, prompt embeds' bytes, the LoRA adapter's name, cache_salt), each input length-prefixed,
+# and is never "" for a prompt (was: the token ids and multimodal identifiers, "" for prompt embeds);
+# TransferOutcome.checksum is ``checksum.py``'s 16-lane linear checksum, computed with torch where the
+# KV is (was: xxh3-128 of host memory).
 PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
@@ -84,18 +87,56 @@ _DIGEST = Str(64, min_len=0)   # hex; "" = none given (only equal to none)
 _REASON = Str(MAX_REASON, min_len=0)
 
 
-def prompt_digest(token_ids, extras=()) -> str:
-    """32 hex digits naming a prompt: its token ids (as int64) and the identifiers of
-    whatever else feeds its KV (``extras``: multimodal items). Both sides compute it;
-    "" when the token ids are unknown (prompt embeds), which only "" matches."""
-    if token_ids is None:
-        return ""
-    ids = array.array("q", token_ids)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    h = hashlib.blake2b(ids.tobytes(), digest_size=16)
-    for x in extras:
-        h.update(b"\0" + str(x).encode())
+def prompt_digest(token_ids, mm=(), *, embeds=None, is_token_ids=None, lora: str = "",
+                  cache_salt: str | None = None) -> str:
+    """32 hex digits naming what a prompt's KV is computed from: equal digests, equal KV.
+    Both sides compute it (``vllm_compat.connector_api.prompt_inputs`` reads a vLLM request's).
+
+    token_ids:    its token ids (any int sequence or int array; None: prompt embeds only).
+    mm:           ``(modality, identifier, offset, length)`` of each multimodal item, in
+                  prompt order: the item's hash and where its placeholder tokens sit.
+    embeds:       ``(dtype name, shape, data)`` of its prompt embeddings (``data``: the
+                  C-order bytes, any buffer), or None.
+    is_token_ids: a mixed prompt's per-position flags (token id or embedding), or None.
+    lora:         the LoRA adapter's name ("" for the base model); cache_salt: vLLM's
+                  ``cache_salt`` (None: none).
+
+    What vLLM's own prefix cache keys a block on, so two requests whose KV vLLM would share
+    here share a digest, and no others. Left out on purpose: the adapter's path (local to
+    each instance; the name is what both are asked for) and the KV cache dtype (the
+    instance's, not the request's: ``Fingerprint.kv_dtype`` already refuses a pair that
+    differs, before any write, with a message that says so). Every input goes in as a
+    tagged, length-prefixed field, so no two different inputs hash the same bytes
+    ("ab" + "c" is not "a" + "bc"). Raises ValueError for a prompt of neither token ids
+    nor embeds: there is nothing to name, and "" matches "" (the key alone would do)."""
+    if token_ids is None and embeds is None:
+        raise ValueError("prompt_digest needs token ids or prompt embeds")
+    h = hashlib.blake2b(digest_size=16, person=b"dcp2d-prompt-v9")
+
+    def field(tag: bytes, data) -> None:
+        data = memoryview(data).cast("B")
+        h.update(tag + len(data).to_bytes(8, "little"))
+        h.update(data)
+
+    if token_ids is not None:
+        field(b"t", np.ascontiguousarray(np.asarray(token_ids, dtype="<i8")))
+    if is_token_ids is not None:
+        field(b"m", np.ascontiguousarray(np.asarray(is_token_ids, dtype=np.bool_)).view(np.uint8))
+    if embeds is not None:
+        dtype, shape, data = embeds
+        field(b"e", str(dtype).encode())
+        field(b"s", np.asarray(shape, dtype="<i8"))
+        field(b"d", data)
+    mm = list(mm)
+    field(b"n", len(mm).to_bytes(8, "little"))
+    for modality, identifier, offset, length in mm:
+        field(b"k", str(modality).encode())
+        field(b"i", str(identifier).encode())
+        field(b"p", np.asarray([offset, length], dtype="<i8"))
+    if lora:
+        field(b"l", lora.encode())
+    if cache_salt is not None:
+        field(b"c", cache_salt.encode())
     return h.hexdigest()
 
 
@@ -415,8 +456,8 @@ class TransferOutcome(_Message):
     settled:           no write of this fetch can still land. False when a write
                        timed out: Mooncake may deliver its queued bytes later, so
                        the consumer must keep those blocks out of use (quarantine).
-    checksum:          with ``TransferRequest.verify``: ``checksum.path_checksum`` of the
-                       bytes this rank wrote, in the plan's order; "" otherwise.
+    checksum:          with ``TransferRequest.verify``: ``checksum.checksum`` of the bytes
+                       this rank wrote, in the consumer's address order; "" otherwise.
     """
 
     transfer_key: str

@@ -51,7 +51,7 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
-           "preempted", "single_host", "kv_cache_registers", "num_kv_heads", "tp_broadcast", "prompt_ids"]
+           "preempted", "single_host", "kv_cache_registers", "num_kv_heads", "tp_broadcast", "prompt_inputs"]
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -184,11 +184,25 @@ def single_host(vllm_config) -> bool:
     return getattr(pc, "nnodes", 1) <= 1 and pc.distributed_executor_backend != "ray"
 
 
-def prompt_ids(request) -> tuple[list[int] | None, list[str]]:
-    """What a vLLM ``Request``'s prompt KV is computed from: its prompt token ids (None
-    for prompt embeds) and the identifiers of its multimodal items (vLLM 0.32:
-    ``mm_features[i].identifier``), for ``messages.prompt_digest``."""
-    return request.prompt_token_ids, [f.identifier for f in getattr(request, "mm_features", None) or ()]
+def prompt_inputs(request) -> dict:
+    """What a vLLM ``Request``'s prompt KV is computed from, as keyword arguments of
+    ``messages.prompt_digest``. The engine core's ``Request`` names them alike in 0.32.0,
+    0.33.0 and 0.34.0: ``prompt_token_ids`` (None for prompt embeds; a list, in 0.34 a
+    ``TokenBuffer``: an int32 ``array``), ``prompt_embeds`` (a tensor, None without),
+    ``prompt_is_token_ids`` (mixed prompts' per-position flags), ``mm_features[i]``
+    (``modality``, ``identifier``: the item's hash, LoRA-prefixed where vLLM adds that, and
+    ``mm_position.offset`` / ``.length``), ``lora_request.lora_name`` and ``cache_salt``:
+    what ``kv_cache_utils.generate_block_hash_extra_keys`` keys a block on, which a decode's
+    request holds as the prefill's did (the proxy sends both the same body)."""
+    embeds = request.prompt_embeds
+    if embeds is not None:  # the engine core's copy is on the CPU; .cpu() is a no-op then
+        t = embeds.detach().cpu().contiguous()
+        embeds = (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(-1).view(torch.uint8).numpy())
+    lora = request.lora_request
+    return {"token_ids": request.prompt_token_ids, "embeds": embeds, "is_token_ids": request.prompt_is_token_ids,
+            "mm": [(f.modality, f.identifier, f.mm_position.offset, f.mm_position.length)
+                   for f in request.mm_features or ()],
+            "lora": lora.lora_name if lora is not None else "", "cache_salt": request.cache_salt}
 
 
 def finished_normally(request) -> bool:
