@@ -157,7 +157,7 @@ KEYS: dict[str, tuple[str, str]] = {
                   "rank, which checks its blocks against it before reporting the load: a page that arrived wrong, "
                   "whoever wrote it, fails the load (`kv_load_failure_policy`) and never enters the prefix cache. "
                   "Costs a read of the KV on both sides, about as long as the write over TCP (BENCHMARKS.md, "
-                  "\"The trust boundary's cost\"); KV in host memory only."),
+                  "\"The trust boundary's cost\"); on a GPU the checksum runs on the GPU."),
     "max_prefill_wait_s": ("producer", "The longest a decode's transfer request may wait at this prefill for a "
                            "request it does not know yet (the decode's `prefill_wait_s` is cut to it), so no peer "
                            "can hold this rank's memory longer."),

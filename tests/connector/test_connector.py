@@ -38,7 +38,7 @@ def llm(tmp_path_factory):
     stats = root / "stats.jsonl"
     kv = KVTransferConfig(kv_connector="DCP2DConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"bootstrap_port": free_port(), "stats_file": str(stats),
-                                                     "transfer_timeout_s": 5.0, "prefill_wait_s": 0.5,
+                                                     "transfer_timeout_s": 5.0, "prefill_wait_s": 0.5, "verify_kv": True,
                                                      "send_timeout_s": SEND_TIMEOUT_S, "cancel_grace_s": 0.5})
     gc.collect()  # an earlier module's dead engine: its finalizer must not run during this start
     engine = LLM(model=model, distributed_executor_backend="uni", enforce_eager=True, block_size=PAGE,
@@ -305,3 +305,31 @@ def test_quarantined_blocks_stay_out_of_use_until_the_rank_settles(llm, tmp_path
                 time.sleep(0.2)
         finally:
             rank.close()
+
+
+
+@pytest.mark.timeout(120)
+def test_verify_kv_hashes_the_kv_tensors_on_both_sides(llm, monkeypatch):
+    """The engine runs with ``verify_kv``: a fetch's prefill and decode ranks checksum the
+    KV through ``KVBytes`` of the KV tensors, the code a GPU's KV takes (item 7: verify_kv
+    was refused for device KV), and the fetch ends ok with the local tokens."""
+    import vllm_dcp2d.transfer.receiver as receiver
+    import vllm_dcp2d.transfer.sender as sender
+
+    calls = []
+
+    def counted(side, f):
+        return lambda memory, *a, **k: calls.append((side, type(memory).__name__)) or f(memory, *a, **k)
+
+    monkeypatch.setattr(sender, "checksum", counted("prefill", sender.checksum))
+    monkeypatch.setattr(receiver, "checksum", counted("decode", receiver.checksum))
+    engine, stats = llm
+    ids = prompts()["pages"]
+    (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
+    (pre,) = engine.generate({"prompt_token_ids": ids}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    before = len(records(stats))
+    (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, pre.kv_transfer_params), use_tqdm=False)
+    assert dec.outputs[0].token_ids == local.outputs[0].token_ids
+    assert calls == [("prefill", "KVBytes"), ("decode", "KVBytes")]
+    (load,) = fetch_records(records(stats)[before:])
+    assert load["ok"], load

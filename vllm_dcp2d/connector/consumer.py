@@ -47,7 +47,7 @@ class ConsumerWorker:
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
 
-    def start(self, transport, regions, fingerprint, ring) -> None:
+    def start(self, transport, regions, fingerprint, ring, kv_bytes=None) -> None:
         """Start this rank's receiver on ``transport`` (the KV memory behind ``regions``
         registered); ``ring()`` is called whenever a fetch ended or a quarantine lifted."""
         self.receiver = Receiver(transport, regions, fingerprint, engine_id=self.engine_id,
@@ -56,7 +56,8 @@ class ConsumerWorker:
                                  timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
                                  cancel_grace_s=self.cfg.cancel_grace_s, on_output=ring,
                                  heads=self.heads, auth=self.auth, verify=self.cfg.verify_kv,
-                                 fence_s=self.cfg.fence_s, max_quarantined_blocks=self.cfg.max_quarantined_blocks)
+                                 fence_s=self.cfg.fence_s, max_quarantined_blocks=self.cfg.max_quarantined_blocks,
+                                 kv_bytes=kv_bytes)
         log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d, KV heads [%d, %d) of %d", self.tp_rank,
                  self.dcp_rank, self.dcp_size, self.heads.start, self.heads.stop, self.num_kv_heads)
 

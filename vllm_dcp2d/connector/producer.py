@@ -111,7 +111,7 @@ class ProducerWorker:
         return compat.tp_broadcast(secrets.token_hex(16) if self.tp_rank == 0 else None)
 
     def start(self, transport, regions, fingerprint, num_layers: int, staging_bytes: int, token: str,
-              host_kv: bool, bootstrap_addr: str) -> None:
+              kv_bytes, bootstrap_addr: str) -> None:
         """Start the bootstrap server (TP rank 0) and this rank's sender, on ``transport``
         with the KV memory behind ``regions`` registered."""
         if self.tp_rank == 0:
@@ -126,7 +126,7 @@ class ProducerWorker:
                              bootstrap=bootstrap_addr, expiry_s=self.cfg.send_timeout_s,
                              claim_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes,
                              layers=layers, heads=heads, token=token, auth=self.auth,
-                             max_wait_s=self.cfg.max_prefill_wait_s, host_kv=host_kv)
+                             max_wait_s=self.cfg.max_prefill_wait_s, kv_bytes=kv_bytes)
         log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) of KV heads [%d, %d) "
                  "via %s", self.tp_rank, cp_rank, cp_size, layers.start, layers.stop, heads.start,
                  heads.stop, self.sender.address)

@@ -21,7 +21,7 @@ import logging
 
 import numpy as np
 
-from vllm_dcp2d.config import ConfigError, DCP2DConfig
+from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.consumer import ConsumerWorker
 from vllm_dcp2d.connector.discovery import Registration, registration
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta
@@ -31,6 +31,7 @@ from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
 from vllm_dcp2d.layout import kv_head_range
 from vllm_dcp2d.transfer.auth import Auth, load_secret
+from vllm_dcp2d.transfer.checksum import KVBytes
 from vllm_dcp2d.transfer.transport import MooncakeTransport, unpinned
 from vllm_dcp2d.vllm_compat import connector_api as compat
 from vllm_dcp2d.vllm_compat.fingerprint import kv_fingerprint
@@ -90,19 +91,17 @@ class WorkerSide:
         if self.producer is not None:
             self.producer.start_layer_split(kv_caches, layer_ids, self.num_blocks, num_layers)
             token = self.producer.token()
-        # The gather and the checksum read KV through numpy: host memory only.
-        device = next(iter(kv_caches.values())).device.type
-        host_kv = device == "cpu"
-        if self.consumer is not None and self.cfg.verify_kv and not host_kv:
-            raise ConfigError("kv_connector_extra_config['verify_kv'] = True: this decode's KV is in "
-                              f"{device} memory; verify_kv reads host memory only (set it false)")
+        # The send staging gathers through numpy: host memory only. The checksum reads the KV
+        # as tensors where they are (the same code on a CPU and a GPU).
+        host_kv = next(iter(kv_caches.values())).device.type == "cpu"
         staging = self.cfg.send_staging_mib << 20 if host_kv else 0
+        kv_bytes = KVBytes.of_tensors(kv_caches.values())
         # vLLM's CPU worker pins this thread to its cores; the threads started here must not inherit it
         with unpinned():
-            self._start(regions, memory, fingerprint, num_layers, staging, token, host_kv)
+            self._start(regions, memory, fingerprint, num_layers, staging, token, kv_bytes)
 
     def _start(self, regions, memory, fingerprint, num_layers: int, staging_bytes: int, token: str,
-               host_kv: bool) -> None:
+               kv_bytes: KVBytes) -> None:
         # A producer's engine only writes: it may be replaced after a failed write.
         self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol,
                                            renew_on_failure=self.is_producer and not self.is_consumer,
@@ -110,11 +109,11 @@ class WorkerSide:
         for addr, nbytes in memory:
             self.transport.register(addr, nbytes)
         if self.producer is not None:
-            self.producer.start(self.transport, regions, fingerprint, num_layers, staging_bytes, token, host_kv,
+            self.producer.start(self.transport, regions, fingerprint, num_layers, staging_bytes, token, kv_bytes,
                                 bootstrap_addr(self.cfg))
         if self.consumer is not None:
             # the receiver rings it when a fetch ended or a quarantine lifted: the idle step wakes
-            self.consumer.start(self.transport, regions, fingerprint, self.rope.ring)
+            self.consumer.start(self.transport, regions, fingerprint, self.rope.ring, kv_bytes)
         if self.tp_rank == 0:  # last: the router may send requests from now on
             self.registration = registration(self.cfg, self.is_producer, self.is_consumer)
 

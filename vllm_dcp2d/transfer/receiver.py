@@ -46,7 +46,7 @@ import zmq
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
 from vllm_dcp2d.transfer.bootstrap import RankTableQuery
-from vllm_dcp2d.transfer.checksum import checksum, path_ranges
+from vllm_dcp2d.transfer.checksum import KVBytes, checksum, path_ranges
 from vllm_dcp2d.transfer.directory import Directory
 from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
 from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
@@ -74,7 +74,9 @@ class Receiver:
                  it fetches from the CP ranks that hold them (``plan.senders_for``).
     auth:        seals and opens every frame (``auth.py``).
     verify:      ask every prefill rank for a checksum of what it wrote and check this
-                 rank's KV against it before a fetch ends ok (``checksum.py``; host memory).
+                 rank's KV against it before a fetch ends ok (``checksum.py``).
+    kv_bytes:    the KV as tensors on the device that holds it (``KVBytes.of_tensors``), which
+                 ``verify``'s checksum reads; None: host memory (``transport``'s).
     consumer_rank, consumer_size: this worker among the decode instance's workers.
     timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
                  may hold the request while its prefill is still running.
@@ -94,7 +96,7 @@ class Receiver:
                  dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
                  cancel_grace_s: float = 2.0, on_output=None, heads: range | None = None,
                  auth: Auth = NO_AUTH, verify: bool = False, fence_s: float = 120.0,
-                 max_quarantined_blocks: int = 0):
+                 max_quarantined_blocks: int = 0, kv_bytes: KVBytes | None = None):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
                              f"dcp {dcp_rank}/{dcp_size}, consumer {consumer_rank}/{consumer_size}")
@@ -102,7 +104,7 @@ class Receiver:
         self.engine_id, self.consumer_rank, self.consumer_size = engine_id, consumer_rank, consumer_size
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
         self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
-        self.auth, self.verify = auth, verify
+        self.auth, self.verify, self.kv_bytes = auth, verify, kv_bytes
         self.timeout_s, self.wait_s, self.cancel_grace_s, self.fence_s = timeout_s, wait_s, cancel_grace_s, fence_s
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
@@ -412,7 +414,8 @@ class Receiver:
                 layers, heads = f.table.shard(cp_rank)
                 path = path_ranges(self.regions, f.block_ids, list(layers), self.dcp_size,
                                    self.dcp_rank, f.first_page, pages, self.heads, heads)
-                got, sent = checksum(self.memory, path.dst, path.length, path.dst), f.outcomes[cp_rank].checksum
+                kv = self.memory if self.kv_bytes is None else self.kv_bytes
+                got, sent = checksum(kv, path.dst, path.length, path.dst), f.outcomes[cp_rank].checksum
             except ValueError as e:
                 return FetchError(f.transfer_key, cp_rank, f"{CORRUPT}: cannot read the KV to check it: {e}")
             if got != sent:

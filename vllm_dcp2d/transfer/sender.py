@@ -53,7 +53,7 @@ from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageEr
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
                                            clip, decode)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
-from vllm_dcp2d.transfer.checksum import checksum
+from vllm_dcp2d.transfer.checksum import KVBytes, checksum
 from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Request, SendLedger
 from vllm_dcp2d.transfer.staging import StagingPool, write
 from vllm_dcp2d.transfer.transport import MooncakeTransport, TransportError
@@ -81,7 +81,8 @@ class Sender:
                  unanswered and counted (``auth.take_refused``).
     max_wait_s:  the longest an attempt may wait for its request (a decode's ``wait_s``
                  is cut to it).
-    host_kv:     the KV is in host memory (a checksum can read it: ``TransferRequest.verify``).
+    kv_bytes:    the KV as tensors on the device that holds it (``KVBytes.of_tensors``), which
+                 ``TransferRequest.verify``'s checksum reads; None: host memory (``transport``'s).
     staging_bytes: 0, or (KV in host memory) bytes of send staging (``staging.py``): each path's pages
                  are gathered into ``num_workers`` registered slots of ``staging_bytes // num_workers``
                  bytes (a writer that finds none free writes in place), for fewer, larger descriptors.
@@ -92,12 +93,12 @@ class Sender:
                  bootstrap: str | None = None, expiry_s: float = 300.0, claim_s: float = float("inf"),
                  num_workers: int = 4, register_timeout_s: float = 10.0, staging_bytes: int = 0,
                  layers: range | None = None, heads: range | None = None, token: str = "",
-                 auth: Auth = NO_AUTH, max_wait_s: float = 60.0, host_kv: bool = True):
+                 auth: Auth = NO_AUTH, max_wait_s: float = 60.0, kv_bytes: KVBytes | None = None):
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank) if layers is None else layers
         self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
-        self.auth, self.max_wait_s, self.host_kv = auth, max_wait_s, host_kv
+        self.auth, self.max_wait_s, self._kv_bytes = auth, max_wait_s, kv_bytes
         self._peers = PeerLog(log)
         regions.rows(np.arange(self.layers.start, self.layers.stop), "producer")  # raises if not held
         if not transport.registered():
@@ -458,13 +459,12 @@ class Sender:
     def _checksum(self, a: Attempt, state: Request) -> str:
         """``checksum.checksum`` of every byte this rank wrote for ``a`` (the whole path,
         early layers included), read from its own KV in the consumer's address order."""
-        if not self.host_kv:
-            raise ValueError("verify_kv: this prefill's KV is not in host memory, which the checksum reads")
         req = a.req
         desc = plan_path(self.regions, state.block_ids, list(self.layers), req.regions(), req.tables(),
                          req.dcp_size, req.dcp_rank, req.first_page, state.num_pages, self.heads,
                          self._their_heads(req))
-        return checksum(self._memory, desc.src, desc.length, desc.dst)
+        return checksum(self._memory if self._kv_bytes is None else self._kv_bytes, desc.src, desc.length,
+                        desc.dst)
 
     def _their_heads(self, req: TransferRequest) -> range:
         return range(req.head_start, req.head_end)
