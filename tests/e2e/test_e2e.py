@@ -360,6 +360,7 @@ REFUSED = {
     "engine id not a string": {"remote_engine_id": 7},
     "key too long": {"remote_request_id": "k" * 513},
     "prompt length not a count": {"remote_num_tokens": "12"},
+    "a boolean field not a JSON boolean": {"do_remote_prefill": "false"},  # "false" was true (round 3, item 8)
 }
 
 
