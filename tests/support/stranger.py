@@ -16,14 +16,19 @@ ATTACK:
                 digest and wrong token count: does any byte land?
   release       a ReleaseTransfer for KEY without the prompt's digest
   flood         300 TransferRequests for unknown keys asking to wait 3,600 s
-  all           every attack above but ``read`` and ``release`` (no key needed)
+  trickle       32 connections to an HTTP bootstrap (``--bootstrap http://host:port``), each
+                sending one byte of a GET every 0.5 s and reconnecting when cut, for --seconds:
+                how long the server let each connection live
+  all           every attack above but ``read``, ``release`` and ``trickle``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
+import threading
 import time
 
 import msgpack
@@ -154,19 +159,80 @@ def flood(bootstrap: str, **_) -> dict:
     return out
 
 
-ATTACKS = {"register": register, "long": long, "big": big, "read": read, "release": release, "flood": flood}
+def trickle(address: str, seconds: float = 5.0, **_) -> dict:
+    """32 connections to ``http://host:port``, each a byte of ``GET /query`` every 0.5 s,
+    replaced when the server cuts it; the longest any lived (s) and how many were cut."""
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    lives, end, lock = [], time.monotonic() + seconds, threading.Lock()
+    request = b"GET /query HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"z" * 4096
+
+    def one():
+        while time.monotonic() < end:
+            try:
+                c = socket.create_connection((host, int(port)), timeout=WAIT_S)
+            except OSError:
+                time.sleep(0.1)
+                continue
+            born = time.monotonic()
+            try:
+                for b in request:
+                    if time.monotonic() >= end:
+                        break
+                    c.sendall(bytes([b]))
+                    c.settimeout(0.5)
+                    try:
+                        if c.recv(1) == b"":  # the server closed it
+                            break
+                    except TimeoutError:
+                        pass
+            except OSError:  # reset by the server
+                pass
+            finally:
+                c.close()
+            if time.monotonic() < end:
+                with lock:
+                    lives.append(time.monotonic() - born)
+                time.sleep(0.1)  # then the next connection
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 2 * WAIT_S)
+    return {"cut": len(lives), "longest_s": max(lives, default=0.0)}
+
+
+ATTACKS = {"register": register, "long": long, "big": big, "read": read, "release": release, "flood": flood,
+           "trickle": trickle}
+
+
+def _args(attack: str, bootstrap: str, **kw) -> list[str]:
+    args = [sys.executable, __file__, attack, "--bootstrap", bootstrap]
+    for k, v in kw.items():
+        args += [f"--{k}", str(v)]
+    return args
 
 
 def run(attack: str, bootstrap: str, **kw) -> dict:
     """Run this file as its own process against ``bootstrap``; its JSON answer."""
     import subprocess
 
-    args = [sys.executable, __file__, attack, "--bootstrap", bootstrap]
-    for k, v in kw.items():
-        args += [f"--{k}", str(v)]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(_args(attack, bootstrap, **kw), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spawn(attack: str, bootstrap: str, **kw):
+    """``run`` without waiting: the process; ``result(proc)`` waits for its JSON answer."""
+    import subprocess
+
+    return subprocess.Popen(_args(attack, bootstrap, **kw), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc, timeout_s: float = 120.0) -> dict:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
@@ -175,9 +241,10 @@ def main(argv=None) -> int:
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--key", default="")
     p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=5.0)
     a = p.parse_args(argv)
     names = ["register", "long", "big", "flood"] if a.attack == "all" else [a.attack]
-    print(json.dumps({n: ATTACKS[n](a.bootstrap, key=a.key, tokens=a.tokens) for n in names}))
+    print(json.dumps({n: ATTACKS[n](a.bootstrap, key=a.key, tokens=a.tokens, seconds=a.seconds) for n in names}))
     return 0
 
 

@@ -14,7 +14,10 @@ base64. A decode rank given an ``http://`` address reads the rank table from the
 (:class:`HttpTableQuery`, the same interface as ``bootstrap.TableQuery``) and talks
 to the CP ranks as usual.
 
-Every request has a timeout; the server answers from memory and never blocks on a peer.
+Every request has a timeout; the server answers from memory and never blocks on a
+peer. A connection is cut ``HTTP_TIMEOUT_S`` after it was accepted, whatever it sends
+(a peer that sends a byte now and then holds its slot no longer), and one peer address
+holds at most ``MAX_PER_PEER`` of the ``MAX_CONNECTIONS`` slots.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import urllib.request
@@ -41,8 +45,9 @@ __all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "
 
 log = logging.getLogger(__name__)
 MAX_ANSWER = 1 << 20  # bytes of a /query answer a decode reads at most
-HTTP_TIMEOUT_S = 5.0  # per request and per connection (a half-sent request is cut off after it)
+HTTP_TIMEOUT_S = 5.0  # per connection, from accept to the last byte of the answer, and per GET
 MAX_CONNECTIONS = 32  # connections served at once; more are closed at accept
+MAX_PER_PEER = 16     # of them, from one peer address
 _ADDR = re.compile(r"http://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
 _ids = itertools.count()
 # Peers are asked directly: urllib's default opener would send these GETs through
@@ -123,32 +128,61 @@ class HttpBootstrap:
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``MAX_CONNECTIONS`` of them: a peer that opens
-    connections and sends nothing holds a thread for ``HTTP_TIMEOUT_S`` at most, and
-    the connections past the limit are closed at once."""
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them and ``MAX_PER_PEER``
+    from one peer address; the connections past either limit are closed at once. Each is
+    cut ``HTTP_TIMEOUT_S`` after it was accepted, whatever it sent meanwhile (the serving
+    loop checks every ``sockets.POLL_S``): a peer trickling a byte at a time holds a
+    thread that long at most, and the peers of other addresses always have slots."""
 
     daemon_threads = True
     block_on_close = False
 
     def __init__(self, address, handler):
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, tuple[str, float]] = {}  # connection -> (peer address, deadline)
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
+        peer = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+        with self._lock:
+            full = (len(self._open) >= MAX_CONNECTIONS
+                    or sum(p == peer for p, _ in self._open.values()) >= MAX_PER_PEER)
+            if not full:
+                self._open[request] = (peer, time.monotonic() + HTTP_TIMEOUT_S)
+        if full:
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except Exception:
-            self._slots.release()
+            self._close(request)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._close(request)
+
+    def service_actions(self):
+        """Between polls of the listening socket: cut the connections past their deadline
+        (their thread's read or write then ends, and it closes the connection)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [s for s, (_, deadline) in self._open.items() if deadline <= now]
+        for s in late:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+
+    def handle_error(self, request, client_address):
+        # a connection cut at its deadline, or a peer gone mid-answer: nothing to report
+        log.debug("http bootstrap: connection from %s ended early", client_address, exc_info=True)
+
+    def _close(self, request) -> None:
+        with self._lock:
+            self._open.pop(request, None)
 
 
 def start_http_bootstrap(cfg, server: bs.BootstrapServer, engine_id: str) -> HttpBootstrap | None:
