@@ -428,7 +428,7 @@ def test_addresses_are_the_hosts(across_hosts):
     out = complete(c["prefill"].url, c["model"], prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     assert out["kv_transfer_params"]["remote_bootstrap_addr"] == bootstrap_addr(c)
     assert bootstrap_addr(c).startswith(f"tcp://{prefill}:")
-    table = bs.request(bootstrap_addr(c), QueryRanks("test"), RankTable, 30.0)
+    table = bs.request(bootstrap_addr(c), QueryRanks("test", "test"), RankTable, 30.0)
     assert table.cp_size == 2 and all(a.startswith(f"tcp://{prefill}:") for a in table.addresses), table
     got = complete(c["decode1"].url, c["model"], prompt, kv_transfer_params=out["kv_transfer_params"])
     assert tokens(got) == tokens(complete(c["prefill"].url, c["model"], prompt))

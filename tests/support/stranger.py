@@ -16,10 +16,13 @@ ATTACK:
                 digest and wrong token count: does any byte land?
   release       a ReleaseTransfer for KEY without the prompt's digest
   flood         300 TransferRequests for unknown keys asking to wait 3,600 s
+  junk          16 MiB frames of zeros behind the sealed frames' magic bytes, as fast as
+                they go, on 2 connections to the address given (a rank's side channel, which
+                the stranger cannot look up with a secret), for --seconds
   trickle       32 connections to an HTTP bootstrap (``--bootstrap http://host:port``), each
                 sending one byte of a GET every 0.5 s and reconnecting when cut, for --seconds:
                 how long the server let each connection live
-  all           every attack above but ``read``, ``release`` and ``trickle``
+  all           every attack above but ``read``, ``release``, ``junk`` and ``trickle``
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def table(bootstrap: str) -> RankTable | None:
     sock = sockets.socket(zmq.DEALER)
     try:
         sock.connect(bootstrap)
-        sock.send(encode(QueryRanks("stranger")))
+        sock.send(encode(QueryRanks("stranger", "stranger")))
         if not sock.poll(int(WAIT_S * 1000)):
             return None
         msg = decode(sock.recv(), (RankTable, Reply))
@@ -159,6 +162,25 @@ def flood(bootstrap: str, **_) -> dict:
     return out
 
 
+JUNK = b"\xc1D2A" + bytes((16 << 20) - 4)  # the seal's magic, then 16 MiB of nothing
+
+
+def junk(address: str, seconds: float = 5.0, **_) -> dict:
+    """Two DEALERs sending ``JUNK`` to ``address`` until ``seconds`` pass; what they queued."""
+    socks = [sockets.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.SNDHWM, 4)
+        s.connect(address)
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        for s in socks:
+            sent += sockets.send_nowait(s, JUNK)
+        time.sleep(0.001)
+    for s in socks:
+        s.close()
+    return {"sent": sent}
+
+
 def trickle(address: str, seconds: float = 5.0, **_) -> dict:
     """32 connections to ``http://host:port``, each a byte of ``GET /query`` every 0.5 s,
     replaced when the server cuts it; the longest any lived (s) and how many were cut."""
@@ -203,7 +225,7 @@ def trickle(address: str, seconds: float = 5.0, **_) -> dict:
 
 
 ATTACKS = {"register": register, "long": long, "big": big, "read": read, "release": release, "flood": flood,
-           "trickle": trickle}
+           "junk": junk, "trickle": trickle}
 
 
 def _args(attack: str, bootstrap: str, **kw) -> list[str]:

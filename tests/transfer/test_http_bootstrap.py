@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -30,6 +30,7 @@ from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.local.servers import free_port
 from tests.support.transfer import wait_fetch
+from tests.support.wiretap import Answer
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 L = 4
@@ -114,16 +115,9 @@ def test_an_http_address_that_does_not_answer_fails_only_its_fetch(prefill):
         sender.close()
 
 
-class _Garbage(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        data = b'{"0": {"engine_id": "x", "worker_addr": {}}}'  # vLLM's own server: no rank table for us
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+class _Garbage(Answer):
+    def body(self) -> bytes:
+        return b'{"0": {"engine_id": "x", "worker_addr": {}}}'  # vLLM's own server: no rank table for us
 
 
 def test_a_bootstrap_of_another_connector_is_named(prefill):

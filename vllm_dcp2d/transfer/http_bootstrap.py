@@ -12,7 +12,11 @@ its answer has vLLM's shape (``worker_addr``: the CP ranks' side channels) plus 
 (``messages.RankTable`` or, while ranks are missing, a ``Reply``), msgpack in
 base64. A decode rank given an ``http://`` address reads the rank table from there
 (:class:`HttpTableQuery`, the same interface as ``bootstrap.TableQuery``) and talks
-to the CP ranks as usual.
+to the CP ranks as usual. It asks with its ``QueryRanks`` in the ``QUERY_HEADER``
+header (base64, sealed when there is a secret), and the rank table is the
+``BootstrapServer``'s answer to it: sealed for that query, so a table the decode did
+not ask this address for is refused. With a secret, a ``GET`` without a query that
+opens gets a plain refusal in its place (routers need only vLLM's part).
 
 Every request has a timeout; the server answers from memory and never blocks on a
 peer. A connection is cut ``HTTP_TIMEOUT_S`` after it was accepted, whatever it sends
@@ -38,16 +42,18 @@ import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
-from vllm_dcp2d.transfer.messages import RankTable, clip
+from vllm_dcp2d.transfer.auth import BOOTSTRAP, NO_AUTH, Auth
+from vllm_dcp2d.transfer.messages import QueryRanks, RankTable, Reply, clip, encode
 
-__all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER"]
+__all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER",
+           "QUERY_HEADER"]
 
 log = logging.getLogger(__name__)
 MAX_ANSWER = 1 << 20  # bytes of a /query answer a decode reads at most
 HTTP_TIMEOUT_S = 5.0  # per connection, from accept to the last byte of the answer, and per GET
 MAX_CONNECTIONS = 32  # connections served at once; more are closed at accept
 MAX_PER_PEER = 16     # of them, from one peer address
+QUERY_HEADER = "X-DCP2D-Query"  # a decode rank's QueryRanks, base64
 _ADDR = re.compile(r"http://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
 _ids = itertools.count()
 # Peers are asked directly: urllib's default opener would send these GETs through
@@ -55,9 +61,9 @@ _ids = itertools.count()
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def direct_get(url: str, timeout_s: float):
+def direct_get(url: str, timeout_s: float, headers: dict | None = None):
     """``GET url`` never through a proxy; the response, as ``urllib.request.urlopen`` returns it."""
-    return _DIRECT.open(url, timeout=timeout_s)
+    return _DIRECT.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s)
 
 
 def check_http_addr(addr) -> str:
@@ -88,7 +94,7 @@ class HttpBootstrap:
                 if self.path.split("?", 1)[0] != "/query":
                     return self._send(404, {"error": f"no {self.path}; this is the DCP2D bootstrap: GET /query"})
                 try:
-                    return self._send(200, owner.answer())
+                    return self._send(200, owner.answer(self.headers.get(QUERY_HEADER)))
                 except Exception as e:  # noqa: BLE001 - a bug answers 500, the server goes on
                     log.exception("http bootstrap: /query failed")
                     return self._send(500, {"error": f"{type(e).__name__}: {e}"})
@@ -111,15 +117,25 @@ class HttpBootstrap:
                                         name=f"dcp2d-http-bootstrap-{self.port}", daemon=True)
         self._thread.start()
 
-    def answer(self) -> dict:
+    def answer(self, query: str | None = None) -> dict:
         """vLLM's ``{dp_rank: {"engine_id", "worker_addr": {tp_rank: {pp_rank: addr}}}}`` for DP rank 0,
-        plus ``"dcp2d": {"bootstrap", "rank_table"}``."""
-        table = self.server.table()
+        plus ``"dcp2d": {"bootstrap", "rank_table"}``: the ``BootstrapServer``'s answer to
+        ``query`` (the ``QUERY_HEADER``: a ``QueryRanks``, base64). Without one, the table
+        in the clear if there is no secret, else a plain refusal."""
         ranks = self.server.ranks()
+        if query is not None:
+            try:
+                frame = self.server.answer(base64.b64decode(query, validate=True))
+            except ValueError as e:  # binascii.Error
+                frame = encode(Reply(False, f"rejected: the {QUERY_HEADER} header is not base64: {e}"))
+        elif self.server.auth.enabled:
+            frame = encode(Reply(False, f"refused: this bootstrap answers its rank table to a sealed QueryRanks in "
+                                        f"the {QUERY_HEADER} header only"))
+        else:
+            frame = encode(self.server.table())
         return {"0": {"engine_id": self.engine_id,
                       "worker_addr": {str(r): {"0": addr} for r, addr in ranks.items()},
-                      "dcp2d": {"bootstrap": self.server.address,
-                                "rank_table": base64.b64encode(self.server.auth.pack(table)).decode()}}}
+                      "dcp2d": {"bootstrap": self.server.address, "rank_table": base64.b64encode(frame).decode()}}}
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._http.shutdown()
@@ -235,11 +251,12 @@ class HttpTableQuery(bs.RankTableQuery):
             threading.Thread(target=self._get, name="dcp2d-http-query", daemon=True).start()
 
     def _get(self) -> None:
-        """One ``GET /query`` (its own thread). Pushes ``b"T" + the sealed rank table`` or
-        ``b"E" + why not``; whatever the peer answers (not HTTP, not JSON, too long), the
-        query ends and ``_busy`` clears."""
+        """One ``GET /query`` (its own thread), asking with ``QUERY_HEADER``. Pushes ``b"T" + the
+        sealed rank table`` or ``b"E" + why not``; whatever the peer answers (not HTTP, not
+        JSON, too long), the query ends and ``_busy`` clears."""
         try:
-            with direct_get(self.address + "/query", HTTP_TIMEOUT_S) as r:
+            query = base64.b64encode(self.auth.pack(QueryRanks(self.engine_id, self.reply_to), to=BOOTSTRAP)).decode()
+            with direct_get(self.address + "/query", HTTP_TIMEOUT_S, {QUERY_HEADER: query}) as r:
                 body = json.loads(r.read(MAX_ANSWER + 1)[:MAX_ANSWER])
             entry = body["0"]["dcp2d"]
             frame = b"T" + base64.b64decode(entry["rank_table"], validate=True)
