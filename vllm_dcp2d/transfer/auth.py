@@ -72,6 +72,7 @@ import struct
 import threading
 import time
 from collections import deque
+from typing import NoReturn
 
 from vllm_dcp2d.transfer.messages import MessageError, Reply, clip, decode, encode, max_bytes
 
@@ -233,7 +234,8 @@ class Auth:
             n, self._refused = self._refused, 0
         return n
 
-    def _refuse(self, why: str):
+    def _refuse(self, why: str) -> NoReturn:
+        """Count a refused frame and raise ``AuthError(why)``."""
         with self._lock:
             self._refused += 1
         raise AuthError(why)

@@ -183,8 +183,10 @@ class BootstrapServer:
             return encode(Reply(False, f"bootstrap could not handle the message: {type(e).__name__}: {e}"))
 
     def _handle(self, payload: bytes) -> bytes:
-        """The sealed answer to one frame; raises ``AuthError`` for a frame it refuses.
-        A registration is read with the registration token's seal, anything else with ``auth``."""
+        """The answer to one frame, sealed for whoever sent it (a query's ``reply_to``, a
+        registering rank), or a plain ``Reply`` to a message it cannot read or will not take;
+        raises ``AuthError`` for a frame it refuses unread. A registration is read with the
+        registration token's seal, anything else with ``auth``."""
         registering = self._registration.holds(payload)
         try:
             if registering:
