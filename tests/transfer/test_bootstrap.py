@@ -10,7 +10,7 @@ import zmq
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.auth import NO_AUTH, rank_name
 from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer, register_rank
-from vllm_dcp2d.transfer.messages import Fingerprint, RankTable, RegisterRank, Reply, decode, encode
+from vllm_dcp2d.transfer.messages import Fingerprint, RankTable, RegisterRank, Reply, decode
 from tests.support.transfer import query_ranks
 
 pytestmark = pytest.mark.timeout(30)
