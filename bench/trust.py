@@ -1,11 +1,15 @@
 """What the trust boundary costs (issue 37): sealing a side-channel message, and
 ``verify_kv``'s checksum of one path, against what the path costs anyway.
 
-Part 1, per message: ``Auth.seal`` + ``Auth.open`` (HMAC-SHA256, the nonce memory) of
-the messages one fetch sends, next to ``encode`` + ``decode`` of the same message, which
-every message already pays. Part 2, per path: the two checksums of ``verify_kv`` (the
-prefill's over its source pages, the decode's over its blocks, both ordered by the
-destination address) against the Mooncake TCP write of the same path, in one process
+Part 1, per message: ``Auth.seal`` + ``Auth.open`` (two HMAC-SHA256 tags, the recipient
+check, the nonce memory) of the messages one fetch sends, next to ``encode`` + ``decode``
+of the same message, which every message already pays. Part 1b, per refused frame: what
+``Auth.open`` costs to refuse a 16 MiB frame of junk behind the magic bytes, one sealed for
+another rank, a replayed one, one past its socket's ceiling, against one HMAC over the
+whole frame (what every open did before round 3, e1efa24), and what hashing the largest
+TransferRequest a secret holder can send costs. Part 2, per path: the two checksums of
+``verify_kv`` (the prefill's over its source pages, the decode's over its blocks, both
+ordered by the destination address) against the Mooncake TCP write of the same path, in one process
 over loopback, at 8K and 32K tokens, for the tiny test model in fp32 and for one path
 of GLM-5.2 (78 layers, CP8 -> DCP4, 64-token pages, 576 B per token and layer).
 Every write is checked byte for byte, every checksum pair compared. Part 3, per path and
@@ -16,7 +20,7 @@ tiny test model (4 layers, 2 KV heads of 64 bf16, 32-token pages, DCP 2) and of 
 layers of a 656 B latent and a 132 B indexer key per token, 64-token pages, DCP 4), at 8K and
 32K tokens; ``--device cuda`` runs the torch column on a GPU (no xxh3 column there).
 
-    MC_LOG_LEVEL=ERROR .venv/bin/python bench/trust.py [--reps 30] [--part 3] [--device cpu]
+    MC_LOG_LEVEL=ERROR .venv/bin/python bench/trust.py [--reps 30] [--part 1|1b|2|3|all] [--device cpu]
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def messages() -> list:
 
     fp = Fingerprint("glm", 78, 64, "fp8_e4m3", 36864, "N64,C576:kv_c|k_pe", "sha256:x@main")
     regions = KVRegions.uniform(np.arange(78), (1 << 30) + np.arange(78) * (1 << 24), 36864)
-    out = [("QueryRanks", QueryRanks("decode-engine"))]
+    out = [("QueryRanks", QueryRanks("decode-engine", "tcp://10.0.0.1:17500 query 0123456789abcdef"))]
     for tokens in (8192, 32768):
         pages = -(-tokens // 64)
         req = TransferRequest.build(
@@ -60,10 +64,11 @@ def messages() -> list:
 
 
 def part1(reps: int) -> None:
-    from vllm_dcp2d.transfer.auth import Auth
-    from vllm_dcp2d.transfer.messages import decode, encode
+    from vllm_dcp2d.transfer.auth import Auth, rank_name
+    from vllm_dcp2d.transfer.messages import MAX_MESSAGE_BYTES, decode, encode
 
     a, b = Auth(b"s" * 32), Auth(b"s" * 32)
+    to = rank_name("prefill-engine-0123456789abcdef", 3)
     print("| message | bytes | encode + decode p50 / p99 / max ms | seal + open p50 / p99 / max ms | seal + open / codec (p50) |")
     print("|---|---|---|---|---|")
     for label, msg in messages():
@@ -73,12 +78,66 @@ def part1(reps: int) -> None:
             data = encode(msg)
             decode(data)
             t1 = time.perf_counter()
-            b.open(a.seal(data))
+            b.open(a.seal(data, to=to), me=to, limit=MAX_MESSAGE_BYTES)
             t2 = time.perf_counter()
             codec.append(t1 - t0)
             sealed.append(t2 - t1)
         print(f"| {label} | {len(data)} | {stats(codec)} | {stats(sealed)} | "
               f"{np.median(sealed) / np.median(codec):.2f} |")
+
+
+def part1b(reps: int) -> None:
+    import hmac
+
+    from vllm_dcp2d.transfer.auth import Auth, AuthError, rank_name
+    from vllm_dcp2d.transfer.messages import MAX_BYTES, MAX_MESSAGE_BYTES, Reply, TransferOutcome, TransferRequest
+
+    key = b"s" * 32
+    me, other = rank_name("prefill-engine", 0), rank_name("prefill-engine", 1)
+    body = bytes(16 << 20)
+    sealer = Auth(key)
+    good = sealer.seal(body, to=me)
+    junk = good[:4] + bytes(len(good) - 4)
+    decode_limit = max(MAX_BYTES[TransferOutcome], MAX_BYTES[Reply])
+
+    def refusal(frame, who, limit, fresh=False):
+        reader = Auth(key)
+        if fresh:  # replay: the reader has read it once
+            reader.open(frame, me=who, limit=limit)
+        t0 = time.perf_counter()
+        try:
+            reader.open(frame, me=who, limit=limit)
+        except AuthError:
+            pass
+        else:
+            raise SystemExit("a frame that should be refused was opened")
+        return time.perf_counter() - t0
+
+    rows = [
+        ("16 MiB of junk behind the magic bytes", len(junk), lambda: refusal(junk, me, MAX_MESSAGE_BYTES)),
+        ("16 MiB sealed for another rank", len(good), lambda: refusal(good, other, MAX_MESSAGE_BYTES)),
+        ("16 MiB replayed to its rank", len(good), lambda: refusal(good, me, MAX_MESSAGE_BYTES, fresh=True)),
+        ("64 KiB at a decode rank's socket (ceiling %d B)" % decode_limit, 64 << 10,
+         lambda: refusal(sealer.seal(bytes(64 << 10), to=me), me, decode_limit)),
+        ("reference: one HMAC over 16 MiB (how every sealed frame was refused before)", len(junk),
+         lambda: _timed(lambda: hmac.digest(key, junk, "sha256"))),
+    ]
+    big = bytes(MAX_BYTES[TransferRequest])
+    big_frame = sealer.seal(big, to=me)
+    rows.append((f"open the largest TransferRequest a secret holder can send ({len(big) >> 20} MiB)", len(big_frame),
+                 lambda: _timed(lambda: Auth(key).open(big_frame, me=me, limit=MAX_MESSAGE_BYTES))))
+    print()
+    print("| frame | bytes | Auth.open p50 / p99 / max ms |")
+    print("|---|---|---|")
+    for label, n, run in rows:
+        times = [run() for _ in range(reps)]
+        print(f"| {label} | {n} | {stats(times)} |")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def part2(reps: int) -> None:
@@ -221,13 +280,15 @@ def _view(bufs, addr: int, nbytes: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--part", choices=["1", "2", "3", "all"], default="all")
+    ap.add_argument("--part", choices=["1", "1b", "2", "3", "all"], default="all")
     ap.add_argument("--device", default="cpu", help="where part 3 keeps the KV (cpu, cuda)")
     args = ap.parse_args()
     if args.reps < 1:
         raise SystemExit(f"--reps {args.reps}: expected at least 1")
     if args.part in ("1", "all"):
         part1(max(args.reps, 200))
+    if args.part in ("1b", "all"):
+        part1b(args.reps)
     if args.part in ("2", "all"):
         part2(args.reps)
     if args.part in ("3", "all"):

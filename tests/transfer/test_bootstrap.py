@@ -8,8 +8,9 @@ import pytest
 import zmq
 
 from vllm_dcp2d.transfer import sockets
+from vllm_dcp2d.transfer.auth import NO_AUTH, rank_name
 from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer, register_rank
-from vllm_dcp2d.transfer.messages import Fingerprint, RankTable, RegisterRank, Reply, decode, encode
+from vllm_dcp2d.transfer.messages import Fingerprint, RankTable, RegisterRank, Reply, decode
 from tests.support.transfer import query_ranks
 
 pytestmark = pytest.mark.timeout(30)
@@ -54,7 +55,8 @@ def test_a_refusal_outlives_a_later_silence():
 
     def refuse_once():
         ident, _ = router.recv_multipart()
-        router.send_multipart([ident, encode(Reply(False, "nope: page_size 16 vs 32"))])
+        answer = NO_AUTH.registration("").pack(Reply(False, "nope: page_size 16 vs 32"), to=rank_name("P", 0))
+        router.send_multipart([ident, answer])
 
     t = threading.Thread(target=refuse_once, daemon=True)
     t.start()

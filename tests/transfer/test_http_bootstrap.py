@@ -11,9 +11,10 @@ fetch with the reason, never the receiver.
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.local.servers import free_port
 from tests.support.transfer import PD, wait_fetch
+from tests.support.wiretap import Answer
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 L = 4
@@ -113,16 +115,9 @@ def test_an_http_address_that_does_not_answer_fails_only_its_fetch(prefill):
         sender.close()
 
 
-class _Garbage(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        data = b'{"0": {"engine_id": "x", "worker_addr": {}}}'  # vLLM's own server: no rank table for us
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+class _Garbage(Answer):
+    def body(self) -> bytes:
+        return b'{"0": {"engine_id": "x", "worker_addr": {}}}'  # vLLM's own server: no rank table for us
 
 
 def test_a_bootstrap_of_another_connector_is_named(prefill):
@@ -180,3 +175,38 @@ def test_default_port_taken_leaves_it_out_an_explicit_one_fails(monkeypatch):
             http.close()
         finally:
             taken.close()
+
+
+def test_trickling_connections_are_cut_and_leave_other_peers_their_slots(monkeypatch):
+    """Round 3, finding 1: the 5 s limit was per read, not per connection: 32 connections
+    trickling a byte of a GET now and then held every slot, and a router's ``/query`` got
+    ``RemoteDisconnected`` for as long as the trickle lasted. A connection is cut
+    ``HTTP_TIMEOUT_S`` after it was accepted, and one peer address holds at most
+    ``MAX_PER_PEER`` slots: a router on another address is answered at once throughout."""
+    from http.client import HTTPConnection
+
+    from tests.support import stranger
+    from vllm_dcp2d.transfer import http_bootstrap
+
+    monkeypatch.setattr(http_bootstrap, "HTTP_TIMEOUT_S", 1.0)
+    with BootstrapServer() as boot:
+        server = HttpBootstrap("127.0.0.1", 0, boot, "prefill-engine")
+        try:
+            proc = stranger.spawn("trickle", server.address, seconds=6)
+            time.sleep(2.5)  # the stranger holds what it can
+            took = []
+            for _ in range(3):
+                conn = HTTPConnection("127.0.0.1", server.port, timeout=5,
+                                      source_address=("127.0.0.2", 0))  # a router, from another address
+                t0 = time.monotonic()
+                conn.request("GET", "/query")
+                r = conn.getresponse()
+                assert r.status == 200 and json.loads(r.read())["0"]["engine_id"] == "prefill-engine"
+                took.append(time.monotonic() - t0)
+                conn.close()
+                time.sleep(0.5)
+            got = stranger.result(proc)
+        finally:
+            server.close()
+    assert max(took) < 2.0, took  # answered from memory; on e1efa24 the connection was closed unanswered
+    assert got["trickle"]["cut"] >= 16 and got["trickle"]["longest_s"] < 1.0 + 2.0, got  # were never cut

@@ -57,7 +57,7 @@ SAMPLES = [
     CancelTransfer("req-1", 7),
     ReleaseTransfer("req-1", "decode-0", 1, 2, 300),
     ReleaseTransfer("k" * 512, "d" * 512, (1 << 16) - 1, 1 << 16, m.MAX_COUNT),
-    QueryRanks("decode-0"),
+    QueryRanks("decode-0", "tcp://127.0.0.1:1 query 0123456789abcdef"),
     RankTable("prefill-0", 2, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), FP),
     Reply(True, ""),
     Reply(False, "x" * 4096),
@@ -306,3 +306,28 @@ def test_request_tables_split_per_group():
     assert [t.tolist() for t in req.tables()] == [[4, 8, 1, 2, 6], [5, 3, 9]]
     r = req.regions()
     assert r.layer_group.tolist() == [1] * 6 + [0] * 2 and r.group_sharded.tolist() == [False, True]
+
+
+@settings(max_examples=50, deadline=None)
+@given(ch=st.characters(exclude_categories=("Cs",)), big=st.integers(0, 1))
+def test_every_message_fits_its_bound(ch, big):
+    """``MAX_BYTES``, each type's largest encoding from its schema, is what a socket taking
+    it reads at most before hashing (``auth``): each string at its longest, of one drawn
+    character (up to 4 UTF-8 bytes), each int at its largest, still fits."""
+    def text(n):
+        return ch * n
+
+    top = (1 << 48) if big else 0
+    fp = Fingerprint(text(m.MAX_NAME), 1 << 16, 1 << 24, text(64), 1 << 40, text(256), text(256), 1 << 16,
+                     text(64), m.MAX_HEADS)
+    msgs = [Reply(False, text(m.MAX_REASON)), CancelTransfer(text(m.MAX_NAME), (1 << 63) - 1),
+            ReleaseTransfer(text(m.MAX_NAME), text(m.MAX_NAME), (1 << 16) - 1, 1 << 16, top, "f" * 64),
+            QueryRanks(text(m.MAX_NAME), text(1024)),
+            RegisterRank(text(m.MAX_NAME), 4095, 4096, text(256), fp, 0, 1, 0, 1),
+            _outcome(transfer_key=text(m.MAX_NAME), reason=text(m.MAX_REASON), checksum="f" * 64, nbytes=top),
+            RankTable(text(m.MAX_NAME), 64, tuple(text(256) for _ in range(64)), fp)]
+    for msg in msgs:
+        assert len(encode(msg)) <= m.MAX_BYTES[type(msg)], type(msg).__name__
+    small = [m.MAX_BYTES[c] for c in (Reply, CancelTransfer, ReleaseTransfer, QueryRanks, RegisterRank,
+                                      TransferOutcome)]
+    assert max(small) < 20 << 10, small  # what a bootstrap and a decode rank's side channel read

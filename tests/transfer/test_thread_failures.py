@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.support.fake_rank import FakeRank, outcome
 from tests.transfer.test_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
 
-from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, rank_name
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer import fetch as fetch_mod
@@ -169,11 +169,11 @@ def test_an_unreadable_answer_fails_only_by_its_deadline(stack, monkeypatch):
     calls = []
 
     class Once(Auth):
-        def unpack(self, frame, expect=None):
+        def unpack(self, frame, expect, *, me):
             if TransferOutcome in (expect or ()) and not calls:
                 calls.append(1)
                 raise RuntimeError("injected")
-            return super().unpack(frame, expect)
+            return super().unpack(frame, expect, me=me)
 
     monkeypatch.setattr(r, "auth", Once())
     r.start("x", server.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
@@ -359,7 +359,7 @@ def test_encode_refuses_what_decode_would():
         encode(CancelTransfer("k" * 513, 1))
     with pytest.raises(MessageError, match="attempt_id must be in"):
         encode(CancelTransfer("k", -1))
-    assert isinstance(decode(encode(QueryRanks("d"))), QueryRanks)
+    assert isinstance(decode(encode(QueryRanks("d", "d"))), QueryRanks)
 
 
 def test_bootstrap_server_answers_a_message_it_cannot_handle(stack, monkeypatch):
@@ -370,11 +370,12 @@ def test_bootstrap_server_answers_a_message_it_cannot_handle(stack, monkeypatch)
 
     monkeypatch.setattr(server, "_register", broken)
     from vllm_dcp2d.transfer.messages import RegisterRank
-    out = bs.request(server.address, RegisterRank("P", 0, 1, "tcp://127.0.0.1:1", FP), Reply, 5)
+    out = bs.request(server.address, RegisterRank("P", 0, 1, "tcp://127.0.0.1:1", FP), Reply, 5,
+                     NO_AUTH.registration(""), me=rank_name("P", 0))
     assert not out.ok and "injected into register" in out.reason
     monkeypatch.undo()
     bs.register_rank(server.address, RegisterRank("P", 0, 1, "tcp://127.0.0.1:1", FP), 5)
-    assert isinstance(bs.request(server.address, QueryRanks("D"), (RankTable, Reply), 5), RankTable)
+    assert isinstance(bs.request(server.address, QueryRanks("D", "D"), (RankTable, Reply), 5), RankTable)
     assert not server.failed
 
 

@@ -13,13 +13,17 @@ import gc
 import socket
 import threading
 import time
+import urllib.request
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import zmq
 
 from tests.support.bad_peers import BadPeer, closed_session
+from tests.support.stranger import result, spawn
 from tests.support.stranger import run as stranger
+from tests.support.wiretap import Answer, Wiretap
 from tests.transfer.test_safety import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions, wait_until
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer import directory, handshake, http_bootstrap
@@ -30,7 +34,7 @@ from vllm_dcp2d.transfer.messages import prompt_digest
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from tests.support.transfer import PD, query_ranks, wait_fetch
+from tests.support.transfer import PD, CountingHmac, query_ranks, wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -90,7 +94,7 @@ def test_a_stranger_cannot_put_its_address_in_the_rank_table(stack):
     without the instance's token is refused and the table keeps the rank's address."""
     p = Prefill(stack)
     got = stranger("register", p.boot.address)
-    assert "refused: it does not carry this instance's registration token" in got["register"]["reply"]
+    assert "is not sealed with this instance's registration token" in got["register"]["reply"]
     assert got["register"]["before"] == got["register"]["after"] == [p.sender.address]
     d = Decode(stack)
     p.add()
@@ -443,3 +447,172 @@ def test_a_decode_rank_gets_the_kv_of_its_own_heads_or_a_refusal(stack):
             # part of a page when the bytes per head agree): refused naming each side's heads
             assert not f.ok and "bytes per KV head of a page: ours 128" in f.error.reason and "each holding 1 of 2 KV " \
                 "heads; this decode: TP rank 0 of 1 holding 2" in f.error.reason and not dst.any()
+
+
+# ---- round 3 (items 6 and 8 of "trust boundary, round 3"): what binds a frame, what it costs ----
+
+
+class Recording:
+    """A rank's ``Auth`` that keeps every frame the rank was given to open."""
+
+    def __init__(self, auth: Auth):
+        self.auth, self.frames = auth, []
+
+    def open(self, frame, *args, **kw):
+        self.frames.append(bytes(frame))
+        return self.auth.open(frame, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.auth, name)
+
+
+def _ranks(stack, engine: str, cp_size: int, boot: BootstrapServer, token: str, src) -> list[Sender]:
+    """``cp_size`` CP ranks of prefill engine ``engine``, each with its own ``Auth`` (as in
+    its own process: one nonce memory per rank), registered with ``boot``."""
+    out = []
+    for r in range(cp_size):
+        t = MooncakeTransport()
+        stack.callback(t.close)
+        t.register(src.ctypes.data, src.nbytes)
+        s = Sender(t, regions(src), FP, engine_id=engine, cp_rank=r, cp_size=cp_size, bootstrap=boot.address,
+                   token=token, auth=Auth(SECRET))
+        stack.callback(s.close)
+        s.auth = Recording(s.auth)
+        out.append(s)
+    return out
+
+
+def _ask_raw(address: str, frame: bytes, wait_s: float = 1.5) -> bytes | None:
+    """``frame`` to ``address`` on a fresh DEALER; the first answer, or None."""
+    sock = sockets.socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+        sock.send(frame)
+        return sock.recv() if sock.poll(int(wait_s * 1000)) else None
+    finally:
+        sock.close()
+
+
+def test_a_request_sealed_for_one_rank_is_refused_by_every_other(stack):
+    """Round 3, finding 2: a sealed frame did not name its recipient: a decode's request to
+    cp rank 0, replayed to cp rank 1 of the same instance or to another instance within
+    60 s, was read there and served (that rank wrote its layers again, into memory the
+    frame named). Each is refused now, unanswered and counted; the fetch itself is exact."""
+    rng = np.random.default_rng(9)
+    src = rng.integers(1, 255, (L, 8, PAGE_BYTES), dtype=np.uint8)
+    boot_p = stack.enter_context(BootstrapServer(token="tp", auth=Auth(SECRET)))
+    boot_q = stack.enter_context(BootstrapServer(token="tq", auth=Auth(SECRET)))
+    p0, p1 = _ranks(stack, "P", 2, boot_p, "tp", src)
+    (q0,) = _ranks(stack, "Q", 1, boot_q, "tq", src)
+    for s in (p0, p1, q0):
+        s.add_request("x", SRC_IDS, TOKENS, DIGEST)
+    d = Decode(stack, auth=Auth(SECRET))
+    f = d.fetch(boot_p.address)
+    assert f.ok and np.array_equal(d.dst, d.expected(src)), f.error
+    (request,) = p0.auth.frames  # the decode's TransferRequest to cp rank 0
+    for other in (p1, q0):
+        before = len(other.auth.frames)
+        assert _ask_raw(other.address, request) is None, "a frame sealed for another rank was answered"
+        wait_until(lambda: len(other.auth.frames) == before + 1, 5)
+        assert other.auth.take_refused() == 1
+    assert _ask_raw(p0.address, request) is None and p0.auth.take_refused() == 1  # replayed to its own rank
+
+
+class _Table(Answer):
+    """A bootstrap address the decode is told to ask: relays the ``GET`` (headers and all)
+    to ``upstream`` and keeps the answer (``relay``), or answers what an earlier relay kept
+    (a table captured elsewhere, replayed)."""
+
+    upstream, kept, relay = "", [], True
+
+    def body(self) -> bytes:
+        if self.relay:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+            direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with direct.open(urllib.request.Request(self.upstream + "/query", headers=headers), timeout=5) as r:
+                self.kept.append(r.read())
+        return self.kept[-1]
+
+
+def test_a_rank_table_answers_only_the_query_that_asked_for_it(stack):
+    """Round 3, finding 2, the rank table: ``/query``'s sealed table was read by a decode
+    that had asked another address for it. It is sealed for the query now (the address the
+    decode asked and a query id): through a relay that forwards the decode's own query
+    (a port forward) it is read; the same table served again, from another address, to
+    another decode, is refused, naming both, and that decode asks the prefill nothing."""
+    p = Prefill(stack, auth=Auth(SECRET))
+    p.sender.auth = Recording(p.sender.auth)
+    http = HttpBootstrap("127.0.0.1", 0, p.boot, "P")
+    stack.callback(http.close)
+    kept: list[bytes] = []
+    servers = []
+    for relay in (True, False):
+        handler = type("Handler", (_Table,), {"upstream": http.address, "kept": kept, "relay": relay})
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        stack.callback(srv.server_close)
+        stack.callback(srv.shutdown)
+        servers.append(f"http://127.0.0.1:{srv.server_address[1]}")
+    forward, replay = servers
+    p.add("x")
+    p.add("y")
+    d1 = Decode(stack, auth=Auth(SECRET))
+    f = d1.fetch(forward, "x")
+    assert f.ok and np.array_equal(d1.dst, d1.expected(p.src)), f.error
+    asked = len(p.sender.auth.frames)
+    d2 = Decode(stack, auth=Auth(SECRET))
+    f = d2.fetch(replay, "y", timeout_s=30)
+    assert not f.ok and f"a frame sealed for b'{forward} query" in f.error.reason, f.error
+    assert f"dropped by b'{replay} query" in f.error.reason and not d2.dst.any()
+    assert len(p.sender.auth.frames) == asked
+
+
+def test_the_registration_token_never_travels(stack):
+    """Round 3, finding 4: without a secret the registration token travelled in clear in
+    ``RegisterRank``: a party that read the bootstrap's traffic could register its own
+    address. The registration is sealed with a key made from the token, and the token is
+    nowhere in what the bootstrap port receives; the rank is registered all the same."""
+    token = "5ecret-t0ken-" + "9" * 19
+    boot = stack.enter_context(BootstrapServer(token=token))
+    tap = Wiretap(boot.address)
+    stack.callback(tap.close)
+    rng = np.random.default_rng(3)
+    src = rng.integers(1, 255, (L, 8, PAGE_BYTES), dtype=np.uint8)
+    t = MooncakeTransport()
+    stack.callback(t.close)
+    t.register(src.ctypes.data, src.nbytes)
+    s = Sender(t, regions(src), FP, engine_id="P", cp_rank=0, cp_size=1, bootstrap=tap.address, token=token)
+    stack.callback(s.close)
+    assert boot.ranks() == {0: s.address}
+    assert len(tap.sent) > 100 and token.encode() not in bytes(tap.sent), "the token is on the wire"
+    replayed = stranger("register", boot.address)["register"]  # and a stranger still cannot register
+    assert "not sealed with this instance's registration token" in replayed["reply"]
+
+
+def test_junk_behind_the_magic_bytes_costs_a_rank_a_head_hash(stack, monkeypatch):
+    """Round 3, finding 3: with a secret, a 16 MiB frame of junk behind the magic bytes was
+    hashed in full on the rank's I/O thread (73-79 ms each; two flooding connections raised
+    a fetch from 0.01 s to 0.18-0.63 s). Each costs a hash of its head now (under 64 bytes;
+    counted here over every hash this process makes while a stranger process floods the
+    rank from two connections), and the fetches during the flood stay exact."""
+    from vllm_dcp2d.transfer import auth as auth_mod
+
+    p, d = Prefill(stack, auth=Auth(SECRET)), Decode(stack, auth=Auth(SECRET))
+    p.add("warm")
+    assert d.fetch(p.boot.address, "warm").ok
+    counting = CountingHmac(auth_mod.hmac)
+    monkeypatch.setattr(auth_mod, "hmac", counting)
+    proc = spawn("junk", p.sender.address, seconds=6)
+    wait_until(lambda: p.sender.auth.take_refused() > 0 or proc.poll() is not None, 20)
+    took = []
+    for i in range(5):
+        p.add(f"k{i}")
+        t0 = time.monotonic()
+        f = d.fetch(p.boot.address, f"k{i}")
+        took.append(time.monotonic() - t0)
+        assert f.ok and np.array_equal(d.dst, d.expected(p.src)), f.error
+    sent = result(proc)["junk"]["sent"]
+    refused = p.sender.auth.take_refused()
+    print(f"junk flood: {sent} frames of 16 MiB sent, {refused}+ refused; fetches took "
+          f"{', '.join(f'{t * 1e3:.0f}' for t in took)} ms")
+    assert sent > 2 and max(counting.hashed) < 1 << 20, sorted(counting.hashed)[-3:]

@@ -16,7 +16,7 @@ from vllm_dcp2d.connector.metadata import LoadSpec
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip
 
 __all__ = ["REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "key_of",
-           "bootstrap_addr", "check_bootstrap_addr", "load_params", "timeout_s"]
+           "bootstrap_addr", "check_bootstrap_addr", "load_params", "timeout_s", "flag"]
 
 # The transfer key travels in two kv_transfer_params fields whose names others chose (the
 # only places those names appear): "remote_request_id", the prefill's answer (vLLM's NIXL
@@ -44,6 +44,18 @@ def bootstrap_addr(cfg: DCP2DConfig) -> str:
     """The producer's bootstrap address, as it answers it (``remote_bootstrap_addr``) and
     as its ranks register with it."""
     return f"tcp://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
+
+
+def flag(params: dict, name: str) -> tuple[bool, str]:
+    """The boolean field ``name`` of ``params`` (``"do_remote_prefill"``, ``"do_remote_decode"``)
+    as ``(asked, refused)``: ``(False, "")`` when absent, null or false, ``(True, "")`` when
+    true; any other value asks too, and is refused: ``(True, reason)``, naming the field,
+    the value and a JSON boolean. Python's truth is never asked: ``"false"`` is true there."""
+    v = params.get(name)
+    if v is None or type(v) is bool:
+        return bool(v), ""
+    return True, (f"kv_transfer_params[{name!r}] = {clip(repr(v), 80)}: expected a JSON boolean (true or false), "
+                  f"got {type(v).__name__}")
 
 
 def key_field(params: dict) -> str:

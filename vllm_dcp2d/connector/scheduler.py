@@ -66,8 +66,8 @@ import numpy as np
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
-from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, bootstrap_addr, check_bootstrap_addr, load_params,
-                                         key_of)
+from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, bootstrap_addr, check_bootstrap_addr, flag,
+                                         load_params, key_of)
 from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
@@ -109,6 +109,7 @@ class SchedulerSide:
         self._quarantined: dict[tuple[str, int], list] = {}  # consumer: blocks per (request, tp rank)
         self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
         self._digests: dict[str, str] = {}  # producer: prompt digest of each request it will send
+        self._refused: dict[str, str] = {}  # producer: why a request's do_remote_decode was refused
         self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
         self._key_owner: dict[str, str] = {}  # transfer key -> request id
         self.siblings = Siblings()  # consumer: engine requests sharing one transfer key (n > 1, batches)
@@ -125,7 +126,7 @@ class SchedulerSide:
         the producer will write beyond the ``num_computed_tokens`` cached locally,
         and True (loaded asynchronously)."""
         params = transfer_params(request.kv_transfer_params)
-        if not (self.is_consumer and params.get("do_remote_prefill")):
+        if not (self.is_consumer and flag(params, "do_remote_prefill")[0]):
             return 0, False
         shared = self.siblings.verdict(request, params)
         if shared is not None:  # another request fetches (or fetched) this key: never twice
@@ -137,11 +138,15 @@ class SchedulerSide:
         """Called by the scheduler once blocks are allocated for a newly admitted
         request (``blocks``: all its blocks). Records the load for the next step."""
         params = transfer_params(request.kv_transfer_params)
-        if self.is_producer and params.get("do_remote_decode"):
+        sends, refused = flag(params, "do_remote_decode")
+        if self.is_producer and refused:  # not prefilled for a decode; its answer says why (request_finished)
+            log.warning("request %s: %s; it is not prefilled for a decode", request.request_id, refused)
+            self._refused[request.request_id] = refused
+        elif self.is_producer and sends:
             self._remote_decode[request.request_id] = request.num_prompt_tokens
             self._digests[request.request_id] = prompt_digest(**compat.prompt_inputs(request))
             self._bind_key(request.request_id, params.get(CLIENT_KEY_FIELD))
-        if not (self.is_consumer and params.get("do_remote_prefill")):
+        if not (self.is_consumer and flag(params, "do_remote_prefill")[0]):
             return
         try:
             self._admit(request, params, blocks, num_external_tokens)
@@ -150,9 +155,13 @@ class SchedulerSide:
 
     def _admit(self, request, params: dict, blocks, num_external_tokens: int) -> None:
         """Consumer: record the load of a newly admitted ``request`` (or why it has none)."""
+        bad = flag(params, "do_remote_prefill")[1]  # refused below, whatever else the params hold
         # One transfer per request: a preempted request recomputes locally.
         params["do_remote_prefill"] = False
-        if self.siblings.verdict(request, params) is not None:
+        if bad and num_external_tokens == 0:  # nothing to load to fail: served from the local cache
+            log.warning("request %s: %s; its prompt is cached here, so nothing is fetched", request.request_id, bad)
+            return
+        if not bad and self.siblings.verdict(request, params) is not None:
             key = key_of(params)
             holder = self.siblings.loading(key) or self.siblings.ended(key) if isinstance(key, str) else None
             why = (f"transfer key {clip(repr(key), 80)} is fetched by request {holder} on this instance" if holder
@@ -167,6 +176,8 @@ class SchedulerSide:
         num_tokens = request.num_prompt_tokens
         ids, first_page = compat.block_ids(blocks), (num_tokens - num_external_tokens) // self.page_size
         try:
+            if bad:
+                raise ValueError(bad)
             spec, warning = load_params(params, self.cfg, block_ids=ids, num_tokens=num_tokens, first_page=first_page,
                                         prompt_digest=self.siblings.prompt_digest(request))
         except ValueError as e:
@@ -352,14 +363,17 @@ class SchedulerSide:
         computed = self._computed.pop(request.request_id, None) is not None
         self.siblings.end(request.request_id)
         params = transfer_params(request.kv_transfer_params)
-        if self.is_consumer and params.get("do_remote_prefill"):  # still set: never admitted
+        refused = self._refused.pop(request.request_id, None)
+        if self.is_consumer and params.get("do_remote_prefill") is True:  # still set: never admitted
             params["do_remote_prefill"] = False
             # Not while a sibling fetches the key (it needs the prefill's blocks); the digest is not
             # asked: vLLM's stand-in for a request its front end refused has a one-token prompt.
             if self.siblings.verdict(request, params, digest=False) is None:
                 self._release(request, params)
         self.siblings.admitted(request.request_id)  # never admitted, or finished: its digest goes
-        if not (self.is_producer and params.get("do_remote_decode")):
+        if refused is not None:  # the client learns why no decode can fetch it
+            return False, {"error": f"kv_transfer_params refused: {refused}"}
+        if not (self.is_producer and params.get("do_remote_decode") is True):
             return False, None
         has_blocks = any(block_ids)
         if not compat.finished_normally(request) or not has_blocks:

@@ -30,7 +30,7 @@ from vllm_dcp2d.connector.producer import ProducerWorker
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
 from vllm_dcp2d.layout import kv_head_range
-from vllm_dcp2d.transfer.auth import Auth, load_secret
+from vllm_dcp2d.transfer.auth import Auth, exposed, load_secret
 from vllm_dcp2d.transfer.checksum import KVBytes
 from vllm_dcp2d.transfer.transport import MooncakeTransport, unpinned
 from vllm_dcp2d.vllm_compat import connector_api as compat
@@ -54,6 +54,13 @@ class WorkerSide:
         self.tp_rank, self.tp_size = compat.tp_rank_size()
         num_kv_heads = compat.num_kv_heads(vllm_config)
         self.auth = Auth(load_secret(cfg.auth_secret_file))  # raises ConfigError for a bad secret file
+        if self.tp_rank == 0:  # one line per instance (docs/security.md)
+            hosts = {"local_hostname": cfg.local_hostname}
+            if is_producer:  # the bootstrap (ZMQ and HTTP) listens there too
+                hosts["bootstrap_host"] = cfg.bootstrap_host
+            warning = exposed(self.auth.enabled, hosts)
+            if warning:
+                log.warning("%s", warning)
         self.stats = DCP2DStats()
         self.stats_file = StatsFile(cfg.stats_file, "consumer" if is_consumer else "producer", engine_id)
         self.producer = ProducerWorker(vllm_config, cfg, engine_id, self.tp_rank, self.tp_size, num_kv_heads,

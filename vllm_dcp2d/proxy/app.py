@@ -243,7 +243,7 @@ class Proxy:
             self._bootstraps.pop(up.url, None)  # it may come back elsewhere: learn again
             raise
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
             raise UpstreamError(502, f"prefill {url} returned no kv_transfer_params for decode "
                                      f"(got {params!r}); is it running DCP2DConnector as kv_producer?",
                                 stage="prefill", kind="bad_answer")

@@ -11,23 +11,24 @@ sockets have ``linger=0``, so a peer that disappears yields ``BootstrapError``
 (or a failed fetch upstream), never a hang.
 
 Here: the server (``BootstrapServer``), a rank's registration with it
-(``register_rank``) and a decode rank's non-blocking client of it for its poll loop
-(``TableQuery``; ``http_bootstrap.HttpTableQuery`` asks over HTTP); the sockets
-they all open are ``sockets``.
+(``register_rank``, sealed with the instance's registration token: ``auth``) and a
+decode rank's non-blocking client of it for its poll loop (``TableQuery``;
+``http_bootstrap.HttpTableQuery`` asks over HTTP), whose answer is sealed for its
+query (``QueryRanks.reply_to``); the sockets they all open are ``sockets``.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
+import secrets
 import threading
 import time
 
 import numpy as np
 import zmq
 
-from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, AuthError, PeerLog
-from vllm_dcp2d.transfer.messages import MessageError, QueryRanks, RankTable, RegisterRank, Reply, encode
+from vllm_dcp2d.transfer.auth import BOOTSTRAP, MAGIC, NO_AUTH, Auth, AuthError, PeerLog, frame_limit, rank_name
+from vllm_dcp2d.transfer.messages import MessageError, QueryRanks, RankTable, RegisterRank, Reply, clip, encode
 from vllm_dcp2d.transfer.sockets import POLL_S, Backoff, bind, dealer, send_nowait, socket
 
 __all__ = ["BootstrapError", "BootstrapServer", "RankTableQuery", "TableQuery", "request", "register_rank"]
@@ -39,8 +40,10 @@ class BootstrapError(RuntimeError):
     """A bootstrap exchange failed: timeout, error reply or malformed reply."""
 
 
-def request(address: str, msg, expect, timeout_s: float, auth: Auth = NO_AUTH):
-    """Send ``msg`` to the ROUTER at ``address`` and return its decoded reply.
+def request(address: str, msg, expect, timeout_s: float, auth: Auth = NO_AUTH, *, to: str = BOOTSTRAP,
+            me: str | bytes = ""):
+    """Send ``msg`` (sealed for ``to``) to the ROUTER at ``address`` and return its decoded
+    reply (sealed for ``me``: ``QueryRanks.reply_to``, a registering rank's ``rank_name``).
 
     Raises BootstrapError on timeout or a malformed reply; a fresh DEALER per
     call so a lost reply never desynchronizes a later one.
@@ -48,12 +51,12 @@ def request(address: str, msg, expect, timeout_s: float, auth: Auth = NO_AUTH):
     sock = socket(zmq.DEALER)
     try:
         sock.connect(address)
-        if not send_nowait(sock, auth.pack(msg)):
+        if not send_nowait(sock, auth.pack(msg, to=to)):
             raise BootstrapError(f"could not queue {type(msg).__name__} for {address}")
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise BootstrapError(f"no reply from {address} within {timeout_s:.1f}s to {type(msg).__name__}")
         try:
-            return auth.unpack(sock.recv(), expect)
+            return auth.unpack(sock.recv(), expect, me=me)
         except MessageError as e:
             raise BootstrapError(f"bad reply from {address}: {e}") from None
     finally:
@@ -86,11 +89,14 @@ def _retry(what: str, server: str, timeout_s: float, attempt):
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
-def register_rank(server: str, msg: RegisterRank, timeout_s: float = 10.0, auth: Auth = NO_AUTH) -> None:
-    """Register a prefill CP rank's side-channel address with ``server``; retried
+def register_rank(server: str, msg: RegisterRank, timeout_s: float = 10.0, auth: Auth = NO_AUTH,
+                  token: str = "") -> None:
+    """Register a prefill CP rank's side-channel address with ``server``, sealed with the
+    instance's registration ``token`` (``Auth.registration``; it never travels); retried
     (the server may start after the rank) until acknowledged or ``timeout_s``."""
+    seal = auth.registration(token)
     _retry(f"registering cp rank {msg.cp_rank}", server, timeout_s,
-           lambda t: request(server, msg, Reply, t, auth))
+           lambda t: request(server, msg, Reply, t, seal, me=rank_name(msg.engine_id, msg.cp_rank)))
 
 
 class BootstrapServer:
@@ -102,24 +108,27 @@ class BootstrapServer:
     with a ``RankTable`` once all ranks are in, else a ``Reply`` naming the
     missing ranks. Malformed input gets a ``Reply(ok=False)`` and is logged.
 
-    token: what a ``RegisterRank`` must carry (the instance's own ranks have it,
-    ``WorkerSide`` hands it out over the TP group): without it nobody else can put
-    an address in the table. auth: every frame is opened and sealed with it; a frame
-    it refuses gets a plain ``Reply`` saying so (it says only that, to anyone).
+    token: the key a ``RegisterRank`` must be sealed with (``Auth.registration``; the
+    instance's own ranks have it, ``WorkerSide`` hands it out over the TP group): without
+    it nobody else can put an address in the table. auth: every other frame is opened
+    with it and every answer to a query sealed with it, for the query
+    (``QueryRanks.reply_to``); a frame it refuses, or one it cannot read, gets a plain
+    ``Reply`` saying so (it says only that, to anyone). Frames past the largest
+    ``RegisterRank`` or ``QueryRanks`` are not read (ZMQ's ``MAXMSGSIZE``).
 
     Each message is handled and answered in one guard: nothing a peer sends, however
     long or malformed, stops the thread.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "", auth: Auth = NO_AUTH):
-        self._sock = socket(zmq.ROUTER)
+        self._sock = socket(zmq.ROUTER, frame_limit((RegisterRank, QueryRanks)))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.address = bind(self._sock, host, port)
         self.port = int(self.address.rsplit(":", 1)[1])
         self.failed = ""  # why the server thread died ("" while it runs)
         self._lock = threading.Lock()
         self._ranks: dict[int, RegisterRank] = {}
-        self._token = token
+        self._registration = auth.registration(token)
         self.auth = auth
         self._peers = PeerLog(log)
         self._stop = threading.Event()
@@ -155,45 +164,59 @@ class BootstrapServer:
 
     def _serve(self, identity: bytes, payload: bytes) -> None:
         """Answer one frame; whatever it holds, the server goes on."""
-        try:
-            frame = self._handle(payload)
-        except AuthError as e:  # said in the clear, to anyone: only that it was refused
-            self._peers.warn("auth", "bootstrap %s: %s", self.address, str(e))
-            frame = encode(Reply(False, f"refused: {e}"))
-        except Exception as e:  # a bug, not bad input: answer it, keep serving
-            log.exception("bootstrap %s: handling a message failed", self.address)
-            frame = self._seal(Reply(False, f"bootstrap could not handle the message: {type(e).__name__}: {e}"))
+        frame = self.answer(payload)
         try:  # ROUTER_MANDATORY: a peer that went away raises instead of blocking
             self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._peers.warn("send", "bootstrap %s: answer to a peer dropped: %s", self.address, str(e))
 
-    def _seal(self, reply) -> bytes:
-        return self.auth.pack(reply)
+    def answer(self, payload: bytes) -> bytes:
+        """The answer to one frame (a query's, sealed for it; a plain ``Reply`` to what it
+        refuses or cannot read). Thread-safe: ``http_bootstrap`` answers from it too."""
+        try:
+            return self._handle(payload)
+        except AuthError as e:  # said in the clear, to anyone: only that it was refused
+            self._peers.warn("auth", "bootstrap %s: %s", self.address, str(e))
+            return encode(Reply(False, f"refused: {e}"))
+        except Exception as e:  # a bug, not bad input: answer it, keep serving
+            log.exception("bootstrap %s: handling a message failed", self.address)
+            return encode(Reply(False, f"bootstrap could not handle the message: {type(e).__name__}: {e}"))
 
     def _handle(self, payload: bytes) -> bytes:
-        """The sealed answer to one frame; raises ``AuthError`` for a frame ``auth`` refuses."""
+        """The answer to one frame, sealed for whoever sent it (a query's ``reply_to``, a
+        registering rank), or a plain ``Reply`` to a message it cannot read or will not take;
+        raises ``AuthError`` for a frame it refuses unread. A registration is read with the
+        registration token's seal, anything else with ``auth``."""
+        registering = self._registration.holds(payload)
         try:
-            msg = self.auth.unpack(payload, (RegisterRank, QueryRanks))
-        except AuthError:
+            if registering:
+                msg = self._registration.unpack(payload, RegisterRank, me=BOOTSTRAP)
+            else:
+                msg = self.auth.unpack(payload, (RegisterRank, QueryRanks), me=BOOTSTRAP)
+        except AuthError as e:
+            if not self.auth.enabled and bytes(payload[:4]) == MAGIC and not registering:
+                raise AuthError(f"{e}; or it is a registration sealed with another instance's registration "
+                                f"token") from None
             raise
-        except MessageError as e:
+        except MessageError as e:  # read, but not a message of ours: whoever sent it gets the reason in the clear
             self._peers.warn("rejected", "bootstrap %s: rejected message: %s", self.address, str(e))
-            return self._seal(Reply(False, f"rejected: {e}"))
+            return encode(Reply(False, f"rejected: {e}"))
+        if not registering and isinstance(msg, RegisterRank):
+            self._peers.warn("token", "bootstrap %s: a registration of cp rank %d at %s not sealed with this "
+                             "instance's registration token was refused", self.address, msg.cp_rank, msg.address)
+            return encode(Reply(False, f"refused: the registration of cp rank {msg.cp_rank} is not sealed with "
+                                       f"this instance's registration token"))
         try:
             with self._lock:
-                answer = self._register(msg) if isinstance(msg, RegisterRank) else self._table(msg)
+                answer = self._register(msg) if registering else self._table(msg)
         except Exception as e:  # a bug, not bad input: answer it, keep serving
             log.exception("bootstrap %s: handling %s failed", self.address, type(msg).__name__)
             answer = Reply(False, f"bootstrap could not handle {type(msg).__name__}: {type(e).__name__}: {e}")
-        return self._seal(answer)
+        if registering:
+            return self._registration.pack(answer, to=rank_name(msg.engine_id, msg.cp_rank))
+        return self.auth.pack(answer, to=msg.reply_to)
 
     def _register(self, msg: RegisterRank) -> Reply:
-        if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
-            self._peers.warn("token", "bootstrap %s: a registration of cp rank %d at %s without this instance's "
-                             "token was refused", self.address, msg.cp_rank, msg.address)
-            return Reply(False, f"registration of cp rank {msg.cp_rank} refused: it does not carry this "
-                                f"instance's registration token")
         for other in self._ranks.values():
             if other.cp_rank == msg.cp_rank:
                 continue
@@ -242,6 +265,8 @@ class RankTableQuery:
 
     def __init__(self, address: str, engine_id: str, accept, auth: Auth = NO_AUTH):
         self.address, self.engine_id, self.accept, self.auth = address, engine_id, accept, auth
+        # what the answers are sealed for: this address, asked by this query (QueryRanks.reply_to)
+        self.reply_to = f"{clip(address, 900)} query {secrets.token_hex(8)}"
         self.table: RankTable | None = None
         self.refused: RankTable | None = None  # the last table read, if its fingerprint differs
         self.last_reason = "no answer"
@@ -251,7 +276,7 @@ class RankTableQuery:
 
     def _take(self, payload: bytes) -> RankTable | None:
         """One sealed answer of the bootstrap: the table, or None (asked again later)."""
-        msg = self.auth.unpack(payload, (RankTable, Reply))
+        msg = self.auth.unpack(payload, (RankTable, Reply), me=self.reply_to)
         if isinstance(msg, Reply):
             self.last_reason = msg.reason
             if msg.reason.startswith(("refused:", "rejected:")):  # will not change by asking again
@@ -279,7 +304,7 @@ class TableQuery(RankTableQuery):
 
     def __init__(self, address: str, engine_id: str, accept, auth: Auth = NO_AUTH):
         super().__init__(address, engine_id, accept, auth)
-        self.sock, self.monitor = dealer(address)
+        self.sock, self.monitor = dealer(address, {zmq.MAXMSGSIZE: frame_limit((RankTable, Reply))})
 
     def ask(self, now: float) -> None:
         if self.table is not None:
@@ -289,7 +314,7 @@ class TableQuery(RankTableQuery):
             self._asked = 0.0
         if not self._asked and now >= self._retry_at:
             # a full queue (server unreachable for long): asked again after the next wait
-            send_nowait(self.sock, self.auth.pack(QueryRanks(self.engine_id)))
+            send_nowait(self.sock, self.auth.pack(QueryRanks(self.engine_id, self.reply_to), to=BOOTSTRAP))
             self._asked = now
 
     def read(self) -> RankTable | None:

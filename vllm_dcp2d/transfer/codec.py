@@ -5,7 +5,9 @@ read from the network, and the map <-> message-object conversion.
 to the codecs here), the protocol version and ``encode``/``decode``; this
 module holds what a schema is made of. No I/O. A field codec has
 ``enc(value) -> wire`` and ``dec(wire, name) -> value``; ``dec`` raises
-``MessageError`` naming the field, the expected type or range and the value.
+``MessageError`` naming the field, the expected type or range and the value;
+``bound``: the most msgpack bytes a value it accepts can take (``schema_bound``
+adds a schema's up, so every message type has a known largest size).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import numpy as np
 
 __all__ = ["MessageError", "FingerprintMismatch", "MAX_ADDR", "Str", "Int", "Float", "Bool", "Ids", "StrList",
-           "Nested", "fields_to_wire", "fields_from_wire"]
+           "Nested", "fields_to_wire", "fields_from_wire", "schema_bound"]
 
 MAX_ADDR = (1 << 63) - 1
 
@@ -28,9 +30,15 @@ class FingerprintMismatch(MessageError):
     """The two sides disagree on the KV format; the message names both values."""
 
 
+# msgpack's largest headers: a str, bin, array or map header takes at most 5 bytes, an
+# int or a float at most 9 (a 1-byte type and 8 bytes of value).
+_HEAD, _NUM = 5, 9
+
+
 class Str:
     def __init__(self, max_len: int, min_len: int = 1):
         self.min_len, self.max_len = min_len, max_len
+        self.bound = _HEAD + 4 * max_len  # UTF-8: at most 4 bytes per character
 
     def enc(self, v):
         return str(v)
@@ -44,6 +52,8 @@ class Str:
 
 
 class Int:
+    bound = _NUM
+
     def __init__(self, lo: int, hi: int):
         self.lo, self.hi = lo, hi
 
@@ -59,6 +69,8 @@ class Int:
 
 
 class Float:
+    bound = _NUM
+
     def __init__(self, hi: float):
         self.hi = hi
 
@@ -72,6 +84,8 @@ class Float:
 
 
 class Bool:
+    bound = 1
+
     def enc(self, v):
         return bool(v)
 
@@ -86,6 +100,7 @@ class Ids:
 
     def __init__(self, max_n: int, lo: int = 0, hi: int = MAX_ADDR, min_n: int = 0):
         self.min_n, self.max_n, self.lo, self.hi = min_n, max_n, lo, hi
+        self.bound = _HEAD + 8 * max_n
 
     def enc(self, v):
         return np.ascontiguousarray(np.asarray(v, dtype=np.int64).reshape(-1), dtype="<i8").tobytes()
@@ -107,6 +122,7 @@ class Ids:
 class StrList:
     def __init__(self, max_n: int, item: Str):
         self.max_n, self.item = max_n, item
+        self.bound = _HEAD + max_n * item.bound
 
     def enc(self, v):
         return [self.item.enc(x) for x in v]
@@ -120,12 +136,19 @@ class StrList:
 class Nested:
     def __init__(self, cls):
         self.cls = cls
+        self.bound = schema_bound(cls)
 
     def enc(self, v):
         return fields_to_wire(v)
 
     def dec(self, v, name):
         return fields_from_wire(self.cls, v, name)
+
+
+def schema_bound(cls) -> int:
+    """The most msgpack bytes a map of ``cls.SCHEMA``'s fields can take once ``fields_from_wire``
+    accepts it (each key, each value at its codec's ``bound``)."""
+    return _HEAD + sum(_HEAD + len(k) + c.bound for k, c in cls.SCHEMA.items())
 
 
 def fields_to_wire(msg) -> dict:

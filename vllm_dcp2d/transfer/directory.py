@@ -21,7 +21,7 @@ import zmq
 
 from vllm_dcp2d.layout import askers
 from vllm_dcp2d.plan import ShardError, senders_for
-from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.transfer.auth import Auth, rank_name
 from vllm_dcp2d.transfer.bootstrap import RankTableQuery, TableQuery
 from vllm_dcp2d.transfer.fetch import Rank
 from vllm_dcp2d.transfer.http_bootstrap import HttpTableQuery
@@ -109,11 +109,13 @@ class Directory:
 
     # ---- side channels ----
 
-    def rank(self, addr: str) -> Rank:
-        """The side channel to the prefill rank at ``addr``, opened on first use."""
+    def rank(self, addr: str, table: RankTable, cp_rank: int) -> Rank:
+        """The side channel to ``table``'s CP rank ``cp_rank`` at ``addr``, opened on first
+        use; what goes there is sealed for that rank (``auth.rank_name``)."""
         rank = self.ranks.get(addr)
         if rank is None:
             rank = self.ranks[addr] = Rank(addr, self.poller, self.identity, self.auth)
+        rank.to = rank_name(table.engine_id, cp_rank)
         rank.used = time.monotonic()
         return rank
 
@@ -170,7 +172,7 @@ class Directory:
             if not set(table.shard(cp_rank)[1]) & set(self.heads):
                 continue  # that rank holds none of this rank's heads: it never counts this rank
             msg = ReleaseTransfer(key, self.engine_id, *self.askers(table, cp_rank), num_tokens, digest)
-            if not self.rank(addr).send(msg):
+            if not self.rank(addr, table, cp_rank).send(msg):
                 log.info("release of %r not sent to %s: its queue is full", key, addr)
 
     # ---- lifetime ----

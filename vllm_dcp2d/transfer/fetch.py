@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from vllm_dcp2d.transfer.auth import NO_AUTH
+from vllm_dcp2d.transfer.auth import NO_AUTH, frame_limit
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer.messages import RankTable
+from vllm_dcp2d.transfer.messages import RankTable, Reply, TransferOutcome
 
 __all__ = ["Fetch", "FetchError", "Rank", "link_events", "drain"]
 
@@ -88,12 +88,16 @@ class Fetch:
 
 class Rank:
     """A DEALER to one prefill CP rank's side channel, with its link monitor and
-    when the cancels of its quarantined attempts go out again."""
+    when the cancels of its quarantined attempts go out again. ``to``: the rank's name
+    (``auth.rank_name`` of the engine and CP rank its rank table gives), what every
+    message to it is sealed for; the last rank table naming this address sets it."""
 
-    def __init__(self, address: str, poller: zmq.Poller, identity: bytes, auth=None):
-        self.address, self.auth = address, auth
-        # Same routing id after a reconnect: the rank's answers still reach us.
-        self.sock, self.monitor = sockets.dealer(address, {zmq.ROUTING_ID: identity, zmq.SNDHWM: SEND_HWM})
+    def __init__(self, address: str, poller: zmq.Poller, identity: bytes, auth=None, to: str = ""):
+        self.address, self.auth, self.to = address, auth, to
+        # Same routing id after a reconnect: the rank's answers still reach us. Nothing it
+        # sends is longer than an answer: a longer frame drops the link before it is held.
+        self.sock, self.monitor = sockets.dealer(address, {zmq.ROUTING_ID: identity, zmq.SNDHWM: SEND_HWM,
+                                                           zmq.MAXMSGSIZE: frame_limit((TransferOutcome, Reply))})
         for s in (self.sock, self.monitor):
             poller.register(s, zmq.POLLIN)
         # Disconnected, and nothing read from the rank since. Only an answer clears it,
@@ -120,7 +124,7 @@ class Rank:
     def send(self, msg) -> bool:
         """Queue ``msg`` without blocking; False if ``SEND_HWM`` messages already wait
         for a rank that does not read them (unreachable, or gone)."""
-        return sockets.send_nowait(self.sock, (self.auth or NO_AUTH).pack(msg))
+        return sockets.send_nowait(self.sock, (self.auth or NO_AUTH).pack(msg, to=self.to))
 
     def close(self, poller: zmq.Poller) -> None:
         for s in (self.sock, self.monitor):

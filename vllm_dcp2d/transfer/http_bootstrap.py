@@ -12,9 +12,16 @@ its answer has vLLM's shape (``worker_addr``: the CP ranks' side channels) plus 
 (``messages.RankTable`` or, while ranks are missing, a ``Reply``), msgpack in
 base64. A decode rank given an ``http://`` address reads the rank table from there
 (:class:`HttpTableQuery`, the same interface as ``bootstrap.TableQuery``) and talks
-to the CP ranks as usual.
+to the CP ranks as usual. It asks with its ``QueryRanks`` in the ``QUERY_HEADER``
+header (base64, sealed when there is a secret), and the rank table is the
+``BootstrapServer``'s answer to it: sealed for that query, so a table the decode did
+not ask this address for is refused. With a secret, a ``GET`` without a query that
+opens gets a plain refusal in its place (routers need only vLLM's part).
 
-Every request has a timeout; the server answers from memory and never blocks on a peer.
+Every request has a timeout; the server answers from memory and never blocks on a
+peer. A connection is cut ``HTTP_TIMEOUT_S`` after it was accepted, whatever it sends
+(a peer that sends a byte now and then holds its slot no longer), and one peer address
+holds at most ``MAX_PER_PEER`` of the ``MAX_CONNECTIONS`` slots.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import urllib.request
@@ -34,15 +42,18 @@ import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
-from vllm_dcp2d.transfer.messages import RankTable, clip
+from vllm_dcp2d.transfer.auth import BOOTSTRAP, NO_AUTH, Auth
+from vllm_dcp2d.transfer.messages import QueryRanks, RankTable, Reply, clip, encode
 
-__all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER"]
+__all__ = ["HttpBootstrap", "HttpTableQuery", "check_http_addr", "direct_get", "start_http_bootstrap", "MAX_ANSWER",
+           "QUERY_HEADER"]
 
 log = logging.getLogger(__name__)
 MAX_ANSWER = 1 << 20  # bytes of a /query answer a decode reads at most
-HTTP_TIMEOUT_S = 5.0  # per request and per connection (a half-sent request is cut off after it)
+HTTP_TIMEOUT_S = 5.0  # per connection, from accept to the last byte of the answer, and per GET
 MAX_CONNECTIONS = 32  # connections served at once; more are closed at accept
+MAX_PER_PEER = 16     # of them, from one peer address
+QUERY_HEADER = "X-DCP2D-Query"  # a decode rank's QueryRanks, base64
 _ADDR = re.compile(r"http://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
 _ids = itertools.count()
 # Peers are asked directly: urllib's default opener would send these GETs through
@@ -50,9 +61,9 @@ _ids = itertools.count()
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def direct_get(url: str, timeout_s: float):
+def direct_get(url: str, timeout_s: float, headers: dict | None = None):
     """``GET url`` never through a proxy; the response, as ``urllib.request.urlopen`` returns it."""
-    return _DIRECT.open(url, timeout=timeout_s)
+    return _DIRECT.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s)
 
 
 def check_http_addr(addr) -> str:
@@ -83,7 +94,7 @@ class HttpBootstrap:
                 if self.path.split("?", 1)[0] != "/query":
                     return self._send(404, {"error": f"no {self.path}; this is the DCP2D bootstrap: GET /query"})
                 try:
-                    return self._send(200, owner.answer())
+                    return self._send(200, owner.answer(self.headers.get(QUERY_HEADER)))
                 except Exception as e:  # noqa: BLE001 - a bug answers 500, the server goes on
                     log.exception("http bootstrap: /query failed")
                     return self._send(500, {"error": f"{type(e).__name__}: {e}"})
@@ -106,15 +117,25 @@ class HttpBootstrap:
                                         name=f"dcp2d-http-bootstrap-{self.port}", daemon=True)
         self._thread.start()
 
-    def answer(self) -> dict:
+    def answer(self, query: str | None = None) -> dict:
         """vLLM's ``{dp_rank: {"engine_id", "worker_addr": {tp_rank: {pp_rank: addr}}}}`` for DP rank 0,
-        plus ``"dcp2d": {"bootstrap", "rank_table"}``."""
-        table = self.server.table()
+        plus ``"dcp2d": {"bootstrap", "rank_table"}``: the ``BootstrapServer``'s answer to
+        ``query`` (the ``QUERY_HEADER``: a ``QueryRanks``, base64). Without one, the table
+        in the clear if there is no secret, else a plain refusal."""
         ranks = self.server.ranks()
+        if query is not None:
+            try:
+                frame = self.server.answer(base64.b64decode(query, validate=True))
+            except ValueError as e:  # binascii.Error
+                frame = encode(Reply(False, f"rejected: the {QUERY_HEADER} header is not base64: {e}"))
+        elif self.server.auth.enabled:
+            frame = encode(Reply(False, f"refused: this bootstrap answers its rank table to a sealed QueryRanks in "
+                                        f"the {QUERY_HEADER} header only"))
+        else:
+            frame = encode(self.server.table())
         return {"0": {"engine_id": self.engine_id,
                       "worker_addr": {str(r): {"0": addr} for r, addr in ranks.items()},
-                      "dcp2d": {"bootstrap": self.server.address,
-                                "rank_table": base64.b64encode(self.server.auth.pack(table)).decode()}}}
+                      "dcp2d": {"bootstrap": self.server.address, "rank_table": base64.b64encode(frame).decode()}}}
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._http.shutdown()
@@ -123,32 +144,61 @@ class HttpBootstrap:
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``MAX_CONNECTIONS`` of them: a peer that opens
-    connections and sends nothing holds a thread for ``HTTP_TIMEOUT_S`` at most, and
-    the connections past the limit are closed at once."""
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them and ``MAX_PER_PEER``
+    from one peer address; the connections past either limit are closed at once. Each is
+    cut ``HTTP_TIMEOUT_S`` after it was accepted, whatever it sent meanwhile (the serving
+    loop checks every ``sockets.POLL_S``): a peer trickling a byte at a time holds a
+    thread that long at most, and the peers of other addresses always have slots."""
 
     daemon_threads = True
     block_on_close = False
 
     def __init__(self, address, handler):
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, tuple[str, float]] = {}  # connection -> (peer address, deadline)
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
+        peer = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+        with self._lock:
+            full = (len(self._open) >= MAX_CONNECTIONS
+                    or sum(p == peer for p, _ in self._open.values()) >= MAX_PER_PEER)
+            if not full:
+                self._open[request] = (peer, time.monotonic() + HTTP_TIMEOUT_S)
+        if full:
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except Exception:
-            self._slots.release()
+            self._close(request)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._close(request)
+
+    def service_actions(self):
+        """Between polls of the listening socket: cut the connections past their deadline
+        (their thread's read or write then ends, and it closes the connection)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [s for s, (_, deadline) in self._open.items() if deadline <= now]
+        for s in late:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+
+    def handle_error(self, request, client_address):
+        # a connection cut at its deadline, or a peer gone mid-answer: nothing to report
+        log.debug("http bootstrap: connection from %s ended early", client_address, exc_info=True)
+
+    def _close(self, request) -> None:
+        with self._lock:
+            self._open.pop(request, None)
 
 
 def start_http_bootstrap(cfg, server: bs.BootstrapServer, engine_id: str) -> HttpBootstrap | None:
@@ -201,11 +251,12 @@ class HttpTableQuery(bs.RankTableQuery):
             threading.Thread(target=self._get, name="dcp2d-http-query", daemon=True).start()
 
     def _get(self) -> None:
-        """One ``GET /query`` (its own thread). Pushes ``b"T" + the sealed rank table`` or
-        ``b"E" + why not``; whatever the peer answers (not HTTP, not JSON, too long), the
-        query ends and ``_busy`` clears."""
+        """One ``GET /query`` (its own thread), asking with ``QUERY_HEADER``. Pushes ``b"T" + the
+        sealed rank table`` or ``b"E" + why not``; whatever the peer answers (not HTTP, not
+        JSON, too long), the query ends and ``_busy`` clears."""
         try:
-            with direct_get(self.address + "/query", HTTP_TIMEOUT_S) as r:
+            query = base64.b64encode(self.auth.pack(QueryRanks(self.engine_id, self.reply_to), to=BOOTSTRAP)).decode()
+            with direct_get(self.address + "/query", HTTP_TIMEOUT_S, {QUERY_HEADER: query}) as r:
                 body = json.loads(r.read(MAX_ANSWER + 1)[:MAX_ANSWER])
             entry = body["0"]["dcp2d"]
             frame = b"T" + base64.b64decode(entry["rank_table"], validate=True)

@@ -29,7 +29,7 @@ import msgpack
 import numpy as np
 
 from vllm_dcp2d.transfer.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
-                                        Str, StrList, fields_from_wire, fields_to_wire)
+                                        Str, StrList, fields_from_wire, fields_to_wire, schema_bound)
 from vllm_dcp2d.layout import cp_layer_range, per_head_layout
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, region_ends
 
@@ -37,7 +37,7 @@ __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
     "RegisterConsumer", "TransferRequest", "TransferOutcome", "CancelTransfer", "ReleaseTransfer", "RegisterRank",
     "QueryRanks", "RankTable", "Reply",
-    "encode", "decode", "attempt_of", "clip", "prompt_digest", "MAX_NAME", "MAX_REASON",
+    "encode", "decode", "attempt_of", "clip", "prompt_digest", "max_bytes", "MAX_BYTES", "MAX_NAME", "MAX_REASON",
 ]
 
 # History: 1 = first release. 2 = the transfer key and the per-attempt id are
@@ -69,7 +69,10 @@ __all__ = [
 # positions, prompt embeds' bytes, the LoRA adapter's name, cache_salt), each input length-prefixed,
 # and is never "" for a prompt (was: the token ids and multimodal identifiers, "" for prompt embeds);
 # TransferOutcome.checksum is ``checksum.py``'s 16-lane linear checksum, computed with torch where the
-# KV is (was: xxh3-128 of host memory).
+# KV is (was: xxh3-128 of host memory); a sealed frame names its recipient and carries a tag of its
+# head besides the tag of the whole (``auth``); RegisterRank.token is gone (a registration is sealed
+# with a key made from the token, which never travels); QueryRanks.reply_to (what the answer is
+# sealed for).
 PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 32 << 20
 MAX_IDS = 1 << 21          # entries of one int64 array field (16 MiB)
@@ -505,9 +508,9 @@ class TransferOutcome(_Message):
 class RegisterRank(_Message):
     """Prefill CP rank -> bootstrap server: "rank ``cp_rank`` serves at ``address``".
 
-    token:      the instance's registration token (TP rank 0 draws it and hands it to
-                its ranks); a registration without it is refused, so no other process
-                can take a rank's place in the table.
+    It travels sealed with a key made from the instance's registration token (TP rank 0
+    draws it and hands it to its ranks over the TP group; ``Auth.registration``), never
+    with the token itself: without the token nobody can take a rank's place in the table.
     layer_start, layer_end: the KV layers the rank sends (default its ``cp_layer_range``).
     head_start, head_end: the KV heads it holds of ``fingerprint.num_kv_heads`` (default all).
     """
@@ -517,14 +520,13 @@ class RegisterRank(_Message):
     cp_size: int
     address: str
     fingerprint: Fingerprint
-    token: str = ""
     layer_start: int = 0
     layer_end: int = 0
     head_start: int = 0
     head_end: int = 0
 
     SCHEMA = {"engine_id": _NAME, "cp_rank": Int(0, 1 << 12), "cp_size": Int(1, 1 << 12),
-              "address": Str(256), "fingerprint": Nested(Fingerprint), "token": Str(128, min_len=0),
+              "address": Str(256), "fingerprint": Nested(Fingerprint),
               "layer_start": Int(0, 1 << 16), "layer_end": Int(0, 1 << 16), "head_start": Int(0, MAX_HEADS),
               "head_end": Int(0, MAX_HEADS)}
 
@@ -591,11 +593,17 @@ class ReleaseTransfer(_Message):
 
 @dataclass(frozen=True)
 class QueryRanks(_Message):
-    """Decode rank -> bootstrap server: "where are your CP ranks?"."""
+    """Decode rank -> bootstrap server: "where are your CP ranks?".
+
+    reply_to: what the answer is sealed for (``auth``): the bootstrap address the decode
+              rank asked and a random query id (``RankTableQuery``), so the answer opens only
+              as the answer to this query, not to one sent to another instance or by
+              another rank."""
 
     engine_id: str
+    reply_to: str
 
-    SCHEMA = {"engine_id": _NAME}
+    SCHEMA = {"engine_id": _NAME, "reply_to": Str(1024)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -662,6 +670,16 @@ class Reply(_Message):
 
 _TYPES = {c.__name__: c for c in (RegisterConsumer, TransferRequest, TransferOutcome, CancelTransfer, ReleaseTransfer, RegisterRank,
                                    QueryRanks, RankTable, Reply)}
+# The largest encoding of each message type (its schema's ``codec.schema_bound`` plus the
+# version and type entries, at most MAX_MESSAGE_BYTES): what a socket that takes only some
+# types reads at most (``auth.Auth.open``'s ceiling, before it hashes a byte).
+MAX_BYTES = {c: min(MAX_MESSAGE_BYTES, schema_bound(c) + 2 * (5 + 4) + 9 + 5 + len(c.__name__))
+             for c in _TYPES.values()}
+
+
+def max_bytes(expect) -> int:
+    """The largest encoding of any of ``expect`` (a message class or a tuple of them)."""
+    return max(MAX_BYTES[c] for c in (expect if isinstance(expect, tuple) else (expect,)))
 
 
 def encode(msg) -> bytes:
@@ -676,7 +694,10 @@ def encode(msg) -> bytes:
     except (TypeError, ValueError, OverflowError) as e:
         raise MessageError(f"{name}: a field cannot be encoded: {e}") from None
     fields_from_wire(type(msg), dict(fields_), name)  # the peer's checks, here
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": name, **fields_}, use_bin_type=True)
+    data = msgpack.packb({"v": PROTOCOL_VERSION, "type": name, **fields_}, use_bin_type=True)
+    if len(data) > MAX_BYTES[type(msg)]:  # cannot happen once the checks passed: a bound that is wrong
+        raise MessageError(f"{name}: {len(data)} bytes, over its bound MAX_BYTES = {MAX_BYTES[type(msg)]}")
+    return data
 
 
 def attempt_of(data: bytes) -> tuple[str, int] | None:

@@ -304,7 +304,7 @@ class Receiver:
                 head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,
                 verify=self.verify, not_after_ns=not_after)
             try:
-                rank = self._dir.rank(addr)
+                rank = self._dir.rank(addr, table, cp_rank)
                 sent = rank.register(me) and rank.send(msg)  # in order on the link: registered first
             except MessageError as e:  # this request cannot be put on the wire (a key too long, ...)
                 return self._fail(f, FetchError(f.transfer_key, cp_rank, f"cannot send the request: {e}"))
@@ -361,7 +361,7 @@ class Receiver:
         except zmq.Again:
             return
         try:
-            msg = self.auth.unpack(payload, (TransferOutcome, Reply))
+            msg = self.auth.unpack(payload, (TransferOutcome, Reply), me=self._identity)
         except MessageError as e:  # AuthError included: an answer that is not the rank's is no answer
             return self._lost(rank, f"malformed reply: {e}")
         if isinstance(msg, Reply):  # the rank could not read a message of ours at all (its protocol differs)

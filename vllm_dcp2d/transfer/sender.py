@@ -47,11 +47,11 @@ import zmq
 
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, AuthError, PeerLog
+from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, AuthError, PeerLog, rank_name
 from vllm_dcp2d.transfer.consumers import Consumers, Registration, source_of
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageError, RegisterConsumer, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
-                                           clip, decode)
+                                           clip, decode, max_bytes)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
 from vllm_dcp2d.transfer.checksum import KVBytes, checksum
 from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Request, SendLedger
@@ -63,6 +63,7 @@ from vllm_dcp2d.layout import cdiv, cp_layer_range
 __all__ = ["Sender"]
 
 log = logging.getLogger(__name__)
+_TAKES = max_bytes((RegisterConsumer, TransferRequest, CancelTransfer, ReleaseTransfer))  # the longest a rank reads
 
 
 class Sender:
@@ -76,9 +77,10 @@ class Sender:
     layers, heads: the KV layers this rank sends and the KV heads it holds (default:
                  ``cp_layer_range(num_layers, cp_size, cp_rank)`` and every head;
                  ``layout.send_shard`` gives a worker's).
-    token:       the instance's registration token (``RegisterRank.token``).
-    auth:        seals and opens every frame (``auth.py``); a frame it refuses is dropped
-                 unanswered and counted (``auth.take_refused``).
+    token:       the instance's registration token (its registration is sealed with it).
+    auth:        seals and opens every frame (``auth.py``): what arrives must be sealed for this
+                 rank (``auth.rank_name``), each answer is sealed for the decode rank that asked;
+                 a frame it refuses is dropped unanswered and counted (``auth.take_refused``).
     max_wait_s:  the longest an attempt may wait for its request (a decode's ``wait_s``
                  is cut to it).
     kv_bytes:    the KV as tensors on the device that holds it (``KVBytes.of_tensors``), which
@@ -99,6 +101,7 @@ class Sender:
         self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank) if layers is None else layers
         self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
         self.auth, self.max_wait_s, self._kv_bytes = auth, max_wait_s, kv_bytes
+        self.name = rank_name(engine_id, cp_rank)  # what the frames this rank reads are sealed for
         self._peers = PeerLog(log)
         regions.rows(np.arange(self.layers.start, self.layers.stop), "producer")  # raises if not held
         if not transport.registered():
@@ -128,8 +131,8 @@ class Sender:
         if bootstrap is not None:
             try:
                 bs.register_rank(bootstrap, RegisterRank(
-                    engine_id, cp_rank, cp_size, self.address, fingerprint, token, self.layers.start,
-                    self.layers.stop, self.heads.start, self.heads.stop), register_timeout_s, auth)
+                    engine_id, cp_rank, cp_size, self.address, fingerprint, self.layers.start,
+                    self.layers.stop, self.heads.start, self.heads.stop), register_timeout_s, auth, token)
             except Exception:
                 self.close()
                 raise
@@ -271,19 +274,20 @@ class Sender:
 
     def _send(self, identity: bytes, msg) -> None:
         try:
-            self._sock.send_multipart([identity, self.auth.pack(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([identity, self.auth.pack(msg, to=identity)], zmq.NOBLOCK)
         except (zmq.ZMQError, MessageError) as e:  # the consumer went away: nothing to tell it
             self._peers.warn("send", "cp rank %d: reply to a consumer dropped: %s", self.cp_rank, str(e))
 
     def _receive(self):
         """One message off the socket; whatever it holds, only its own attempt fails."""
+        # Not copied out of ZMQ: a frame refused unread costs no copy either (``auth.open``).
         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(frames) != 2:
             return
         identity, frame = frames[0].bytes, frames[1]
         peer = frame.get("Peer-Address") or ""  # the connection's remote address (ZMQ, tcp)
         try:
-            payload = self.auth.open(frame.bytes)
+            payload = self.auth.open(frame, me=self.name, limit=_TAKES)
         except AuthError as e:  # not from a peer that holds the secret: nothing to answer
             return self._peers.warn("auth", "cp rank %d: %s", self.cp_rank, str(e))
         try:

@@ -13,6 +13,7 @@ import threading
 
 import zmq
 
+from vllm_dcp2d.transfer.auth import SEAL_BYTES
 from vllm_dcp2d.transfer.messages import MAX_MESSAGE_BYTES
 
 __all__ = ["Backoff", "Waker", "bind", "context", "dealer", "send_nowait", "socket", "POLL_S", "MAX_FRAME"]
@@ -20,7 +21,7 @@ __all__ = ["Backoff", "Waker", "bind", "context", "dealer", "send_nowait", "sock
 _ids = itertools.count()
 POLL_S = 0.1  # how often background loops check their stop flag
 RESEND_S, RESEND_MAX_S = 1.0, 8.0  # an unanswered message is sent again after 1, 2, 4, 8, 8, ... s
-MAX_FRAME = MAX_MESSAGE_BYTES + 1024  # a message plus its seal (``auth``)
+MAX_FRAME = MAX_MESSAGE_BYTES + SEAL_BYTES  # a message plus its seal (``auth``)
 RCV_HWM = 64  # frames queued from one peer before ZMQ stops reading it: at most RCV_HWM x MAX_FRAME held
 
 
@@ -28,7 +29,9 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def socket(kind: int) -> zmq.Socket:
+def socket(kind: int, max_frame: int = MAX_FRAME) -> zmq.Socket:
+    """A socket of ``kind`` that reads frames of at most ``max_frame`` bytes (a socket that
+    takes only small messages is given ``auth.frame_limit`` of them)."""
     s = context().socket(kind)
     s.setsockopt(zmq.LINGER, 0)
     # No ZMTP handshake deadline (ZMQ's default is 30 s): on an overloaded host a
@@ -39,7 +42,7 @@ def socket(kind: int) -> zmq.Socket:
     # A frame over the wire's limit is not buffered (ZMQ drops the peer), and one peer
     # cannot queue more than RCV_HWM frames: what a peer can make this process hold is
     # bounded before any byte of it is decoded.
-    s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    s.setsockopt(zmq.MAXMSGSIZE, max_frame)
     s.setsockopt(zmq.RCVHWM, RCV_HWM)
     return s
 
