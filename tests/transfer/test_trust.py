@@ -509,12 +509,13 @@ def test_a_request_sealed_for_one_rank_is_refused_by_every_other(stack):
     d = Decode(stack, auth=Auth(SECRET))
     f = d.fetch(boot_p.address)
     assert f.ok and np.array_equal(d.dst, d.expected(src)), f.error
-    (request,) = p0.auth.frames  # the decode's TransferRequest to cp rank 0
+    registration, request = p0.auth.frames  # the decode's link registration and TransferRequest to cp rank 0
     for other in (p1, q0):
         before = len(other.auth.frames)
-        assert _ask_raw(other.address, request) is None, "a frame sealed for another rank was answered"
-        wait_until(lambda: len(other.auth.frames) == before + 1, 5)
-        assert other.auth.take_refused() == 1
+        for frame in (registration, request):
+            assert _ask_raw(other.address, frame) is None, "a frame sealed for another rank was answered"
+        wait_until(lambda: len(other.auth.frames) == before + 2, 5)
+        assert other.auth.take_refused() == 2
     assert _ask_raw(p0.address, request) is None and p0.auth.take_refused() == 1  # replayed to its own rank
 
 
