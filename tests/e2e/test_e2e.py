@@ -396,7 +396,7 @@ def test_a_stranger_on_the_side_channel_takes_nothing_and_stops_nothing(cluster)
     tries, against the live prefill, to register itself as cp rank 0 (finding 1), to
     send one over-long message to the bootstrap and to every rank (finding 2: it
     killed the engine), a frame past the wire's limit, and 300 requests asking to wait
-    an hour (finding 6). Each is refused or harmless; then both decodes answer through
+    an hour (finding 6; held, within this host's share). Each is refused or harmless; then both decodes answer through
     the proxies with the colocated answer, and every KV usage goes back to 0."""
     c = cluster
     got = stranger("all", bootstrap_addr(c))
@@ -404,7 +404,8 @@ def test_a_stranger_on_the_side_channel_takes_nothing_and_stops_nothing(cluster)
     assert got["long"]["bootstrap"].startswith("Reply: rejected:")
     assert all(v.startswith("TransferOutcome:") for k, v in got["long"].items() if k != "bootstrap"), got["long"]
     assert all(v == "silence" for v in got["big"].values()), got["big"]
-    assert all(v["busy"] == 300 - 256 for v in got["flood"].values()), got["flood"]
+    # 300 waiting attempts from this host: within its share (1,024: issue 48 caps per source), all held
+    assert all(v == {"answered": 0, "busy": 0, "held": 300} for v in got["flood"].values()), got["flood"]
     for which, salt in (("proxy", 61), ("proxy1", 62)):
         prompt = ids(3 * PAGE + 5, salt)
         assert tokens(complete(c[which].url, c["model"], prompt)) == tokens(complete(c["prefill"].url, c["model"],

@@ -191,3 +191,12 @@ def test_two_decodes_each_get_exactly_their_own_bytes(stack):
     assert not np.array_equal(a.dst, b.dst)
     sessions = {r.session for r, _ in p.sender.consumers._by_link.values()}
     assert sessions == {a.transport.session_id, b.transport.session_id}
+
+
+def test_only_the_processs_own_receiver_may_register_its_own_session():
+    """A ``kv_both`` worker fetches from its own sender into the same engine's memory: its
+    receiver's link is trusted with the own session (the worker names it), no other."""
+    c = Consumers("cp rank 0", lambda: {"127.0.0.1:7000"}, sealed=False)
+    c.trust(b"own-receiver")
+    assert c.register(b"own-receiver", reg("127.0.0.1:7000"), "127.0.0.1").refused == ""
+    assert "this prefill rank's own session" in c.register(b"another", reg("127.0.0.1:7000"), "127.0.0.1").refused

@@ -30,7 +30,9 @@ from vllm_dcp2d.transfer import directory, handshake, http_bootstrap
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
 from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, HttpTableQuery
-from vllm_dcp2d.transfer.messages import prompt_digest
+from vllm_dcp2d.plan import Memory
+from vllm_dcp2d.transfer.messages import (RegisterConsumer, ReleaseTransfer, TransferOutcome, TransferRequest, decode,
+                                           encode, prompt_digest)
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
@@ -617,3 +619,61 @@ def test_junk_behind_the_magic_bytes_costs_a_rank_a_head_hash(stack, monkeypatch
     print(f"junk flood: {sent} frames of 16 MiB sent, {refused}+ refused; fetches took "
           f"{', '.join(f'{t * 1e3:.0f}' for t in took)} ms")
     assert sent > 2 and max(counting.hashed) < 1 << 20, sorted(counting.hashed)[-3:]
+
+
+def _attempt(p: Prefill, key: str, tokens: int, digest: str, wait_s: float, attempt: int) -> tuple[bytes, float]:
+    """One attempt on a fresh link registered as a session of this host: the raw answer
+    and how long it took (the stranger's view of a refusal)."""
+    kv = np.zeros((L, 8, PAGE_BYTES), np.uint8)
+    sock = sockets.socket(zmq.DEALER)
+    try:
+        sock.connect(p.sender.address)
+        sock.send(encode(RegisterConsumer.of("D", "127.0.0.1:9", Memory([kv.ctypes.data], [kv.nbytes]))))
+        req = TransferRequest.build(regions=regions(kv), block_ids=DST_IDS, transfer_key=key, attempt_id=attempt,
+                                    engine_id="D", consumer_rank=0, consumer_size=1, dcp_size=1, dcp_rank=0,
+                                    num_tokens=tokens, first_page=0, num_blocks=8, fingerprint=FP, wait_s=wait_s,
+                                    prompt_digest=digest)
+        t0 = time.monotonic()
+        sock.send(encode(req))
+        assert sock.poll(10_000), "no answer"
+        return sock.recv(), time.monotonic() - t0
+    finally:
+        sock.close()
+
+
+def test_every_mismatch_gets_the_unknown_keys_answer_at_its_time(stack):
+    """Round 3, finding 5: a refusal said "length mismatch" or "prompt mismatch", so sweeping
+    num_tokens found a request's exact length. Without a secret, an unknown key, another
+    length and another prompt get one answer, byte for byte the same but for the key, at
+    the same time: at once with no wait, after the wait with one (as an unknown key waits
+    for its prefill). None of them claims the request (claim_s still frees it)."""
+    p = Prefill(stack, claim_s=3.0)
+    p.add("k", DIGEST)
+    for wait_s in (0.0, 0.6):
+        answers = [_attempt(p, key, tokens, digest, wait_s, i) for i, (key, tokens, digest) in enumerate([
+            ("q", TOKENS, DIGEST), ("k", TOKENS + 1, DIGEST), ("k", TOKENS, prompt_digest(PROMPT[::-1])),
+            ("k", TOKENS - 16, "0" * 32)])]
+        outcomes = [decode(a, TransferOutcome) for a, _ in answers]
+        reasons = {o.reason.replace("'q'", "'k'") for o in outcomes}
+        assert len(reasons) == 1 and not any(o.ok for o in outcomes), reasons
+        assert {len(a) for a, _ in answers[1:]} == {len(answers[0][0])}  # the same size (keys of one length)
+        assert all(wait_s <= s < wait_s + 2.0 for _, s in answers), [s for _, s in answers]
+        assert ("not ready" in reasons.pop()) == (wait_s > 0)
+    wait_until(lambda: p.sender.pop_finished() == {"k": "unclaimed"}, 10)
+
+
+def test_without_a_secret_a_key_alone_opens_nothing(stack):
+    """Round 3, finding 5: with prompt embeds the digest was "", and "" matched "": the key
+    alone read or freed such a request. Without a secret a request or a release naming no
+    digest is refused (the connector never sends one: ``test_messages_digest``)."""
+    p = Prefill(stack, claim_s=60.0)
+    p.sender.add_request("e", SRC_IDS, TOKENS, "")
+    got, _ = _attempt(p, "e", TOKENS, "", 0.0, 1)
+    assert "must name its prompt's digest (prompt_digest) when the instances share no auth secret" in \
+        decode(got, TransferOutcome).reason
+    sock = sockets.socket(zmq.DEALER)
+    stack.callback(sock.close)
+    sock.connect(p.sender.address)
+    sock.send(encode(ReleaseTransfer("e", "D", 0, 1, TOKENS, "")))
+    time.sleep(0.5)
+    assert p.sender.pop_finished() == {} and "e" in p.sender.ledger._requests  # not freed

@@ -121,6 +121,9 @@ class WorkerSide:
         if self.consumer is not None:
             # the receiver rings it when a fetch ended or a quarantine lifted: the idle step wakes
             self.consumer.start(self.transport, regions, fingerprint, self.rope.ring, kv_bytes)
+        if self.producer is not None and self.consumer is not None:
+            # kv_both: this rank's receiver may fetch from its own sender, into the same engine's memory
+            self.producer.sender.consumers.trust(self.consumer.receiver.identity)
         if self.tp_rank == 0:  # last: the router may send requests from now on
             self.registration = registration(self.cfg, self.is_producer, self.is_consumer)
 

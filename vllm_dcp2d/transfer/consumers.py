@@ -12,7 +12,8 @@ memory it registered) and a request uses only its connection's registration. A
 registration is taken only if
 
 * the session is not one of this rank's own Mooncake engines (the prefill never writes
-  into its own memory for a peer), and
+  into its own memory for a peer; only a ``kv_both`` worker's own receiver, whose link the
+  owner names with ``trust``, may register it), and
 * without a secret, its host is the address the connection comes from: a stranger can
   only name sessions on its own host. With a secret the frame is sealed, so it comes
   from an instance that holds the secret.
@@ -81,6 +82,7 @@ class Consumers:
         self.name, self.own_sessions, self.sealed = name, own_sessions, sealed
         self._by_link: OrderedDict[bytes, tuple[Registration, float]] = OrderedDict()  # oldest use first
         self._refusals: OrderedDict[bytes, Registration] = OrderedDict()  # link -> its refusal, oldest first
+        self._trusted: set[bytes] = set()  # links of this process's own receiver (``trust``)
         self._quota = Quota("registered connections", PER_SOURCE, TOTAL, PER_SOURCE_BYTES, TOTAL_BYTES)
         self.refused = 0  # registrations refused since start (``take_refused`` resets)
 
@@ -88,7 +90,7 @@ class Consumers:
         """Take ``msg`` from connection ``link`` (whose address is ``peer``): the new
         registration, or one whose ``refused`` says why (requests on ``link`` then fail with it)."""
         source = source_of(peer, msg.engine_id, self.sealed)
-        why = self._check(msg, peer)
+        why = self._check(link, msg, peer)
         self._drop(link)
         size = 16 * int(msg.memory_addr.size) + len(msg.session)
         if not why:
@@ -106,6 +108,12 @@ class Consumers:
         reg = Registration(msg.session, msg.memory(), source, nbytes=size)
         self._by_link[link] = (reg, time.monotonic())
         return reg
+
+    def trust(self, link: bytes) -> None:
+        """``link`` is this process's own receiver's (a ``kv_both`` worker: the same transport
+        prefills and decodes): it may register this rank's own session. Its routing id is
+        drawn at random and travels only on its own links, so no other party can claim it."""
+        self._trusted.add(link)
 
     def get(self, link: bytes) -> Registration | None:
         """``link``'s registration, or its refusal (None: it has none); marks it used."""
@@ -130,8 +138,8 @@ class Consumers:
     def __len__(self) -> int:
         return len(self._by_link)
 
-    def _check(self, msg: RegisterConsumer, peer: str) -> str:
-        if msg.session in self.own_sessions():
+    def _check(self, link: bytes, msg: RegisterConsumer, peer: str) -> str:
+        if msg.session in self.own_sessions() and link not in self._trusted:
             return "it is this prefill rank's own session (a prefill never writes into its own memory for a peer)"
         if not self.sealed and not _same_host(msg.host(), peer):
             return (f"without an auth secret, a decode's session must be on the host its side channel comes from "

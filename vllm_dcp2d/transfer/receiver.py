@@ -116,7 +116,7 @@ class Receiver:
         self.on_output = on_output
         self.ledger = FetchLedger()
         self._attempts = itertools.count(1)
-        self._identity = b"dcp2d-" + uuid.uuid4().bytes
+        self.identity = b"dcp2d-" + uuid.uuid4().bytes  # this rank's routing id on every link
         self._new: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()  # (transfer key, bootstrap, num_tokens, deadline) to announce
         self._renewed = 0.0  # when the transport was last renewed after a timed-out write
@@ -195,7 +195,7 @@ class Receiver:
     def _run(self):
         self._poller = zmq.Poller()
         self._poller.register(self._waker.socket, zmq.POLLIN)
-        self._dir = Directory(self._poller, self._identity, self.engine_id, self.fingerprint, self.heads,
+        self._dir = Directory(self._poller, self.identity, self.engine_id, self.fingerprint, self.heads,
                               self.consumer_rank, self.consumer_size, self.dcp_rank, self.dcp_size, self.auth)
         self._waiting: dict[str, list[Fetch]] = {}  # bootstrap -> fetches waiting for its table
         self._collect_at = 0.0  # when idle queries and links are next closed
@@ -361,7 +361,7 @@ class Receiver:
         except zmq.Again:
             return
         try:
-            msg = self.auth.unpack(payload, (TransferOutcome, Reply), me=self._identity)
+            msg = self.auth.unpack(payload, (TransferOutcome, Reply), me=self.identity)
         except MessageError as e:  # AuthError included: an answer that is not the rank's is no answer
             return self._lost(rank, f"malformed reply: {e}")
         if isinstance(msg, Reply):  # the rank could not read a message of ours at all (its protocol differs)
