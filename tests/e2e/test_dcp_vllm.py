@@ -57,7 +57,7 @@ def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32", avx2: bool 
     out = tmp / f"dcp{dcp}.json"
     # DCP > 1: the DCP group's all-gathers run over shared memory (vllm_compat patch 6): vLLM's
     # where its build has them, else (its AVX2 build) the plugin's.
-    how = "vllm_dcp2d's ShmAllGather" if avx2 or avx2_host.NATIVE else "vLLM's shm_all_gather"
+    how = "vllm_dcp2d's ShmAllGather" if avx2 or avx2_host.HOST_LACKS_AVX512 else "vLLM's shm_all_gather"
     shm = (f"DCP group dcp:0 (ranks [0, 1]) gathers over shared memory ({how}",) if dcp > 1 else ()
     env = {"PYTHONPATH": avx2_host.env()["PYTHONPATH"]} if avx2 else {}
     return Engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm, env=env)
@@ -72,7 +72,7 @@ def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path, host):
     has no shared-memory collectives, so the DCP group gathers through the plugin's."""
     from vllm_dcp2d.local.tiny_models import build_tiny_model
 
-    if host == "AVX2 host" and avx2_host.NATIVE:
+    if host == "AVX2 host" and avx2_host.HOST_LACKS_AVX512:
         pytest.skip("this host has no AVX-512: vLLM loads its AVX2 build here already ('this host')")
     avx2 = host == "AVX2 host"
     model = build_tiny_model("llama-mqa", tmp_path / "model")

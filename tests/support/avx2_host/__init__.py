@@ -5,8 +5,8 @@ import os
 import torch
 
 DIR = os.path.dirname(os.path.abspath(__file__))
-# This host loads vLLM's AVX2 build anyway: the shim would change nothing.
-NATIVE = not torch.cpu._is_avx512_supported()
+# True where vLLM loads its AVX2 build anyway (the shim would change nothing there).
+HOST_LACKS_AVX512 = not torch.cpu._is_avx512_supported()
 
 
 def env(base: dict | None = None) -> dict:
