@@ -9,6 +9,14 @@
    (``vllm.v1.attention.ops.dcp._lse_weighted_combine``) on the same inputs.
 
     .venv/bin/python bench/dcp_decode.py [--contexts 1024,8192,32768] [--batch 4] [--tokens 32]
+                                         [--gathers auto,gloo,vllm,dcp2d] [--avx2-host]
+
+``--gathers`` runs a DCP>1 engine once per transport of its DCP group's all-gathers
+(``DCP2D_DCP_GATHER``, vllm_compat/attention.py patch 6: gloo, vLLM's shared-memory
+collectives, the plugin's ``ShmAllGather``; "auto" picks as a deployment does); the
+table names what each engine's log says it used. ``--avx2-host`` runs every engine as
+on an AVX2 host (``tests/support/avx2_host``: vLLM's AVX2 build, no shared-memory
+collectives, so "vllm" is refused there).
 
 Each engine runs in a subprocess (vLLM spawns TP workers). TPOT is the time of
 one engine step while every request of the batch decodes, taken from
@@ -38,6 +46,7 @@ import numpy as np
 BLOCK = 32
 MAX_BATCHED = 4096  # tokens per scheduler step (chunked prefill)
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 8, 1, 128, 2
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def build_model(path: Path, dtype: str, max_len: int) -> str:
@@ -136,20 +145,31 @@ def run_engines(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         max_len = max(args.contexts) + args.tokens + 4 * BLOCK
         model = build_model(Path(tmp) / "model", args.dtype, max_len)
+        # The engines import this checkout's vllm_dcp2d (and, for --avx2-host, tests.support).
+        base_env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                        PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        if args.avx2_host:
+            sys.path.insert(0, ROOT)
+            from tests.support import avx2_host
+
+            base_env = avx2_host.env(base_env)
         for context in args.contexts:
-            for dcp in args.dcps:
-                out = str(Path(tmp) / f"c{context}-dcp{dcp}.json")
-                env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+            for dcp, gather in [(d, g) for d in args.dcps for g in (args.gathers if d > 1 else ["-"])]:
+                out = str(Path(tmp) / f"c{context}-dcp{dcp}-{gather}.json")
+                env = dict(base_env, DCP2D_DCP_GATHER=gather) if dcp > 1 else base_env
                 cmd = [sys.executable, __file__, "--engine", model, str(dcp), str(context), str(args.tokens),
                        str(args.batch), args.dtype, out]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
                 log = proc.stdout + proc.stderr
                 if proc.returncode:
-                    raise RuntimeError(f"context {context}, DCP={dcp} engine failed:\n{log[-4000:]}")
+                    raise RuntimeError(f"context {context}, DCP={dcp} ({gather}) engine failed:\n{log[-4000:]}")
                 cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-                rows.append(dict(json.loads(Path(out).read_text()), dcp=dcp, context=context,
+                used = re.findall(r"DCP group dcp:0 \(ranks [^)]*\) (gathers over shared memory \((?:vLLM's|"
+                                  r"vllm_dcp2d's) \w+|keeps gloo)", log)
+                rows.append(dict(json.loads(Path(out).read_text()), dcp=dcp, context=context, gather=gather,
+                                 used=used[0].split("(")[-1] if used else ("gloo" if dcp > 1 else "-"),
                                  kv_tokens=int(cap[0].replace(",", "")) if cap else -1))
-                print(f"  done: context {context}, DCP={dcp}", file=sys.stderr, flush=True)
+                print(f"  done: context {context}, DCP={dcp} ({gather})", file=sys.stderr, flush=True)
     return rows
 
 
@@ -244,7 +264,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per engine")
     ap.add_argument("--skip-engines", action="store_true")
     ap.add_argument("--dcps", default="1,2", help="DCP sizes to run (the table needs 1)")
+    ap.add_argument("--gathers", default="auto", help="DCP2D_DCP_GATHER values for DCP>1 engines, comma-separated")
+    ap.add_argument("--avx2-host", action="store_true", help="engines see an AVX2 host (vLLM's AVX2 build)")
     args = ap.parse_args()
+    args.gathers = args.gathers.split(",")
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.dcps = [int(d) for d in args.dcps.split(",")]
 
@@ -262,15 +285,16 @@ def main() -> int:
     print(f"\nvLLM decode, {HEADS} query heads / {KV_HEADS} KV head / head dim {HEAD_DIM}, {LAYERS} layers, "
           f"TP=2, {args.dtype}, batch {args.batch}, {args.tokens} tokens, block {BLOCK}, same KV memory")
     rows = run_engines(args)
-    print(f"{'context':>8} {'DCP':>4} {'steps':>6} {'TPOT p50 ms':>12} {'p99 ms':>8} {'max ms':>8} {'x DCP=1':>8} "
-          f"{'KV tokens':>10} {'worker RSS MiB':>15} {'same tokens':>12}")
-    by = {(r["context"], r["dcp"]): r for r in rows}
-    for (context, dcp), r in by.items():
-        base = by.get((context, 1), r)
+    print(f"{'context':>8} {'DCP':>4} {'DCP gather (used)':>34} {'steps':>6} {'TPOT p50 ms':>12} {'p99 ms':>8} "
+          f"{'max ms':>8} {'x DCP=1':>8} {'KV tokens':>10} {'worker RSS MiB':>15} {'same tokens':>12}")
+    by = {(r["context"], r["dcp"], r["gather"]): r for r in rows}
+    for (context, dcp, gather), r in by.items():
+        base = by.get((context, 1, "-"), r)
         p50, p99 = np.percentile(r["tpot_s"], [50, 99])
         ratio = p50 / np.percentile(base["tpot_s"], 50)
         same = "-" if dcp == 1 else str(r["tokens"] == base["tokens"])
-        print(f"{context:>8} {dcp:>4} {len(r['tpot_s']):>6} {p50 * 1e3:12.1f} {p99 * 1e3:8.1f} "
+        label = "-" if dcp == 1 else f"{gather} ({r['used']})"
+        print(f"{context:>8} {dcp:>4} {label:>34} {len(r['tpot_s']):>6} {p50 * 1e3:12.1f} {p99 * 1e3:8.1f} "
               f"{max(r['tpot_s']) * 1e3:8.1f} {ratio:8.2f} {r['kv_tokens']:>10,} {r['rss'] / 2**20:15.0f} {same:>12}")
     return 0
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.support import avx2_host
 from tests.support.vllm_engine import Engine, run_engines
 
 BLOCK = 32
@@ -52,21 +53,31 @@ def _run_engine(model: str, dcp: int, out: str, dtype: str = "auto") -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32") -> Engine:
+def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32", avx2: bool = False) -> Engine:
     out = tmp / f"dcp{dcp}.json"
-    # DCP > 1: the DCP group's all-gathers run over vLLM's shared memory (vllm_compat patch 6).
-    shm = ("DCP group dcp:0 (ranks [0, 1]) gathers over shared memory",) if dcp > 1 else ()
-    return Engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm)
+    # DCP > 1: the DCP group's all-gathers run over shared memory (vllm_compat patch 6): vLLM's
+    # where its build has them, else (its AVX2 build) the plugin's.
+    how = "vllm_dcp2d's ShmAllGather" if avx2 or avx2_host.HOST_LACKS_AVX512 else "vLLM's shm_all_gather"
+    shm = (f"DCP group dcp:0 (ranks [0, 1]) gathers over shared memory ({how}",) if dcp > 1 else ()
+    env = {"PYTHONPATH": avx2_host.env()["PYTHONPATH"]} if avx2 else {}
+    return Engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm, env=env)
 
 
 @pytest.mark.vllm
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path):
+@pytest.mark.parametrize("host", ["this host", "AVX2 host"])
+def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path, host):
+    """"AVX2 host": both engines run vLLM's AVX2 build (``tests/support/avx2_host``), which
+    has no shared-memory collectives, so the DCP group gathers through the plugin's."""
     from vllm_dcp2d.local.tiny_models import build_tiny_model
 
+    if host == "AVX2 host" and avx2_host.HOST_LACKS_AVX512:
+        pytest.skip("this host has no AVX-512: vLLM loads its AVX2 build here already ('this host')")
+    avx2 = host == "AVX2 host"
     model = build_tiny_model("llama-mqa", tmp_path / "model")
-    (ref, ref_cap), (got, cap) = run_engines(_engine(model, 1, tmp_path), _engine(model, 2, tmp_path))
+    (ref, ref_cap), (got, cap) = run_engines(_engine(model, 1, tmp_path, avx2=avx2),
+                                             _engine(model, 2, tmp_path, avx2=avx2))
     for name in ("batch", "second"):
         for i, (a, b) in enumerate(zip(got[name], ref[name])):
             assert a == b, f"{name}[{i}]: DCP=2 {a} != DCP=1 {b}"

@@ -1,71 +1,70 @@
-"""Patch 6 of vllm_compat/attention.py: a DCP group's collectives run over vLLM's
-shared-memory CPU communicator, not gloo, and gather byte-exact results.
+"""Patch 6 of vllm_compat/attention.py: a DCP group's all-gathers run over shared memory,
+not gloo, and gather byte-exact results, whichever vLLM build the host loads.
 
-Two real processes build vLLM's ``CpuCommunicator`` for a group named as vLLM
-names the DCP group ("dcp:0") and for one it leaves alone ("ep:0").
+Two real processes build vLLM's ``CpuCommunicator`` for groups named as vLLM names the
+DCP group ("dcp:<i>", one per ``DCP2D_DCP_GATHER`` value) and for one it leaves alone
+("ep:0"). On this host (vLLM's AVX-512 build, ``vllm._C``, where AVX-512 is present) and
+as an AVX2 host (``tests/support/avx2_host``: vLLM's loader takes ``vllm._C_AVX2``, the
+build without ``torch.ops._C.init_shm_manager``).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
+import glob
+from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
+from tests.support import avx2_host
+from tests.support.prefill_group import run_group
+
+from vllm_dcp2d.local import shm
 
 pytest.importorskip("vllm")
 
-SHAPES = [(4, 8, 129), (4096, 8, 129)]  # a decode's [O|LSE], a prefill chunk's
+LINE = "DCP group dcp:0 (ranks [0, 1]) gathers over shared memory"
 
 
-def _worker(rank: int, port: int, out) -> None:
-    import torch.distributed as dist
-
-    os.environ["VLLM_DIST_IDENT"] = f"test-dcp-shm-{port}"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("host", ["this host", "AVX2 host"])
+def test_dcp_group_gathers_over_shared_memory(host, monkeypatch):
+    if host == "AVX2 host" and avx2_host.HOST_LACKS_AVX512:
+        pytest.skip("this host has no AVX-512: vLLM loads its AVX2 build here already ('this host')")
+    if host == "AVX2 host":
+        monkeypatch.setenv("PYTHONPATH", avx2_host.env()["PYTHONPATH"])
+    ident = f"test-dcp-shm-{host[:4]}-{id(monkeypatch)}"
     try:
-        importlib.import_module("vllm._custom_ops")  # loads torch.ops._C, as every vLLM worker does
-        from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator, _CPUSHMDistributed
-
-        from vllm_dcp2d.vllm_compat.attention import install_dcp_shm
-
-        install_dcp_shm()
-        install_dcp_shm()  # idempotent
-        group = dist.new_group([0, 1], backend="gloo")
-        dcp = CpuCommunicator(group, device_group=group, unique_name="dcp:0")
-        other = CpuCommunicator(group, device_group=group, unique_name="ep:0")
-        result = {"dcp_shm": isinstance(dcp.dist_module, _CPUSHMDistributed),
-                  "other_shm": isinstance(other.dist_module, _CPUSHMDistributed), "exact": []}
-        for dtype in (torch.float32, torch.bfloat16):
-            for shape in SHAPES:
-                mine = (torch.arange(torch.Size(shape).numel()).view(shape) * 0.5 + rank * 1000).to(dtype)
-                got = dcp.all_gather(mine, dim=1)
-                want = torch.cat([(torch.arange(torch.Size(shape).numel()).view(shape) * 0.5 + r * 1000).to(dtype)
-                                  for r in range(2)], dim=1)
-                result["exact"].append(torch.equal(got, want))
-        out.put((rank, result))
-    finally:
-        dist.destroy_process_group()
+        results = run_group("tests.support.shm_gather_ranks:patch_choices", 2,
+                            {"ident": ident, "choices": ["auto", "dcp2d", "gloo"]}, timeout_s=240, gloo_timeout_s=60)
+    finally:  # vLLM never unlinks its communicator's files (local/shm.py)
+        shm.remove_unheld({Path(p) for p in glob.glob(f"/dev/shm/vllm_dist_{ident}-*")})
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"rank {rank}: {r.get('traceback', r)}"
+        if host == "AVX2 host":
+            assert not r["has_op"], "vLLM's loader did not take its AVX2 build"
+        auto = "_CPUSHMDistributed" if r["has_op"] else "_ShmGatherDistributed"
+        assert r["auto"]["module"] == auto, f"rank {rank}: the DCP group still gathers over gloo: {r['auto']}"
+        assert any(line.startswith(f"vllm_dcp2d: {LINE}") for line in r["auto"]["log"]), r["auto"]["log"]
+        assert r["dcp2d"]["module"] == "_ShmGatherDistributed", r["dcp2d"]
+        assert r["gloo"]["module"] == "module", r["gloo"]  # torch.distributed itself
+        assert r["ep:0"] == "module", f"rank {rank}: a group other than DCP was switched too"
+        for choice in ("auto", "dcp2d", "gloo"):
+            assert all(r[choice]["exact"]), f"rank {rank}, {choice}: gathered tensors differ: {r[choice]['exact']}"
 
 
-def test_dcp_group_gathers_over_shared_memory():
-    from vllm_dcp2d.local.servers import free_port
-
-    port = free_port()  # bound seconds later by the spawned ranks: not from the ephemeral range
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
+@pytest.mark.timeout(300)
+def test_ranks_that_disagree_keep_gloo():
+    """``DCP2D_DCP_GATHER`` differs between the ranks: both keep gloo and say why, and
+    neither waits for a set-up the other never starts."""
+    ident = f"test-dcp-shm-disagree-{id(test_ranks_that_disagree_keep_gloo)}"
     try:
-        results = dict(q.get(timeout=180) for _ in procs)
+        results = run_group("tests.support.shm_gather_ranks:patch_choices", 2,
+                            {"ident": ident, "choices": ["dcp2d", "auto"], "rank1": ["gloo", "dcp2d"]},
+                            timeout_s=240, gloo_timeout_s=60)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, r in results.items():
-        assert r["dcp_shm"], f"rank {rank}: the DCP group still gathers over gloo"
-        assert not r["other_shm"], f"rank {rank}: a group other than DCP was switched too"
-        assert all(r["exact"]), f"rank {rank}: gathered tensors differ: {r['exact']}"
+        shm.remove_unheld({Path(p) for p in glob.glob(f"/dev/shm/vllm_dist_{ident}-*")})
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"rank {rank}: {r.get('traceback', r)}"
+        for choice in ("dcp2d", "auto"):
+            assert r[choice]["module"] == "module", (rank, choice, r[choice])
+            assert any("keeps gloo: its ranks disagree" in line for line in r[choice]["log"]), r[choice]["log"]
+            assert all(r[choice]["exact"]), (rank, choice, r[choice]["exact"])

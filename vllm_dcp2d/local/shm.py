@@ -88,8 +88,14 @@ def remove_unheld(paths: set[Path]) -> int:
 
 
 def remove_stale_vllm_shm() -> int:
-    """Unlink every vLLM CPU-communicator file (``vllm_dist_*-cpushm*``) no process holds.
+    """Unlink every vLLM CPU-communicator file (``vllm_dist_*-cpushm*``) and every segment
+    of the plugin's DCP all-gather (``attention/shm_gather.py``, ``vllm_dcp2d_gather-*``)
+    that no process holds.
 
-    Their names carry a fresh uuid per engine, so an unheld one can never be opened
-    again: it is garbage from an engine that stopped earlier (this suite's or not)."""
-    return remove_unheld(set(SHM.glob("vllm_dist_*-cpushm*")))
+    vLLM's names carry a fresh uuid per engine, so an unheld one can never be opened
+    again: it is garbage from an engine that stopped earlier (this suite's or not). The
+    plugin unlinks its segment once the group is set up; one is left only by a rank 0
+    killed during set-up, and its ranks hold it until they exit."""
+    from vllm_dcp2d.attention.shm_gather import PREFIX
+
+    return remove_unheld(set(SHM.glob("vllm_dist_*-cpushm*")) | set(SHM.glob(f"{PREFIX}*")))

@@ -39,7 +39,10 @@ target fits the installed vLLM. Each says what it replaces and why:
    per layer took about a third of a DCP=2 decode step (py-spy of a worker,
    BENCHMARKS.md "DCP decode"). A DCP group is a subset of one instance's TP
    ranks, so it passes the same check vLLM applies to TP (every rank agrees on
-   the shared-memory group name) and gets the same collectives.
+   the shared-memory group name) and gets the same collectives. vLLM's AVX2
+   build (``vllm._C_AVX2``, x86 hosts without AVX-512) has none of them
+   (no ``torch.ops._C.init_shm_manager``); there the group's all-gathers go
+   through the plugin's own segment (``attention/shm_gather.py``) instead.
 """
 
 from __future__ import annotations
@@ -47,15 +50,18 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["install_backends", "install_slot_mapping", "cp_slot_mapping", "cpu_kv_layout", "local_context_lens",
-           "install_mla_dcp_combine", "cp_lse_combine_torch", "install_dcp_shm"]
+           "install_mla_dcp_combine", "cp_lse_combine_torch", "install_dcp_shm", "GATHER_ENV", "GATHER_CHOICES"]
 
 _stock_slot_mapping = None  # vLLM's, once install_slot_mapping ran
+GATHER_ENV = "DCP2D_DCP_GATHER"  # the DCP group's all-gather transport, see _dcp_shared_memory
+GATHER_CHOICES = ("auto", "vllm", "dcp2d", "gloo")
 
 
 def install_backends(version: str) -> None:
@@ -82,9 +88,9 @@ def install_slot_mapping(version: str) -> None:
 
 
 def install_dcp_shm(version: str = "") -> None:
-    """Patch 6 (registry: ``dcp_shm_collectives``): DCP groups of more than one rank use vLLM's shared-memory CPU
-    collectives instead of gloo (idempotent; the check and the shared-memory set-up
-    are collectives over the group, run by every rank as it builds the group)."""
+    """Patch 6 (registry: ``dcp_shm_collectives``): DCP groups of more than one rank gather over
+    shared memory instead of gloo (idempotent; the choice is made by every rank of the
+    group as it builds the group, see :func:`_dcp_shared_memory`)."""
     from vllm.distributed.device_communicators import cpu_communicator as cc
 
     stock = cc.CpuCommunicator.__init__
@@ -94,16 +100,80 @@ def install_dcp_shm(version: str = "") -> None:
     @functools.wraps(stock)
     def __init__(self, *args, **kwargs):
         stock(self, *args, **kwargs)
-        unique_name = self.unique_name
-        if (unique_name.startswith("dcp") and self.world_size > 1 and self.dist_module is torch.distributed
-                and hasattr(torch.ops._C, "init_shm_manager") and self._all_group_ranks_share_shm_group_name()):
-            self.dist_module = cc._CPUSHMDistributed(self)
-            self.supports_tensor_dict = True
-            logger.info("vllm_dcp2d: DCP group %s (ranks %s) gathers over shared memory", unique_name, self.ranks)
+        if self.unique_name.startswith("dcp") and self.world_size > 1 and self.dist_module is torch.distributed:
+            _dcp_shared_memory(self, cc._CPUSHMDistributed)
 
     __init__._vllm_dcp2d = True
     __init__._dcp2d_stock = stock
     cc.CpuCommunicator.__init__ = __init__
+
+
+def _dcp_shared_memory(comm, vllm_shm: type) -> None:
+    """Give the DCP group ``comm`` (a ``CpuCommunicator``) shared-memory all-gathers.
+
+    ``DCP2D_DCP_GATHER`` (the same for every rank of an instance, as its environment is)
+    picks the transport: ``auto`` (the default) vLLM's ``_CPUSHMDistributed`` where its
+    build has ``torch.ops._C.init_shm_manager``, else, on x86-64, the plugin's
+    ``ShmAllGather``; ``vllm`` or ``dcp2d`` one of them (``vllm`` refuses a build without
+    it); ``gloo`` leaves the group as vLLM made it. The ranks first agree over gloo (one
+    ``all_gather_object``: vLLM's shared-memory group name, the choice, whether the build
+    has the op), so every rank decides the same; a group they disagree on keeps gloo.
+    """
+    import platform
+
+    from vllm_dcp2d.attention.shm_gather import GatherUnavailable, open_group
+
+    def exchange(obj) -> list:
+        out = [None] * comm.world_size
+        torch.distributed.all_gather_object(out, obj, group=comm.device_group)
+        return out
+
+    choice, has_op = os.environ.get(GATHER_ENV, "auto"), hasattr(torch.ops._C, "init_shm_manager")
+    views = exchange((vllm_shm.make_group_name(comm), choice, has_op))  # every rank takes part, whatever it chose
+    where = f"DCP group {comm.unique_name} (ranks {comm.ranks})"
+    if choice not in GATHER_CHOICES:
+        raise ValueError(f"{GATHER_ENV}={choice!r}: expected one of {', '.join(GATHER_CHOICES)}")
+    if len(set(views)) != 1:
+        logger.warning("vllm_dcp2d: %s keeps gloo: its ranks disagree on (shared-memory group, %s, "
+                       "init_shm_manager): %s", where, GATHER_ENV, views)
+        return
+    if choice == "gloo":
+        logger.info("vllm_dcp2d: %s keeps gloo (%s=gloo)", where, GATHER_ENV)
+        return
+    if choice == "vllm" and not has_op:
+        raise RuntimeError(f"{GATHER_ENV}=vllm, but this vLLM build has no torch.ops._C.init_shm_manager "
+                           f"(the AVX2 build, vllm._C_AVX2, lacks it); use auto or dcp2d")
+    if has_op and choice != "dcp2d":
+        comm.dist_module, comm.supports_tensor_dict = vllm_shm(comm), True
+        how = "vLLM's shm_all_gather"
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        logger.info("vllm_dcp2d: %s keeps gloo: vllm_dcp2d's ShmAllGather publishes under x86-64 store "
+                    "order, this is %s", where, platform.machine())
+        return
+    else:
+        try:
+            gather = open_group(comm.world_size, comm.rank_in_group, exchange)
+        except GatherUnavailable as e:
+            logger.warning("vllm_dcp2d: %s keeps gloo: %s", where, e)
+            return
+        comm.dist_module = _ShmGatherDistributed(gather)
+        how = ("vllm_dcp2d's ShmAllGather: " + (f"{GATHER_ENV}=dcp2d" if has_op else
+               "this vLLM build has no torch.ops._C.init_shm_manager"))
+    logger.info("vllm_dcp2d: %s gathers over shared memory (%s)", where, how)
+
+
+class _ShmGatherDistributed:
+    """A DCP group's ``dist_module`` (what ``CpuCommunicator`` calls collectives on):
+    ``all_gather_into_tensor`` through ``ShmAllGather``, everything else through
+    ``torch.distributed`` (gloo) as before. No tensor-dict send/recv
+    (``supports_tensor_dict`` stays False, as for any gloo group)."""
+
+    def __init__(self, gather) -> None:
+        self.gather = gather
+        self.all_gather_into_tensor = gather.all_gather_into_tensor
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
 
 
 def cp_slot_mapping(

@@ -195,7 +195,8 @@ PATCHES: list[Patch] = [
           not_needed={"0.34.0": "v1/worker/gpu/block_table.py (_compute_slot_mappings_kernel computes the DCP "
                                 "slot mapping for every platform; vllm.utils.cpu_triton_utils is gone)"}),
     Patch("dcp_shm_collectives",
-          "the DCP group's all-gathers over vLLM's shared-memory CPU collectives instead of gloo (speed only)",
+          "the DCP group's all-gathers over shared memory instead of gloo: vLLM's CPU collectives, or the plugin's "
+          "where vLLM's build has none (its AVX2 build) (speed only)",
           _v1(Target("vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.__init__",
                        ("self", "cpu_group", "device", "device_group", "unique_name", "use_all2all"))),
           f"{_COMPAT}.attention:install_dcp_shm", "nothing (a DCP group on CPU is faster with it)", _never,
