@@ -143,12 +143,32 @@ def test_stats_bad_names():
             parse_path_key(bad)
 
 
-def _prom(dcp_size=2):
+def _prom(dcp_size=2, kv_cache_size_tokens=2176):
     reg = CollectorRegistry()
     types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
-    cfg = NS(kv_transfer_config=None, parallel_config=NS(decode_context_parallel_size=dcp_size))
+    cfg = NS(kv_transfer_config=None, parallel_config=NS(decode_context_parallel_size=dcp_size),
+             cache_config=NS(block_size=32, num_gpu_blocks=34, kv_cache_size_tokens=kv_cache_size_tokens),
+             model_config=NS(max_model_len=2048), scheduler_config=NS(max_num_seqs=4))
     engines = {0: ["m", "0"], 1: ["m", "1"]}
     return reg, DCP2DPromMetrics(cfg, types, ["model_name", "engine"], engines)
+
+
+@pytest.mark.parametrize("dcp_size,tokens,want", [(2, 2176, "2176"), (2, None, str(34 * 32 * 2)),
+                                                  (1, None, str(34 * 32))])
+def test_instance_info_says_what_a_front_routes_by(dcp_size, tokens, want):
+    """``vllm:dcp2d_instance_info`` (what ``vllm-dcp2d proxy`` reads, ``proxy/capacity.py``): 1 per
+    engine, the DCP size, page, length, KV and sequence limits as labels; the KV capacity is
+    vLLM's ``kv_cache_size_tokens`` where set, else blocks x page x DCP size."""
+    from vllm_dcp2d.proxy.capacity import DecodeInfo, parse_metrics
+    from prometheus_client import generate_latest
+
+    reg, _ = _prom(dcp_size, tokens)
+    info = {k: v for k, v in _samples(reg).items() if k[0] == "vllm:dcp2d_instance_info"}
+    labels = {"dcp_size": str(dcp_size), "block_size": "32", "max_model_len": "2048", "kv_cache_tokens": want,
+              "max_num_seqs": "4", "model_name": "m"}
+    assert info == {("vllm:dcp2d_instance_info", tuple(sorted({**labels, "engine": e}.items()))): 1.0
+                    for e in ("0", "1")}
+    assert parse_metrics(generate_latest(reg).decode()) == (DecodeInfo(dcp_size, 32, 2048, int(want), 4), None)
 
 
 def _samples(reg) -> dict[tuple[str, tuple], float]:

@@ -6,6 +6,7 @@ request plus the prefill's ``kv_transfer_params``."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -132,5 +133,5 @@ def test_table_in_docs():
     section = text.split("## The prefill hop", 1)[1].split("\n## ", 1)[0]
     rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([a-z_]+)` \| ([^|]+)\|", section, re.M)}
     for rule in PREFILL_HOP:
-        want = "dropped" if rule.value is DROP else f"`{rule.value}`".replace("`False`", "`false`")
+        want = "dropped" if rule.value is DROP else f"`{json.dumps(rule.value)}`"
         assert rows.get(rule.field, "").startswith(want), (rule.field, rows.get(rule.field))

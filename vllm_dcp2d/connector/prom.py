@@ -23,8 +23,9 @@ from typing import Any
 from vllm_dcp2d.vllm_compat.connector_api import KVConnectorPromMetrics
 
 from vllm_dcp2d.connector.stats import LEVELS, parse_path_key
+from vllm_dcp2d.vllm_compat.instance import serving_info
 
-__all__ = ["METRICS", "Metric", "DCP2DPromMetrics", "WRITE_SECONDS_BUCKETS", "exposed_names", "markdown_table"]
+__all__ = ["METRICS", "INFO_LABELS", "Metric", "DCP2DPromMetrics", "WRITE_SECONDS_BUCKETS", "exposed_names", "markdown_table"]
 
 # Write, fetch and reporting seconds: from 1 ms (a page of a tiny model) to the 10-30 s
 # of a Mooncake stall and its retry (issue 14), which the dashboard must tell apart
@@ -121,7 +122,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("vllm:dcp2d_corrupt_fetches", "counter", False, "decode", "corrupt",
            "Fetches whose KV did not match the checksum its prefill rank sent (`verify_kv`): failed, "
            "their blocks never used or cached."),
+    Metric("vllm:dcp2d_instance_info", "gauge", False, "both", "info",
+           "Always 1; its labels say what a front needs to route here (`vllm-dcp2d proxy` reads them): "
+           "`dcp_size`, `block_size` (tokens per page on one rank), `max_model_len` (the longest prompt + "
+           "output admitted), `kv_cache_tokens` (KV capacity over the DCP group, vLLM's \"KV cache size\"), "
+           "`max_num_seqs`."),
 )
+INFO_LABELS = ("dcp_size", "block_size", "max_model_len", "kv_cache_tokens", "max_num_seqs")
 
 
 def exposed_names(m: Metric) -> tuple[str, ...]:
@@ -137,7 +144,8 @@ def markdown_table() -> str:
     """The table of docs/metrics.md: every metric, its type, labels, side and meaning."""
     rows = ["| metric | type | labels | recorded by | meaning |", "|---|---|---|---|---|"]
     for m in METRICS:
-        labels = ", ".join(("model_name", "engine") + (PATH_LABELS if m.per_path else ()))
+        labels = ", ".join(("model_name", "engine") + (PATH_LABELS if m.per_path else ())
+                           + (INFO_LABELS if m.source == "info" else ()))
         rows.append(f"| `{' / '.join(exposed_names(m))}` | {m.kind} | {labels} | {m.side} | {m.doc} |")
     return "\n".join(rows)
 
@@ -161,6 +169,13 @@ class DCP2DPromMetrics(KVConnectorPromMetrics):
                                                                labelnames=names, buckets=list(WRITE_SECONDS_BUCKETS))
                 else:
                     self._path[m.source] = self._counter_cls(name=m.name, documentation=m.doc, labelnames=names)
+                continue
+            if m.source == "info":  # set once: what the instance is does not change while it runs
+                info = serving_info(vllm_config)
+                gauge = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=list(labelnames) +
+                                        list(INFO_LABELS), multiprocess_mode="mostrecent")
+                for lv in per_engine_labelvalues.values():
+                    gauge.labels(*lv, *(info[k] for k in INFO_LABELS)).set(1)
                 continue
             if m.kind == "histogram":
                 metric = self._histogram_cls(name=m.name, documentation=m.doc, labelnames=labelnames,

@@ -16,6 +16,7 @@ from aiohttp import web
 from . import batch
 from .hops import decode_body, prefill_body
 from .metrics import ProxyMetrics
+from .routing import Plan, Policy, Router, TooLong
 from .streams import BatchStream, ClientGone, ClientSink, StreamEnded, gather_or_cancel
 from .upstreams import HealthChecker, NoHealthyUpstream, Pool, Upstream
 
@@ -40,10 +41,12 @@ class Proxy:
     """Routes requests over ``Pool``s of prefill and decode instances; one
     ``aiohttp.ClientSession`` for all upstream calls. ``health_interval_s <= 0``
     turns health checks off. ``batch_concurrency``: PD pairs in flight at once for
-    the prompts of one batched request (``batch``)."""
+    the prompts of one batched request (``batch``). ``policy``: how ``routing.Router``
+    picks (None: least outstanding calls only, as before decode groups and affinity)."""
 
     def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0, pipelined: bool = False,
-                 health_interval_s: float = 2.0, health_timeout_s: float = 5.0, batch_concurrency: int = 8):
+                 health_interval_s: float = 2.0, health_timeout_s: float = 5.0, batch_concurrency: int = 8,
+                 policy: Policy | None = Policy()):
         if timeout_s <= 0:
             raise ValueError(f"upstream timeout must be > 0 seconds, got {timeout_s}")
         if batch_concurrency < 1:
@@ -52,7 +55,9 @@ class Proxy:
         self.prefill_pool, self.decode_pool = Pool("prefill", prefill), Pool("decode", decode)
         self.prefill, self.decode = self.prefill_pool.urls, self.decode_pool.urls
         self.health = HealthChecker([self.prefill_pool, self.decode_pool], health_interval_s, health_timeout_s)
-        self.metrics = ProxyMetrics([self.prefill_pool, self.decode_pool])
+        self.router = Router(self.prefill_pool, self.decode_pool, policy or Policy(affinity_entries=0))
+        self.routing = policy is not None
+        self.metrics = ProxyMetrics([self.prefill_pool, self.decode_pool], self.router)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
         self.pipelined = pipelined
@@ -81,7 +86,8 @@ class Proxy:
     async def health_handler(self, request: web.Request) -> web.Response:
         """The proxy itself is up (200 always); the body lists each upstream's state."""
         return web.json_response({"status": "ok", "upstreams": [
-            {"kind": u.kind, "url": u.url, "healthy": u.healthy, "outstanding": u.outstanding, "reason": u.reason}
+            {"kind": u.kind, "url": u.url, "healthy": u.healthy, "outstanding": u.outstanding, "reason": u.reason,
+             **({"info": vars(u.info), "kv_usage": u.kv_usage} if u.info else {})}
             for p in (self.prefill_pool, self.decode_pool) for u in p.upstreams]})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -130,15 +136,20 @@ class Proxy:
             parts = batch.split(route, body)
             if parts is not None:
                 return await self._serve_batch(request, route, body, parts, started)
-            prefill = None
+            plan, prefill = self._plan(route, body), None
             if self.pipelined:
-                prefill = await self._pick(self.prefill_pool)
+                prefill = await self._pick(self.prefill_pool, plan=plan)
                 bootstrap = self._bootstraps.get(prefill.url)
                 if bootstrap is not None:
-                    return await self._pipelined(request, route, body, prefill, bootstrap, started)
+                    return await self._pipelined(request, route, body, plan, prefill, bootstrap, started)
             # sequential (or learning the picked prefill's bootstrap)
-            params = await self._prefill_params(route, body, first=prefill)
-            return await self._decode(request, route, decode_body(body, params), stream, started)
+            params = await self._prefill_params(route, body, plan, first=prefill)
+            return await self._decode(request, route, decode_body(body, params), stream, started, plan)
+        except TooLong as e:
+            log.warning("%s: %s", route, e)
+            self.metrics.error("proxy", "too_long")
+            return web.json_response({"error": {"message": str(e), "type": "BadRequestError", "param": None,
+                                                "code": 400}}, status=400)
         except NoHealthyUpstream as e:
             log.warning("%s: %s", route, e)
             self.metrics.error(e.kind, "no_healthy")
@@ -169,18 +180,21 @@ class Proxy:
         if not body.get("stream"):
             async def answer(part: dict) -> dict:
                 async with limit:
-                    params = await self._prefill_params(route, part)
+                    plan = self._plan(route, part)
+                    params = await self._prefill_params(route, part, plan)
                     return await self._retrying(self.decode_pool,
-                                                lambda up: self._decode_json(up, route, decode_body(part, params)))
+                                                lambda up: self._decode_json(up, route, decode_body(part, params)),
+                                                plan=plan)
             answers = await gather_or_cancel([answer(p) for p in parts])
             return web.json_response(batch.merge_answers(answers, n))
         merged = BatchStream(request, started, len(parts), n)
 
         async def stream(i: int, part: dict) -> None:
             async with limit:
-                params = await self._prefill_params(route, part)
+                plan = self._plan(route, part)
+                params = await self._prefill_params(route, part, plan)
                 sink, hop = merged.sink(i), decode_body(part, params)
-                await self._retrying(self.decode_pool, lambda up: self._stream(up, route, hop, sink))
+                await self._retrying(self.decode_pool, lambda up: self._stream(up, route, hop, sink), plan=plan)
         try:
             await gather_or_cancel([stream(i, p) for i, p in enumerate(parts)])
         except StreamEnded as e:
@@ -189,32 +203,54 @@ class Proxy:
         await merged.finish()
         return started[0]
 
-    async def _prefill_params(self, route: str, body: dict, first: Upstream | None = None) -> dict:
+    async def _prefill_params(self, route: str, body: dict, plan: Plan | None,
+                              first: Upstream | None = None) -> dict:
         """The prefill hop of ``body`` under a new transfer key, retried as ``_retrying``
         allows; the ``kv_transfer_params`` for its decode hop."""
         return await self._retrying(self.prefill_pool,
-                                    lambda up: self._prefill(up, route, body, uuid.uuid4().hex), first=first)
+                                    lambda up: self._prefill(up, route, body, uuid.uuid4().hex, plan), first=first,
+                                    plan=plan)
 
-    async def _pick(self, pool: Pool, tried: list | None = None) -> Upstream:
-        """``pool.pick``; if none is in rotation at all, poll the pool once more first: an
-        instance may have come up since the last poll (the proxy started before it)."""
+    def _plan(self, route: str, body: dict) -> Plan | None:
+        """A PD pair's routing plan (None: routing off). A client's token ids are the prompt
+        unless vLLM may truncate them (``truncate_prompt_tokens``): then the prefill counts."""
+        if not self.routing:
+            return None
+        prompt = body.get("prompt")
+        exact = route == "/v1/completions" and prompt and batch.is_token_ids(prompt) and \
+            body.get("truncate_prompt_tokens") is None
+        return self.router.plan(body, prompt if exact else None)
+
+    def _choose(self, pool: Pool, tried, plan: Plan | None) -> Upstream:
+        if plan is None:
+            return pool.pick(tried)
+        if pool is self.prefill_pool:
+            return self.router.pick_prefill(plan, tried)
+        decision = self.router.pick_decode(plan, tried)
+        self.metrics.decided(decision)
+        return decision.upstream
+
+    async def _pick(self, pool: Pool, tried: list | None = None, plan: Plan | None = None) -> Upstream:
+        """The routed pick (``routing.Router``, or ``pool.pick`` with routing off); if none is in
+        rotation at all, poll the pool once more first: an instance may have come up since
+        the last poll (the proxy started before it)."""
         try:
-            return pool.pick(tried or ())
+            return self._choose(pool, tried or (), plan)
         except NoHealthyUpstream:
             if tried:
                 raise
             await self.health.recheck(self.session, pool)
-            return pool.pick()
+            return self._choose(pool, (), plan)
 
-    async def _retrying(self, pool: Pool, call, first: Upstream | None = None):
-        """``call(upstream)`` on the least-loaded healthy instance of ``pool`` (or on
-        ``first``, picked already); while it fails retryably, again on another one not
-        tried yet. With none left, the last error (or 503 if none was in rotation at all)."""
+    async def _retrying(self, pool: Pool, call, first: Upstream | None = None, plan: Plan | None = None):
+        """``call(upstream)`` on the instance of ``pool`` routing picks (or on ``first``,
+        picked already); while it fails retryably, again on another one not tried yet. With
+        none left, the last error (or 503 if none was in rotation at all)."""
         tried: list[Upstream] = []
         last: UpstreamError | None = None
         while True:
             try:
-                up = first if first is not None and not tried else await self._pick(pool, tried)
+                up = first if first is not None and not tried else await self._pick(pool, tried, plan)
             except NoHealthyUpstream:
                 if last is None:
                     raise
@@ -232,9 +268,14 @@ class Proxy:
                 if not e.retryable:
                     raise
                 last = e
+            finally:
+                if plan is not None and pool is self.decode_pool:
+                    self.router.release(plan)  # the call's KV reservation
 
-    async def _prefill(self, up: Upstream, route: str, body: dict, transfer_key: str) -> dict:
-        """Run the prefill on ``up``; returns the ``kv_transfer_params`` for decode."""
+    async def _prefill(self, up: Upstream, route: str, body: dict, transfer_key: str,
+                       plan: Plan | None = None) -> dict:
+        """Run the prefill on ``up``; returns the ``kv_transfer_params`` for decode, and tells
+        ``plan`` the prompt's length and token ids from the answer."""
         url = up.url + route
         t0 = time.monotonic()
         try:
@@ -250,17 +291,19 @@ class Proxy:
         if all(isinstance(params.get(k), str) for k in ("remote_bootstrap_addr", "remote_engine_id")):
             self._bootstraps[up.url] = {k: params[k] for k in ("remote_bootstrap_addr", "remote_engine_id")}
         self.metrics.prefill.observe(time.monotonic() - t0)
+        if plan is not None:
+            self.router.learn_answer(plan, data)
         return params
 
-    async def _pipelined(self, request: web.Request, route: str, body: dict, prefill: Upstream, bootstrap: dict,
-                         started: list) -> web.StreamResponse:
+    async def _pipelined(self, request: web.Request, route: str, body: dict, plan: Plan | None, prefill: Upstream,
+                         bootstrap: dict, started: list) -> web.StreamResponse:
         """Prefill and decode at once; the decode fetches by the transfer key, so a
         decode retried on another instance fetches by it too."""
         transfer_key = uuid.uuid4().hex
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": transfer_key,
                   "transfer_id": transfer_key, **bootstrap}
         decode = asyncio.ensure_future(self._decode(request, route, decode_body(body, params),
-                                                    bool(body.get("stream")), started))
+                                                    bool(body.get("stream")), started, plan))
         try:
             self.metrics.calls.labels("prefill", prefill.url).inc()
             try:
@@ -303,12 +346,12 @@ class Proxy:
                                     retryable=kind == "decode" or never_sent)
 
     async def _decode(self, request: web.Request, route: str, body: dict, stream: bool,
-                      started: list) -> web.StreamResponse:
+                      started: list, plan: Plan | None = None) -> web.StreamResponse:
         if not stream:
-            data = await self._retrying(self.decode_pool, lambda up: self._decode_json(up, route, body))
+            data = await self._retrying(self.decode_pool, lambda up: self._decode_json(up, route, body), plan=plan)
             return web.json_response(data)
         sink = ClientSink(request, started)
-        await self._retrying(self.decode_pool, lambda up: self._stream(up, route, body, sink))
+        await self._retrying(self.decode_pool, lambda up: self._stream(up, route, body, sink), plan=plan)
         return started[0]
 
     async def _decode_json(self, up: Upstream, route: str, body: dict) -> dict:

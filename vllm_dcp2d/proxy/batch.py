@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 
-def _is_token_ids(value) -> bool:
+def is_token_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
@@ -26,8 +26,8 @@ def split(route: str, body: dict) -> list[dict] | None:
     if route != "/v1/completions":
         return None  # chat requests have one conversation each
     prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
-    if embeds is None and isinstance(prompt, list) and not _is_token_ids(prompt):
-        if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
+    if embeds is None and isinstance(prompt, list) and not is_token_ids(prompt):
+        if all(isinstance(p, str) for p in prompt) or all(is_token_ids(p) for p in prompt):
             key, items = "prompt", prompt
         else:
             return None

@@ -8,6 +8,7 @@ import logging
 from aiohttp import web
 
 from .app import Proxy
+from .routing import Policy
 
 log = logging.getLogger("vllm_dcp2d.proxy")
 
@@ -30,6 +31,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds a /health poll may take before the upstream counts as unhealthy")
     p.add_argument("--batch-concurrency", type=int, default=8, metavar="N",
                    help="PD pairs in flight at once for the prompts of one batched /v1/completions request")
+    r = p.add_argument_group("routing", "which decode serves a request (vllm_dcp2d/proxy/routing.py); each decode "
+                                        "says its DCP size, lengths and KV on its /metrics")
+    r.add_argument("--routing", choices=("groups", "least-loaded"), default="groups",
+                   help="groups: the smallest DCP size that fits the request with room, sessions back to their "
+                        "decode; least-loaded: fewest calls in flight only (default: %(default)s)")
+    r.add_argument("--kv-fraction", type=float, default=Policy.kv_fraction, metavar="F",
+                   help="a request fits a decode with room if its KV tokens are at most F x the decode's free KV "
+                        "(default: %(default)s)")
+    r.add_argument("--affinity-entries", type=int, default=Policy.affinity_entries, metavar="N",
+                   help="prefix and session keys remembered (LRU, ~125 B each); 0 turns affinity off "
+                        "(default: %(default)s)")
+    r.add_argument("--affinity-match", type=float, default=Policy.affinity_match, metavar="F",
+                   help="share of a prompt a remembered prefix must cover to send it back (default: %(default)s)")
+    r.add_argument("--affinity-slack", type=int, default=Policy.slack, metavar="N",
+                   help="calls in flight a session's decode may have above the least loaded one before the "
+                        "session moves (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -37,13 +54,15 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        policy = None if args.routing == "least-loaded" else Policy(
+            args.kv_fraction, args.affinity_entries, args.affinity_match, args.affinity_slack)
         proxy = Proxy(args.prefill, args.decode, args.timeout, args.pipelined, args.health_interval,
-                      args.health_timeout, args.batch_concurrency)
+                      args.health_timeout, args.batch_concurrency, policy)
     except ValueError as e:
         raise SystemExit(f"vllm-dcp2d proxy: {e}")
-    log.info("proxy on http://%s:%d: prefill %s, decode %s, health checks %s", args.host, args.port,
+    log.info("proxy on http://%s:%d: prefill %s, decode %s, health checks %s, routing %s", args.host, args.port,
              proxy.prefill, proxy.decode,
-             f"every {args.health_interval} s" if args.health_interval > 0 else "off")
+             f"every {args.health_interval} s" if args.health_interval > 0 else "off", policy or "least-loaded")
     # handler_cancellation: a client that goes away cancels its handler, which closes the
     # upstream calls (vLLM aborts them) instead of waiting for answers nobody reads
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None, handler_cancellation=True)

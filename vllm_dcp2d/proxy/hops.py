@@ -52,6 +52,8 @@ PREFILL_HOP: tuple[Rule, ...] = (
     Rule("echo", DROP, False, "answer-only; with logprobs it turns on prompt logprobs (a pass over the prompt's "
                               "logits and no prefix-cache reads); the decode answers the echo"),
     Rule("prompt_logprobs", DROP, False, "answer-only, and costs the prefill as echo does; the decode answers them"),
+    Rule("return_token_ids", True, False, "the proxy routes by the prompt's token count and ids (proxy/routing.py: "
+                                          "decode groups, prefix affinity); the answer is thrown away"),
     *(Rule(f, DROP, False, "the KV does not depend on a grammar; compiling one delays the prefill")
       for f in _GRAMMAR),
 )

@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from .capacity import free_tokens
+
 PREFIX = "vllm_dcp2d_proxy_"
 # 1 ms .. 10 min: a tiny model's decode step up to a stalled transfer's retries
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
@@ -26,7 +28,8 @@ METRICS = (
      "Failures, by stage (prefill, decode, client, proxy) and kind: unreachable (connection refused, "
      "reset or closed), timeout, http_4xx, http_5xx, bad_answer (a prefill answer without usable "
      "kv_transfer_params), no_healthy (no instance of the kind in rotation), mid_stream (the decode "
-     "failed after bytes went to the client), disconnected (the client left mid-stream), bad_request."),
+     "failed after bytes went to the client), disconnected (the client left mid-stream), bad_request, "
+     "too_long (no decode admits the request: the client got 400 naming the longest length served)."),
     ("retries_total", "counter", ("stage",),
      "Calls sent again to another instance of the stage's kind after the first failed before any "
      "byte reached the client."),
@@ -51,14 +54,31 @@ METRICS = (
      "Calls in flight to each upstream instance now (the load balancer's measure)."),
     ("upstream_healthy", "gauge", ("kind", "upstream"),
      "1 while the instance is in rotation, 0 while its health checks fail or it was unreachable."),
+    ("routed_total", "counter", ("dcp_size", "reason"),
+     "Decode calls by the DCP size of the decode picked (\"unknown\": it has not said) and why: fits "
+     "(the smallest DCP size that fits the request with room), fallback (a larger one: the smaller had "
+     "no room), full (none had room: the fitting decode with the most free KV), affinity (the decode "
+     "that served the prompt's prefix), unknown (length or decode not known: least loaded). Retries "
+     "count again."),
+    ("affinity_total", "counter", ("outcome",),
+     "Decode picks of requests with affinity keys: hit (back to the decode that served the prefix), "
+     "move (that decode was out of rotation, did not fit or was overloaded: the history moves once), "
+     "miss (no remembered prefix)."),
+    ("affinity_entries", "gauge", (),
+     "Prefix and session keys remembered now (bounded by --affinity-entries, least recently used "
+     "dropped)."),
+    ("decode_free_tokens", "gauge", ("upstream", "dcp_size"),
+     "KV tokens the router counts free on each decode that said what it is: capacity less the larger "
+     "of its last reported usage and what the proxy's calls in flight there may hold."),
 )
 
 
 class _Upstreams:
-    """Outstanding calls and health of every upstream, read at scrape time."""
+    """Outstanding calls and health of every upstream, the router's view of each decode's
+    free KV and its affinity memory, read at scrape time."""
 
-    def __init__(self, pools):
-        self.pools = pools
+    def __init__(self, pools, router):
+        self.pools, self.router = pools, router
 
     def collect(self):
         out = GaugeMetricFamily(PREFIX + "outstanding_requests", _help("outstanding_requests"),
@@ -71,6 +91,15 @@ class _Upstreams:
                 health.add_metric([u.kind, u.url], 1.0 if u.healthy else 0.0)
         yield out
         yield health
+        free = GaugeMetricFamily(PREFIX + "decode_free_tokens", _help("decode_free_tokens"),
+                                 labels=["upstream", "dcp_size"])
+        for u in self.router.decode_pool.upstreams:
+            if u.info is not None:
+                free.add_metric([u.url, str(u.info.dcp_size)], free_tokens(u.info, u.kv_usage, u.in_flight_tokens))
+        yield free
+        aff = self.router.affinity
+        yield GaugeMetricFamily(PREFIX + "affinity_entries", _help("affinity_entries"),
+                                value=len(aff) if aff is not None else 0)
 
 
 def _help(name: str) -> str:
@@ -78,7 +107,7 @@ def _help(name: str) -> str:
 
 
 class ProxyMetrics:
-    def __init__(self, pools):
+    def __init__(self, pools, router):
         self.registry = CollectorRegistry()
         r = self.registry
         # prometheus_client appends _total to counters itself
@@ -94,10 +123,18 @@ class ProxyMetrics:
                                 registry=r)
         self.request = Histogram(PREFIX + "request_seconds", _help("request_seconds"), ["route"], buckets=BUCKETS,
                                  registry=r)
-        r.register(_Upstreams(pools))
+        self.routed = Counter(PREFIX + "routed", _help("routed_total"), ["dcp_size", "reason"], registry=r)
+        self.affinity = Counter(PREFIX + "affinity", _help("affinity_total"), ["outcome"], registry=r)
+        r.register(_Upstreams(pools, router))
 
     def error(self, stage: str, kind: str) -> None:
         self.errors.labels(stage, kind).inc()
+
+    def decided(self, d) -> None:
+        """Count a ``routing.Decision``."""
+        self.routed.labels(str(d.upstream.info.dcp_size) if d.upstream.info else "unknown", d.reason).inc()
+        if d.affinity is not None:
+            self.affinity.labels(d.affinity).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,11 @@
 """Upstream instances of one kind (prefill or decode): least-outstanding-requests
 balancing and health state. No I/O here except ``HealthChecker``'s polls.
 
+Each poll of a decode that answers ``/health`` also reads its ``/metrics`` (at most
+``capacity.MAX_METRICS_BYTES``, within the same timeout) for what it is and how full
+its KV is (``capacity.parse_metrics``); a decode that does not say keeps what it said
+last. With health checks off, the decodes are read once when the proxy starts.
+
 An instance is *in rotation* while it is healthy. It leaves rotation when a
 ``/health`` poll fails (non-200, connection error, or no answer within the
 timeout) or when a request could not reach it (``mark_down``, only while health
@@ -19,6 +24,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from .capacity import MAX_METRICS_BYTES, DecodeInfo, parse_metrics
+
 log = logging.getLogger("vllm_dcp2d.proxy")
 
 KINDS = ("prefill", "decode")
@@ -34,13 +41,18 @@ class NoHealthyUpstream(Exception):
 
 @dataclass(eq=False)
 class Upstream:
-    """One ``vllm serve`` instance; ``outstanding`` counts the proxy's calls to it now."""
+    """One ``vllm serve`` instance; ``outstanding`` counts the proxy's calls to it now. A decode's
+    ``info`` and ``kv_usage`` are what it said at the last poll (None: not yet);
+    ``in_flight_tokens``, the KV tokens the proxy's calls to it now may hold (``routing``)."""
 
     kind: str
     url: str
     healthy: bool = True
     outstanding: int = 0
     reason: str = ""  # why it is out of rotation ("" while healthy)
+    info: DecodeInfo | None = None
+    kv_usage: float | None = None
+    in_flight_tokens: int = 0
 
     def __repr__(self) -> str:
         return f"{self.kind} {self.url}"
@@ -72,10 +84,11 @@ class Pool:
     def urls(self) -> list[str]:
         return [u.url for u in self.upstreams]
 
-    def pick(self, exclude: tuple | list = ()) -> Upstream:
-        """The instance for the next call; raises ``NoHealthyUpstream`` if none is in
-        rotation outside ``exclude`` (instances a request tried already)."""
-        ok = [u for u in self.upstreams if u.healthy and u not in exclude]
+    def pick(self, exclude: tuple | list = (), among: list | None = None) -> Upstream:
+        """The instance for the next call, of ``among`` (default: all); raises
+        ``NoHealthyUpstream`` if none is in rotation outside ``exclude`` (instances a request
+        tried already)."""
+        ok = [u for u in (self.upstreams if among is None else among) if u.healthy and u not in exclude]
         if not ok:
             down = ", ".join(f"{u.url} ({u.reason or 'tried already'})" for u in self.upstreams)
             raise NoHealthyUpstream(self.kind, down)
@@ -138,7 +151,31 @@ class HealthChecker:
         except aiohttp.ClientError as e:
             ok, reason = False, f"/health unreachable: {e!r}"
         pool.set_health(u, ok, reason)
+        if ok and pool.kind == "decode":
+            await self.learn(session, u)
         return ok
+
+    async def learn(self, session: aiohttp.ClientSession, u: Upstream) -> None:
+        """Read decode ``u``'s ``/metrics``: its info and KV usage (each kept if absent)."""
+        try:
+            async with session.get(u.url + "/metrics", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > MAX_METRICS_BYTES:
+                        log.warning("%r: /metrics over %d bytes, not read", u, MAX_METRICS_BYTES)
+                        return
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            log.debug("%r: /metrics unread: %r", u, e)
+            return
+        info, usage = parse_metrics(raw.decode(errors="replace"))
+        if info is not None and info != u.info:
+            log.info("%r: DCP=%d, %d-token pages, max_model_len %d, KV %d tokens, %d sequences", u, info.dcp_size,
+                     info.block_size, info.max_model_len, info.kv_tokens, info.max_num_seqs)
+        u.info = info or u.info
+        u.kv_usage = usage if usage is not None else u.kv_usage
 
     async def poll_once(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, p, u) for p in self.pools for u in p.upstreams))
@@ -156,10 +193,14 @@ class HealthChecker:
         await asyncio.shield(fut)
 
     async def start(self, session: aiohttp.ClientSession) -> None:
-        """Poll once (so the proxy serves knowing who is up), then every ``interval_s``."""
+        """Poll once (so the proxy serves knowing who is up), then every ``interval_s``.
+        Off: read the decodes' ``/metrics`` once, health unchanged."""
         if self.enabled:
             await self.poll_once(session)
             self._task = asyncio.get_running_loop().create_task(self._run(session))
+        else:
+            await asyncio.gather(*(self.learn(session, u) for p in self.pools if p.kind == "decode"
+                                   for u in p.upstreams))
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
         while True:

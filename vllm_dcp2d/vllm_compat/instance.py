@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm_dcp2d.config import CONNECTOR_NAME, parse_extra_config
 
-__all__ = ["is_dcp2d", "num_kv_heads", "kv_replicated", "layer_split_may_apply", "cp_size"]
+__all__ = ["is_dcp2d", "num_kv_heads", "kv_replicated", "layer_split_may_apply", "cp_size", "serving_info"]
 
 
 def is_dcp2d(vllm_config) -> bool:
@@ -64,3 +64,24 @@ def spec_patches_act(vllm_config) -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu() or is_dcp2d(vllm_config)
+
+
+def serving_info(vllm_config) -> dict[str, str]:
+    """What a front needs to know to route a request here, as Prometheus label values
+    (``connector/prom.py``, ``vllm:dcp2d_instance_info``; the proxy reads it, ``proxy/capacity.py``):
+    ``dcp_size``; ``block_size`` (tokens per page on one rank); ``max_model_len`` (the longest
+    prompt + output vLLM admits here); ``kv_cache_tokens`` (the KV capacity in tokens over the
+    whole DCP group, vLLM's "KV cache size" line); ``max_num_seqs`` (requests running at once).
+
+    Read in the API server once the engine answered its handshake: vLLM 0.32-0.34 copy
+    ``num_gpu_blocks`` and ``kv_cache_size_tokens`` into its ``cache_config`` there
+    (``core_client.py``), before the stat loggers (and so this) are built. Where
+    ``kv_cache_size_tokens`` is unset, blocks x block size x DCP size (one KV cache group)."""
+    cc, pc = vllm_config.cache_config, vllm_config.parallel_config
+    dcp = int(pc.decode_context_parallel_size)
+    tokens = getattr(cc, "kv_cache_size_tokens", None)
+    if tokens is None:
+        tokens = int(cc.num_gpu_blocks or 0) * int(cc.block_size) * dcp
+    return {"dcp_size": str(dcp), "block_size": str(int(cc.block_size)),
+            "max_model_len": str(int(vllm_config.model_config.max_model_len)), "kv_cache_tokens": str(int(tokens)),
+            "max_num_seqs": str(int(vllm_config.scheduler_config.max_num_seqs))}

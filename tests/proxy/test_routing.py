@@ -1,0 +1,373 @@
+"""Routing (``proxy/routing.py``): decode groups by DCP size and session affinity, against
+fake vLLM instances over real HTTP (``tests/support/fake_upstreams.FakeVllm``: they tokenize,
+refuse over-long prompts with vLLM's 400, serve ``vllm:dcp2d_instance_info`` and count the
+pages each decode call had to fetch), and the policy alone over drawn decode states."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.support.fake_upstreams import FakeVllm
+from vllm_dcp2d.proxy import Proxy
+from vllm_dcp2d.proxy.capacity import DecodeInfo, Need
+from vllm_dcp2d.proxy.metrics import PREFIX
+from vllm_dcp2d.proxy.routing import Plan, Policy, Router, TooLong
+from vllm_dcp2d.proxy.upstreams import NoHealthyUpstream, Pool
+
+PAGE = 32
+
+
+class Cluster:
+    """Fake prefills and decodes (``FakeVllm`` keyword sets) behind a real ``Proxy``."""
+
+    def __init__(self, decodes: list[dict], n_prefill: int = 1, **proxy_kw):
+        self.prefill = [FakeVllm("prefill", f"p{i}", max_model_len=1 << 20) for i in range(n_prefill)]
+        self.decode = [FakeVllm("decode", f"d{i}", **kw) for i, kw in enumerate(decodes)]
+        self.proxy_kw = {"timeout_s": 10, "health_interval_s": 0.05, "health_timeout_s": 1, **proxy_kw}
+
+    async def __aenter__(self):
+        self.servers = [TestServer(f.app) for f in self.prefill + self.decode]
+        for s in self.servers:
+            await s.start_server()
+        urls = [str(s.make_url("")).rstrip("/") for s in self.servers]
+        self.url = dict(zip([f.name for f in self.prefill + self.decode], urls))
+        self.proxy = Proxy(urls[:len(self.prefill)], urls[len(self.prefill):], **self.proxy_kw)
+        self.px = TestServer(self.proxy.app())
+        await self.px.start_server()
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+        await self.px.close()
+        for s in self.servers:
+            await s.close()
+
+    async def post(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
+        async with self.session.post(self.px.make_url(path), json={"model": "m", **body}) as resp:
+            return resp.status, json.loads(await resp.read())
+
+    async def served_by(self, body: dict, path: str = "/v1/completions") -> str:
+        status, out = await self.post(body, path)
+        assert status == 200, out
+        return out["choices"][0]["text"]
+
+    async def metrics(self) -> str:
+        async with self.session.get(self.px.make_url("/metrics")) as resp:
+            return (await resp.read()).decode()
+
+
+def sample(text: str, name: str, **labels) -> float:
+    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", text, re.M):
+        if m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
+            return float(m.group(3))
+    return 0.0
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 7 + i * 13) % 500 + 6 for i in range(n)]
+
+
+# the e2e cluster's decodes (tests/support/pd_cluster.py): the same KV per rank, 34 pages
+DCP1 = {"dcp": 1, "max_model_len": 1024, "kv_tokens": 1088}
+DCP2 = {"dcp": 2, "max_model_len": 2048, "kv_tokens": 2176}
+
+
+# ---- decode groups ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("form", ["ids", "text", "chat"])
+def test_a_request_only_dcp2_holds_goes_there_and_short_ones_to_dcp1(form):
+    """The issue's cluster: a DCP=1 decode (1,024 tokens) and a DCP=2 one with the same KV per
+    rank (2,048). Least-in-flight balancing sent 2 of 3 requests of 1,600 tokens to DCP=1, which
+    refused them (400); routed, every one is answered by DCP=2 and every short one by DCP=1
+    (the cheaper step), whatever the prompt's form (the length comes from the prefill's answer
+    for text and chat)."""
+    def req(n: int, seed: int) -> tuple[dict, str]:
+        if form == "ids":
+            return {"prompt": ids(n, seed), "max_tokens": 12}, "/v1/completions"
+        text = "".join(chr(97 + t % 26) for t in ids(n, seed))
+        if form == "text":
+            return {"prompt": text, "max_tokens": 12}, "/v1/completions"
+        return {"messages": [{"role": "user", "content": text}], "max_completion_tokens": 12}, "/v1/chat/completions"
+
+    async def go():
+        async with Cluster([DCP1, DCP2]) as c:
+            long = [await c.served_by(*req(1600, s)) for s in range(3)]
+            short = [await c.served_by(*req(200, 10 + s)) for s in range(3)]
+            return long, short, await c.metrics()
+    long, short, m = run(go())
+    assert long == ["d1"] * 3 and short == ["d0"] * 3
+    assert sample(m, PREFIX + "routed_total", dcp_size="2", reason="fits") == 3
+    assert sample(m, PREFIX + "routed_total", dcp_size="1", reason="fits") == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("form", ["ids", "text"])
+def test_a_request_no_decode_admits_gets_400_naming_the_longest(form):
+    """3,000 tokens: no decode admits it. The client gets 400 naming 2,048 (the longest context
+    served) and no decode sees it; a token-id prompt is refused before the prefill computes it."""
+    async def go():
+        async with Cluster([DCP1, DCP2]) as c:
+            prompt = ids(3000, 1) if form == "ids" else "y" * 3000
+            status, out = await c.post({"prompt": prompt, "max_tokens": 4})
+            return c, status, out, await c.metrics()
+    c, status, out, m = run(go())
+    assert status == 400 and "longest context served is 2048 tokens (DCP=2" in out["error"]["message"], out
+    assert [len(d.calls) for d in c.decode] == [0, 0]
+    assert len(c.prefill[0].calls) == (0 if form == "ids" else 1)
+    assert sample(m, PREFIX + "errors_total", stage="proxy", kind="too_long") == 1
+
+
+@pytest.mark.timeout(60)
+def test_whole_answer_first_then_the_longest_context_that_admits_it():
+    """A 900-token prompt with max_tokens 500 fits (whole) only DCP=2; with max_tokens 1,500
+    (above both lengths' room) vLLM would clamp it: it goes to the longest context, DCP=2, as
+    a colocated instance of that length would answer."""
+    async def go():
+        async with Cluster([DCP1, DCP2]) as c:
+            a = await c.post({"prompt": ids(900, 1), "max_tokens": 500})
+            b = await c.post({"prompt": ids(900, 2), "max_tokens": 1500})
+            return a, b
+    (sa, a), (sb, b) = run(go())
+    assert (sa, a["choices"][0]["text"], a["choices"][0]["n_out"]) == (200, "d1", 500)
+    assert (sb, b["choices"][0]["text"], b["choices"][0]["n_out"]) == (200, "d1", 2048 - 900)
+
+
+@pytest.mark.timeout(60)
+def test_short_requests_fall_back_to_dcp2_when_dcp1_has_no_room():
+    """DCP=1 reports its KV 95 % used: a short request goes to DCP=2 (fallback); with both
+    full, to the decode with the most free KV (full). With DCP=1's two sequence slots held by
+    calls in flight, the third goes to DCP=2."""
+    async def go():
+        async with Cluster([{**DCP1, "max_num_seqs": 2}, DCP2]) as c:
+            d1, d2 = c.proxy.decode_pool.upstreams
+            c.decode[0].usage = 0.95
+            await until(lambda: d1.kv_usage == 0.95)
+            fallback = await c.served_by({"prompt": ids(200, 1), "max_tokens": 8})
+            c.decode[1].usage = 0.99
+            await until(lambda: d2.kv_usage == 0.99)
+            full = await c.served_by({"prompt": ids(60, 2), "max_tokens": 8})  # 54 free on d0, 22 on d1
+            c.decode[0].usage = c.decode[1].usage = 0.0
+            await until(lambda: d1.kv_usage == d2.kv_usage == 0.0)
+            c.decode[0].hold = asyncio.Event()
+            held = [asyncio.ensure_future(c.served_by({"prompt": ids(100, 3 + i), "max_tokens": 8})) for i in (0, 1)]
+            await until(lambda: len(c.decode[0].calls) == 3)
+            third = await c.served_by({"prompt": ids(100, 9), "max_tokens": 8})
+            c.decode[0].hold.set()
+            return fallback, full, await asyncio.gather(*held), third, await c.metrics(), c
+    fallback, full, held, third, m, c = run(go())
+    assert (fallback, full, held, third) == ("d1", "d0", ["d0", "d0"], "d1")
+    assert sample(m, PREFIX + "routed_total", dcp_size="2", reason="fallback") == 2
+    assert sample(m, PREFIX + "routed_total", dcp_size="1", reason="full") == 1
+    assert [u.in_flight_tokens for u in c.proxy.decode_pool.upstreams] == [0, 0]  # every reservation released
+
+
+@pytest.mark.timeout(60)
+def test_least_loaded_routing_is_the_old_balancer():
+    """``--routing least-loaded`` (policy None): calls alternate whatever they hold, and a long
+    request meets the DCP=1 decode's 400 (the issue's symptom, kept as the baseline)."""
+    async def go():
+        async with Cluster([DCP1, DCP2], policy=None) as c:
+            return [await c.post({"prompt": ids(1600, s), "max_tokens": 12}) for s in range(2)]
+    out = run(go())
+    assert sorted(s for s, _ in out) == [200, 400]
+
+
+# ---- session affinity ------------------------------------------------------------------------------
+
+def turns(n_turns: int, first: int = 500, more: int = 60, seed: int = 0) -> list[list[int]]:
+    """An agent session's prompts: each is the one before, its answer and ``more`` new tokens."""
+    prompts = [ids(first, seed)]
+    for t in range(1, n_turns):
+        prompts.append(prompts[-1] + ids(12 + more, 1000 * seed + t))
+    return prompts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("form", ["ids", "text"])
+def test_a_sessions_turns_stay_on_one_decode_and_move_only_new_pages(form):
+    """Two DCP=1 decodes; two sessions of 7 turns interleaved (500 tokens, +72 per turn). Each
+    session's turns go to one decode, the first turn moves the whole prompt and each later one
+    only its new pages (the fake decode's count); before, least-in-flight alternated them, so
+    each turn moved the history again. Text prompts get their ids from the prefill's answer."""
+    def body(p: list[int]) -> dict:
+        return {"prompt": p if form == "ids" else "".join(chr(0x100 + t) for t in p), "max_tokens": 12}
+
+    async def go():
+        async with Cluster([DCP1, DCP1]) as c:
+            sessions = [turns(7, seed=s) for s in (1, 2)]
+            where = {0: [], 1: []}
+            for t in range(7):
+                for s in (0, 1):
+                    where[s].append(await c.served_by(body(sessions[s][t])))
+            return c, where, await c.metrics()
+    c, where, m = run(go())
+    assert all(len(set(w)) == 1 for w in where.values()) and where[0][0] != where[1][0], where
+    for d in c.decode:
+        first, *later = d.moved
+        assert first == -(-500 // PAGE) and all(x <= -(-72 // PAGE) + 2 for x in later), d.moved
+    assert sample(m, PREFIX + "affinity_total", outcome="miss") == 2
+    assert sample(m, PREFIX + "affinity_total", outcome="hit") == 12
+    assert sample(m, PREFIX + "affinity_total", outcome="move") == 0
+
+
+async def until(cond, timeout_s: float = 10.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "not in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_decode_loses_only_its_own_sessions():
+    """Four sessions over two decodes; decode 0 dies. Its sessions move once to decode 1 (each
+    moves its whole history once) and stay there; decode 1's sessions never move. When decode 0
+    comes back nothing moves back (the sessions' history is on decode 1 now)."""
+    async def go():
+        async with Cluster([DCP1, DCP1]) as c:
+            sessions = [turns(6, seed=s) for s in range(4)]
+            where = {s: [await c.served_by({"prompt": sessions[s][0], "max_tokens": 12})] for s in range(4)}
+            for s in range(4):
+                where[s].append(await c.served_by({"prompt": sessions[s][1], "max_tokens": 12}))
+            c.decode[0].healthy = False
+            await until(lambda: not c.proxy.decode_pool.upstreams[0].healthy)
+            for t in (2, 3):
+                for s in range(4):
+                    where[s].append(await c.served_by({"prompt": sessions[s][t], "max_tokens": 12}))
+            c.decode[0].healthy = True
+            await until(lambda: c.proxy.decode_pool.upstreams[0].healthy)
+            for t in (4, 5):
+                for s in range(4):
+                    where[s].append(await c.served_by({"prompt": sessions[s][t], "max_tokens": 12}))
+            return c, where, await c.metrics()
+    c, where, m = run(go())
+    on0 = [s for s in range(4) if where[s][0] == "d0"]
+    assert len(on0) == 2, where  # ties round-robin: two sessions each
+    for s in range(4):
+        assert where[s] == [where[s][0]] * 2 + ["d1"] * 4, (s, where[s])
+    assert sample(m, PREFIX + "affinity_total", outcome="move") == 2
+    assert sample(m, PREFIX + "affinity_total", outcome="hit") == 4 + 6 + 8
+    # decode 1 fetched each moved session's whole history once, then new pages only
+    assert sorted(c.decode[1].moved)[-2:] == [-(-len(turns(3)[2]) // PAGE)] * 2, c.decode[1].moved
+
+
+@pytest.mark.timeout(60)
+def test_an_overloaded_decode_lets_its_session_move():
+    """A session's decode holds ``slack`` + 1 calls more than the other: the next turn moves
+    (and the session then stays where it went)."""
+    async def go():
+        big = {**DCP1, "max_num_seqs": 8, "kv_tokens": 8192}  # KV room is not what moves it here
+        async with Cluster([big, big],
+                           policy=Policy(slack=1)) as c:
+            s = turns(4, seed=3)
+            first = await c.served_by({"prompt": s[0], "max_tokens": 12})
+            busy = c.decode[int(first[1])]
+            busy.hold = asyncio.Event()
+            # two branches of the session's first prompt: they go to its decode too, and stay there
+            held = [asyncio.ensure_future(c.post({"prompt": s[0] + ids(20, 50 + i), "max_tokens": 4}))
+                    for i in range(2)]
+            await until(lambda: len(busy.calls) == 3)
+            moved = await c.served_by({"prompt": s[1], "max_tokens": 12})
+            busy.hold.set()
+            await asyncio.gather(*held)
+            stays = await c.served_by({"prompt": s[2], "max_tokens": 12})
+            return first, moved, stays, await c.metrics()
+    first, moved, stays, m = run(go())
+    assert moved != first and stays == moved
+    assert sample(m, PREFIX + "affinity_total", outcome="move") == 1
+
+
+@pytest.mark.timeout(60)
+def test_session_id_and_user_are_explicit_keys_and_the_prefill_follows():
+    """Unrelated prompts with one ``session_id`` (or ``user``) go to one decode and one prefill;
+    the keys are known before the prefill hop, so the prefill is the session's too."""
+    async def go():
+        async with Cluster([DCP1, DCP1], n_prefill=2) as c:
+            out = {}
+            for key in ({"session_id": "a"}, {"session_id": "b"}, {"user": "u1"}, {"user": "u2"}):
+                got = [await c.served_by({"prompt": f"turn {i} of {key}", "max_tokens": 4, **key}) for i in range(4)]
+                prefills = [p.name for p in c.prefill for _ in p.calls]
+                out[json.dumps(key)] = got
+                for p in c.prefill:
+                    p.calls.clear()
+                out[json.dumps(key) + "prefill"] = prefills
+            return out
+    out = run(go())
+    for k, v in out.items():
+        assert len(set(v)) == 1 and len(v) == 4, (k, v)
+
+
+# ---- the policy alone ---------------------------------------------------------------------------
+
+decode_state = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([512, 1024, 2048]), st.floats(0, 1),
+                         st.integers(0, 6), st.booleans(), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(decode_state, min_size=1, max_size=5), st.integers(1, 2100), st.one_of(st.none(), st.integers(1, 600)),
+       st.integers(1, 3))
+def test_the_pick_is_the_smallest_dcp_that_fits_with_room(states, prompt, max_tokens, n):
+    """Over drawn decodes (DCP size, length, KV usage, calls in flight, healthy, said what it is):
+    a request no decode admits is ``TooLong`` exactly when every decode said what it is; a pick
+    is healthy, admits the request, fits it whole whenever a healthy decode does, and has room
+    whenever a healthy fitting decode has, with the smallest DCP size among those; reservations
+    come back to 0."""
+    router = Router(Pool("prefill", ["http://p:1"]),
+                    Pool("decode", [f"http://d{i}:1" for i in range(len(states))]), Policy(affinity_entries=0))
+    for u, (dcp, mml, usage, out, healthy, known) in zip(router.decode_pool.upstreams, states):
+        u.info = DecodeInfo(dcp, 32, mml, (mml + 64) * dcp, 4) if known else None
+        u.kv_usage, u.outstanding, u.healthy = usage, out, healthy
+    plan = Plan({"max_tokens": max_tokens, "n": n})
+    router.learn(plan, prompt, None)
+    need = plan.need
+    ups = router.decode_pool.upstreams
+    ok = [u for u in ups if u.healthy]
+    fitting = [u for u in ok if u.info and need.fits(u.info)]
+    roomy = [u for u in fitting if router._room(u, need) >= 0]
+    try:
+        d = router.pick_decode(plan)
+    except TooLong:
+        assert all(u.info is not None and not need.admitted(u.info) for u in ups)
+        return
+    except NoHealthyUpstream:
+        assert not any(u.info is None or need.admitted(u.info) for u in ok)
+        return
+    up = d.upstream
+    assert up.healthy
+    if up.info is None:
+        assert not any(u.info and need.admitted(u.info) for u in ok)
+    else:
+        assert need.admitted(up.info)
+        if fitting:
+            assert need.fits(up.info)
+            if roomy:
+                assert up in roomy and up.info.dcp_size == min(u.info.dcp_size for u in roomy), d
+    assert up.in_flight_tokens == plan.reserved
+    router.release(plan)
+    assert all(u.in_flight_tokens == 0 for u in ups)
+
+
+def test_need_follows_vllms_rules():
+    """vLLM 0.32 refuses a prompt of max_model_len tokens or more and max_tokens above it, and
+    clamps max_tokens to what is left; a bad max_tokens is the decode's to refuse."""
+    info = DecodeInfo(1, 32, 1024, 1088, 4)
+    assert Need.of({"max_tokens": 24}, 1000).fits(info) and not Need.of({"max_tokens": 25}, 1000).fits(info)
+    assert Need.of({"max_tokens": 500}, 1000).admitted(info) and not Need.of({}, 1024).admitted(info)
+    assert not Need.of({"max_tokens": 1025}, 10).admitted(info)
+    assert Need.of({"max_tokens": 500, "n": 2}, 1000).kv_tokens(info) == 1000 + 2 * 24
+    assert Need.of({}, 100).kv_tokens(info) == 1024
+    chat = Need.of({"max_tokens": 7, "max_completion_tokens": 9}, 10)
+    assert chat.max_tokens == 9 and Need.of({"max_tokens": -1, "n": True}, 10) == Need(10, None, 1)
