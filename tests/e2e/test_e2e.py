@@ -130,6 +130,63 @@ def test_a_request_too_long_for_one_decode_rank(cluster):
     check_paths(recs, LONG, DCP, 2, 0)
 
 
+def proxy_health(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.timeout(900)
+def test_one_proxy_routes_by_decode_group_and_session(cluster):
+    """``proxyr``, one proxy over both decodes (routing, ``proxy/routing.py``), learns each one's
+    DCP size and lengths from its ``/metrics``. A request of ``LONG`` tokens, which only the DCP=2
+    decode holds, is answered there (least-in-flight balancing sent every other one to decode1,
+    which answered 400); a short one goes to decode1 (DCP=1, the cheaper step); one no decode
+    admits gets the proxy's 400 naming 2,048 tokens. An agent session's 3 turns (500 tokens, each
+    turn adding the answer and 60 new tokens) all go to one decode, and each later turn moves at
+    most its new pages plus two pages per path (the decode's prefix cache holds the rest).
+    Every answer equals the prefill's own."""
+    c = cluster
+    url = c["proxyr"].url
+    deadline = time.monotonic() + 60
+    while not all("info" in u for u in proxy_health(url)["upstreams"] if u["kind"] == "decode"):
+        assert time.monotonic() < deadline, proxy_health(url)
+        time.sleep(0.2)
+
+    def through(prompt: list[int]) -> tuple[dict, list[dict]]:
+        ref = complete(c["prefill"].url, c["model"], prompt)
+        before = len(read_stats(c["stats"]))
+        out = complete(url, c["model"], prompt)
+        assert tokens(out) == tokens(ref)
+        return out, [r for r in fetch_records(read_stats(c["stats"])[before:]) if r["ok"]]
+
+    _, recs = through(ids(LONG, 467))
+    assert {r["dcp_size"] for r in recs} == {DCP}
+    check_paths(recs, LONG, DCP, 2, 0)
+    _, recs = through(ids(200, 477))
+    assert {r["dcp_size"] for r in recs} == {1}
+    status, out = post_json(url + "/v1/completions", {"model": c["model"], "prompt": ids(2100, 487),
+                                                      "max_tokens": MAX_TOKENS}, timeout_s=60)
+    assert status == 400 and "longest context served is 2048 tokens" in out["error"]["message"], out
+
+    prompt, moved = ids(500, 457), []
+    for turn in range(3):
+        out, recs = through(prompt)
+        dcp = {r["dcp_size"] for r in recs}
+        assert len(dcp) == 1 and len(recs) == 4, recs  # 2 CP ranks x 2 decode TP ranks, one decode
+        moved.append((dcp.pop(), len(prompt), sum(r["bytes"] for r in recs)))
+        if turn == 0:
+            check_paths(recs, len(prompt), moved[0][0], 2, 0)
+        else:
+            bound = expected_bytes(len(prompt), moved[0][0], max(moved[-2][1] // PAGE - 2, 0))
+            assert all(r["bytes"] <= bound[(r["cp_rank"], r["dcp_rank"])] for r in recs), (recs, bound)
+        prompt = prompt + tokens(out) + ids(60, 458 + turn)
+    print("session turns (DCP size, prompt tokens, bytes moved):", moved)
+    assert len({d for d, _, _ in moved}) == 1 and all(b < moved[0][2] for _, _, b in moved[1:]), moved
+
+
 @pytest.mark.timeout(600)
 def test_decode_expiry_recomputes(cluster):
     """KV that never arrives: after its transfer_timeout_s the fetch expires, its blocks

@@ -107,9 +107,11 @@ def test_a_request_only_dcp2_holds_goes_there_and_short_ones_to_dcp1(form):
         async with Cluster([DCP1, DCP2]) as c:
             long = [await c.served_by(*req(1600, s)) for s in range(3)]
             short = [await c.served_by(*req(200, 10 + s)) for s in range(3)]
-            return long, short, await c.metrics()
-    long, short, m = run(go())
+            return c, long, short, await c.metrics()
+    c, long, short, m = run(go())
     assert long == ["d1"] * 3 and short == ["d0"] * 3
+    # the prefill is asked for the prompt's ids only where the proxy lacks them
+    assert [bool(b.get("return_token_ids")) for b in c.prefill[0].calls] == [form != "ids"] * 6
     assert sample(m, PREFIX + "routed_total", dcp_size="2", reason="fits") == 3
     assert sample(m, PREFIX + "routed_total", dcp_size="1", reason="fits") == 3
 

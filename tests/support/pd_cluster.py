@@ -2,7 +2,8 @@
 serve`` (tiny ``llama-mqa``, TP=2 = 2 layer-split CP ranks) serving two decode
 instances, ``decode`` (TP=2, DCP=2) and ``decode1`` (TP=2, DCP=1: the one KV head
 is replicated, so both TP ranks fetch all pages; ``kv_load_failure_policy=
-"recompute"``), each behind its own proxy, plus a pipelined proxy. The prefill
+"recompute"``), each behind its own proxy, plus a pipelined proxy and ``proxyr``, one
+proxy over both decodes (routing by decode group and session, ``proxy/routing.py``). The prefill
 instance itself, asked without ``kv_transfer_params``, is the non-disaggregated
 reference. ``place(name) -> (host, netns)`` puts each process on a host
 (loopback by default; ``test_e2e.py`` uses network namespaces where it can).
@@ -130,7 +131,9 @@ def pd_cluster(work, place=loopback):
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy", **at("proxy"))
     proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1", **at("proxy"))
     proxyp = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxyp", pipelined=True, **at("proxy"))
-    with running([prefill, decode, decode1, proxy, proxy1, proxyp], 900) as procs:
+    proxyr = proxy_server(free_port(), [prefill.url], [decode.url, decode1.url], work, "proxyr", **at("proxy"),
+                          args=("--health-interval", "0.5"))
+    with running([prefill, decode, decode1, proxy, proxy1, proxyp, proxyr], 900) as procs:
         yield {"model": model, "stats": stats, **procs}
 
 

@@ -248,9 +248,10 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
 
 
 def proxy_server(port: int, prefill: list[str], decode: list[str], log_dir: Path, name: str = "proxy",
-                 pipelined: bool = False, host: str = "127.0.0.1", netns: str | None = None) -> Process:
-    """``vllm-dcp2d proxy`` on ``host:port`` in front of the given instances."""
-    cmd = [bin_path("vllm-dcp2d"), "proxy", "--host", host, "--port", str(port)]
+                 pipelined: bool = False, host: str = "127.0.0.1", netns: str | None = None,
+                 args: tuple[str, ...] = ()) -> Process:
+    """``vllm-dcp2d proxy`` on ``host:port`` in front of the given instances (``args``: more flags)."""
+    cmd = [bin_path("vllm-dcp2d"), "proxy", "--host", host, "--port", str(port), *args]
     cmd += ["--pipelined"] if pipelined else []
     for u in prefill:
         cmd += ["--prefill", u]
@@ -266,16 +267,18 @@ def extra_config(p: Process) -> dict:
 
 
 def router_server(port: int, prefill: list[Process], decode: list[Process], log_dir: Path, mode: str = "nixl",
-                  name: str = "router", host: str = "127.0.0.1", discovery: str = "") -> Process:
+                  name: str = "router", host: str = "127.0.0.1", discovery: str = "",
+                  args: tuple[str, ...] = ()) -> Process:
     """vLLM's router (``vllm-router``, pip ``vllm-router``) in PD mode in front of the given
     ``vllm_server`` instances, speaking ``mode``'s request protocol: ``"nixl"`` (the decode
     gets the prefill's ``kv_transfer_params`` verbatim) or ``"mooncake"`` (the router asks
     each prefill's HTTP bootstrap ``GET /query`` and builds the decode's parameters).
     ``discovery`` ("host:port"): no instance list; the router takes the instances that
-    register there (``router_discovery_address``; its protocol is the nixl one)."""
+    register there (``router_discovery_address``; its protocol is the nixl one). ``args``: more
+    flags (a later ``--policy`` or ``--decode-policy`` overrides round-robin)."""
     cmd = [bin_path("vllm-router"), "--vllm-pd-disaggregation", "--kv-connector", mode, "--policy", "round_robin",
            "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port", str(free_port()),
-           "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2"]
+           "--worker-startup-check-interval", "1", "--health-check-interval-secs", "2", *args]
     if discovery:
         cmd += ["--vllm-discovery-address", discovery]
     for p in prefill:

@@ -46,6 +46,7 @@ _MASK63 = (1 << 63) - 1
 # token ids hashed per prompt at most: more than any decode holds (a longer prompt is refused
 # before it is hashed whenever the decodes' lengths are known)
 MAX_HASHED_TOKENS = 1 << 22
+_CACHED_POWERS = 1 << 20  # powers of the base kept (8 MB at most); beyond, computed per prompt
 
 
 @dataclass(frozen=True)
@@ -76,20 +77,32 @@ class PrefixHasher:
         self.page = page
         rng = np.random.default_rng(secrets.randbits(64) if seed is None else seed)
         self._base = _U64(int(rng.integers(1 << 62, dtype=np.uint64)) * 2 + 1)  # odd: invertible mod 2**64
+        self._powers = np.ones(1, dtype=_U64)
+
+    def _powers_to(self, n: int) -> np.ndarray:
+        """base**0 .. base**(n - 1) mod 2**64; the first ``_CACHED_POWERS`` kept between prompts."""
+        if len(self._powers) < n:
+            out = np.empty(n, dtype=_U64)
+            out[0] = 1
+            out[1:] = self._base
+            np.cumprod(out, out=out)  # wraps mod 2**64
+            if n <= _CACHED_POWERS:
+                self._powers = out
+            return out
+        return self._powers[:n]
 
     def keys(self, ids) -> list[int]:
-        """Key ``k - 1`` names the first ``k`` pages of ``ids`` (int64-able sequence), for
-        every full page (at most ``MAX_HASHED_TOKENS`` tokens); raises ValueError on ids that
-        are not integers."""
+        """Key ``k - 1`` names the first ``k`` pages of ``ids`` (a sequence of non-negative
+        integers below 2**64), for every full page (at most ``MAX_HASHED_TOKENS`` tokens);
+        raises ValueError, TypeError or OverflowError on anything else."""
         n = (min(len(ids), MAX_HASHED_TOKENS) // self.page) * self.page
         if n == 0:
             return []
-        a = np.asarray(ids[:n], dtype=np.int64).astype(_U64) + _U64(1)  # +1: token 0 still counts
-        powers = np.empty(n, dtype=_U64)
-        powers[0] = 1
-        if n > 1:
-            powers[1:] = np.cumprod(np.full(n - 1, self._base, dtype=_U64))  # wraps mod 2**64
-        h = np.cumsum(a * powers, dtype=_U64)[self.page - 1::self.page]
+        a = np.asarray(ids[:n] if n < len(ids) else ids, dtype=_U64)
+        a += _U64(1)  # token 0 still counts
+        a *= self._powers_to(n)
+        np.cumsum(a, out=a)
+        h = a[self.page - 1::self.page]
         k = np.arange(1, len(h) + 1, dtype=_U64)
         x = h ^ (k * _U64(0x9E3779B97F4A7C15))  # splitmix64's finaliser over (hash, pages)
         x ^= x >> _U64(30)

@@ -279,7 +279,8 @@ class Proxy:
         url = up.url + route
         t0 = time.monotonic()
         try:
-            data = await self._post_json(self.prefill_pool, up, route, prefill_body(body, transfer_key))
+            want_ids = plan is not None and plan.need is None  # a token-id prompt's ids are known already
+            data = await self._post_json(self.prefill_pool, up, route, prefill_body(body, transfer_key, want_ids))
         except UpstreamError:
             self._bootstraps.pop(up.url, None)  # it may come back elsewhere: learn again
             raise

@@ -52,23 +52,25 @@ PREFILL_HOP: tuple[Rule, ...] = (
     Rule("echo", DROP, False, "answer-only; with logprobs it turns on prompt logprobs (a pass over the prompt's "
                               "logits and no prefix-cache reads); the decode answers the echo"),
     Rule("prompt_logprobs", DROP, False, "answer-only, and costs the prefill as echo does; the decode answers them"),
-    Rule("return_token_ids", True, False, "the proxy routes by the prompt's token count and ids (proxy/routing.py: "
-                                          "decode groups, prefix affinity); the answer is thrown away"),
+    Rule("return_token_ids", True, False, "the proxy routes by the prompt's token ids (proxy/routing.py: prefix "
+                                          "affinity); the answer is thrown away. Not set when the proxy has them: "
+                                          "a token-id prompt, or routing off"),
     *(Rule(f, DROP, False, "the KV does not depend on a grammar; compiling one delays the prefill")
       for f in _GRAMMAR),
 )
 
 
-def prefill_body(body: dict, transfer_key: str) -> dict:
-    """The prefill hop of a client request: ``PREFILL_HOP`` applied, and the
-    ``kv_transfer_params`` that make the prefill keep the KV under ``transfer_key``.
+def prefill_body(body: dict, transfer_key: str, want_ids: bool = True) -> dict:
+    """The prefill hop of a client request: ``PREFILL_HOP`` applied (``return_token_ids``
+    only if ``want_ids``), and the ``kv_transfer_params`` that make the prefill keep the KV
+    under ``transfer_key``.
 
     Shallow: only top-level keys are replaced, so the client's values (an 8K-token
     prompt list, messages) are shared, not copied (a deep copy of 8K token ids took
     ~2 ms, on the request's critical path twice)."""
     out = dict(body)
     for rule in PREFILL_HOP:
-        if rule.if_present and rule.field not in out:
+        if (rule.if_present and rule.field not in out) or (rule.field == "return_token_ids" and not want_ids):
             continue
         if rule.value is DROP:
             out.pop(rule.field, None)
