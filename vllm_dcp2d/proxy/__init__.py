@@ -22,9 +22,14 @@ streamed batch starts once every prompt's decode has, and ends with one usage
 chunk). Any pair's error is the answer (no partial one) and cancels the others,
 as does the client going away.
 
-**Balancing.** Each call goes to the instance of its kind with the fewest calls
-in flight from this proxy (prefill calls while they run, decode calls until
-their stream ends); ties go round-robin (``upstreams.Pool``).
+**Routing** (``routing``). A decode call goes to the decodes of the smallest DCP
+size that fit the request with room (``capacity``: what each decode says on its
+``/metrics``), or back to the decode that served the prompt's prefix or the
+client's session (``affinity``); a request no decode admits gets 400. Among
+equals, and for prefill calls, the instance with the fewest calls in flight
+from this proxy (prefill calls while they run, decode calls until their stream
+ends); ties go round-robin (``upstreams.Pool``). ``--routing least-loaded``
+keeps only that last rule.
 
 **Health.** A background task polls every instance's ``/health`` every
 ``--health-interval`` seconds (default 2; 0 turns checks off), each poll bounded
@@ -67,9 +72,12 @@ instance of a kind in rotation 503. ``GET /metrics`` serves the proxy's
 Prometheus metrics (``metrics.METRICS``; docs/metrics.md, "Proxy"), ``GET
 /health`` the proxy's own liveness plus each upstream's state.
 
-Modules: ``app`` (HTTP handlers, retries), ``hops`` (each hop's body),
+Modules: ``app`` (HTTP handlers, retries), ``errors`` (upstream failures as the
+client's answers), ``hops`` (each hop's body),
 ``batch`` (split and merge), ``streams`` (where streamed bytes go),
-``upstreams`` (balancer, health), ``metrics``, ``cli``.
+``routing`` (which instance), ``capacity`` (what a decode holds, what a request
+needs), ``affinity`` (prefix and session memory), ``upstreams`` (balancer,
+health), ``metrics``, ``cli``.
 """
 
 from .app import ROUTES, Proxy, UpstreamError

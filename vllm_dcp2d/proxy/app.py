@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from . import batch
+from .errors import UpstreamError, error_response, upstream_status
 from .hops import decode_body, prefill_body
 from .metrics import ProxyMetrics
 from .routing import Plan, Policy, Router, TooLong
@@ -23,18 +24,6 @@ from .upstreams import HealthChecker, NoHealthyUpstream, Pool, Upstream
 log = logging.getLogger("vllm_dcp2d.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-
-
-class UpstreamError(Exception):
-    """An upstream call that failed. ``status``: what the client gets; ``stage``/``kind``:
-    the ``errors_total`` labels; ``retryable``: another instance of the stage's kind may
-    take the call (nothing reached the client, and the call is safe to repeat)."""
-
-    def __init__(self, status: int, message: str, body: dict | None = None, *, stage: str = "proxy",
-                 kind: str = "bad_answer", retryable: bool = False):
-        super().__init__(message)
-        self.status, self.stage, self.kind, self.retryable = status, stage, kind, retryable
-        self.body = body or {"error": {"message": message, "type": "upstream_error", "code": status}}
 
 
 class Proxy:
@@ -97,12 +86,12 @@ class Proxy:
         try:
             url = (await self._pick(self.decode_pool)).url
         except NoHealthyUpstream as e:
-            return _error(503, str(e))
+            return error_response(503, str(e))
         try:
             async with self.session.get(f"{url}/v1/models") as resp:
                 return web.json_response(await resp.json(), status=resp.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-            return _error(502, f"decode {url} unreachable: {e!r}")
+            return error_response(502, f"decode {url} unreachable: {e!r}")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         t0, route, status = time.monotonic(), request.path, 500
@@ -112,11 +101,11 @@ class Proxy:
             except json.JSONDecodeError as e:
                 self.metrics.error("proxy", "bad_request")
                 status = 400
-                return _error(400, f"request body is not JSON: {e}")
+                return error_response(400, f"request body is not JSON: {e}")
             if not isinstance(body, dict):
                 self.metrics.error("proxy", "bad_request")
                 status = 400
-                return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
+                return error_response(400, f"request body must be a JSON object, got {type(body).__name__}")
             resp = await self._serve(request, route, body)
             status = 499 if request.get("dcp2d_client_gone") else resp.status
             if status == 200:
@@ -148,12 +137,11 @@ class Proxy:
         except TooLong as e:
             log.warning("%s: %s", route, e)
             self.metrics.error("proxy", "too_long")
-            return web.json_response({"error": {"message": str(e), "type": "BadRequestError", "param": None,
-                                                "code": 400}}, status=400)
+            return error_response(400, str(e), "BadRequestError")
         except NoHealthyUpstream as e:
             log.warning("%s: %s", route, e)
             self.metrics.error(e.kind, "no_healthy")
-            return _error(503, str(e))
+            return error_response(503, str(e))
         except ClientGone:
             # Leaving closes the decode call, so vLLM aborts the request and frees its blocks.
             log.info("%s: client disconnected mid-stream; decode call closed", route)
@@ -332,7 +320,7 @@ class Proxy:
             try:
                 async with self.session.post(url, json=body) as resp:
                     if resp.status != 200:
-                        raise _upstream_status(kind, url, resp.status, await resp.read())
+                        raise upstream_status(kind, url, resp.status, await resp.read())
                     try:
                         return await resp.json(content_type=None)
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -371,7 +359,7 @@ class Proxy:
             try:
                 async with self.session.post(url, json=body) as resp:
                     if resp.status != 200:
-                        raise _upstream_status("decode", url, resp.status, await resp.read())
+                        raise upstream_status("decode", url, resp.status, await resp.read())
                     chunk = await resp.content.readany()
                     if not chunk:  # vLLM's streams always carry data: an empty one is a broken upstream
                         raise UpstreamError(502, f"decode {url} ended its stream before any byte", stage="decode",
@@ -395,22 +383,3 @@ class Proxy:
                                         kind="mid_stream")
                 raise UpstreamError(502, f"decode {url} failed before its first byte: {e!r}", stage="decode",
                                     kind="unreachable", retryable=True)
-
-
-def _upstream_status(kind: str, url: str, status: int, raw: bytes) -> UpstreamError:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = None
-    text = raw[:500].decode(errors="replace")
-    if 400 <= status < 500:
-        return UpstreamError(status, f"{kind} {url} rejected the request ({status}): {text}",
-                             body if isinstance(body, dict) else None, stage=kind, kind="http_4xx")
-    # a decode that failed before streaming may be dead or broken: another may serve it
-    return UpstreamError(502, f"{kind} {url} failed ({status}): {text}", stage=kind, kind="http_5xx",
-                         retryable=kind == "decode")
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}},
-                             status=status)
