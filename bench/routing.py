@@ -2,7 +2,9 @@
 
 Starts the e2e cluster (``tests/support/pd_cluster.py``: tiny ``llama-mqa`` in fp32, prefill
 TP=2 = 2 layer-split CP ranks, a DCP=2 decode and a DCP=1 decode, both TP=2 with the same KV
-per rank, 34 pages of 32 tokens: 2,048 and 1,024 tokens of context) and puts fronts over both
+per rank, ``--kv-pages`` pages of 32 tokens, default 136 (the tests' 34 hold one long request
+and nothing else: every 2,000-token request would evict every session's history); started
+with 2,048 and 1,024 tokens of context, so only DCP=2 admits a long request) and puts fronts over both
 decodes: ``routed`` (``vllm-dcp2d proxy``, default routing), ``least-loaded`` (the same proxy
 with ``--routing least-loaded``: the balancer before issue 50) and ``router-chash``
 (``vllm-router`` 0.1.17, NIXL protocol, ``--decode-policy consistent_hash``: sessions keyed by
@@ -16,8 +18,10 @@ is the previous prompt, its answer and 60 new tokens; ``user`` = the session's n
 requests, one long per ``--long-every`` requests. Prompts are fresh per front (no decode has
 them cached). Printed per front and class: requests, refusals (non-200 or an error event), TTFT
 and TPOT p50 / p99 (ms; TPOT from the first to the last token event), output tokens/s over the
-front's run; per front, the agent turns after the first: KV bytes moved per turn (p50), the
-share that moved at most their new pages plus two pages per path, and the share that stayed on
+front's run; per front, the agent turns after the first: KV bytes moved per turn (p50; a DCP=1
+TP=2 decode fetches every page to both ranks, a DCP=2 one each page to one), the share of the
+turn's whole prompt KV it moved (p50 / max), the share of turns that moved at most their new
+pages plus two pages per path, and the share that stayed on
 their session's decode (from the decodes' ``stats_file`` lines: a request's fetch is the lines
 whose page count is its own, written while it ran; a turn two lines could belong to is left out).
 
@@ -43,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support (tests/README.md, "Imports")
 
-from tests.support.pd_cluster import PAGE, expected_bytes, ids, pd_cluster  # noqa: E402
+from tests.support.pd_cluster import LAYERS, PAGE, PAGE_BYTES, expected_bytes, ids, pd_cluster  # noqa: E402
 from vllm_dcp2d.layout import cdiv  # noqa: E402
 from vllm_dcp2d.local.servers import (fetch_records, free_port, proxy_server, read_stats, router_server,  # noqa: E402
                                       running)
@@ -154,7 +158,7 @@ def report(name: str, run: dict, stats: Path) -> None:
         print(f"| {name} | {cls} | {len(res)} | {refused} | {pct(ttft, 50)} / {pct(ttft, 99)} | "
               f"{pct(tpot, 50)} / {pct(tpot, 99)} |")
     tokens = sum(len(r["times"]) for cls in ("short", "long", "agent") for r in run[cls])
-    moved, within, same, seen = [], 0, 0, 0
+    moved, share, within, same, seen = [], [], 0, 0, 0
     where: dict[int, str] = {}
     for s, t, n, prev, r in sorted(run["turns"], key=lambda x: (x[0], x[1])):
         if r["status"] != 200:
@@ -168,12 +172,15 @@ def report(name: str, run: dict, stats: Path) -> None:
             b = sum(x["bytes"] for x in mine)
             moved.append(b)
             dcp = mine[0]["dcp_size"]
+            full = expected_bytes(n, dcp, 0)  # the whole prompt's KV, per path
+            share.append(b / sum(full[(x["cp_rank"], x["dcp_rank"])] for x in mine))
             bound = expected_bytes(n, dcp, max(prev // PAGE - 2, 0))
             within += all(x["bytes"] <= bound[(x["cp_rank"], x["dcp_rank"])] for x in mine)
             same += where[s] == engine
         where[s] = engine
     if seen:
-        print(f"|   {name}: later agent turns | {seen} attributed | KV moved p50 {np.median(moved) / 1e3:.0f} kB | "
+        print(f"|   {name}: later agent turns | {seen} attributed | KV moved p50 {np.median(moved) / 1e3:.0f} kB, "
+              f"{np.median(share):.2f} / {max(share):.2f} of the prompt's (p50 / max) | "
               f"within new pages + 2: {100 * within / seen:.0f} % | on their decode: {100 * same / seen:.0f} % | "
               f"output {tokens / run['seconds']:.1f} tok/s |")
     else:
@@ -238,6 +245,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=12, help="short and long requests per front")
     p.add_argument("--long-every", type=int, default=4)
     p.add_argument("--fronts", nargs="+", default=["routed", "least-loaded", "router-chash", "dcp1-only"])
+    p.add_argument("--kv-pages", type=int, default=136, help="KV pages of 32 tokens per decode rank")
     p.add_argument("--decision-only", action="store_true", help="only the routing decision's cost (no cluster)")
     args = p.parse_args()
     decision_latency()
@@ -245,7 +253,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="dcp2d-routing-") as tmp:
         work = Path(tmp)
-        with pd_cluster(work) as c:
+        with pd_cluster(work, decode_kv_bytes=args.kv_pages * LAYERS * PAGE_BYTES) as c:
             both = [c["prefill"].url], [c["decode"].url, c["decode1"].url]
             extra = {"least-loaded": proxy_server(free_port(), *both, work, "proxy_ll",
                                                   args=("--routing", "least-loaded")),
@@ -255,7 +263,9 @@ def main() -> int:
             with running([v for k, v in extra.items() if k in args.fronts], 600):
                 urls = {"routed": c["proxyr"].url, "dcp1-only": c["proxy1"].url,
                         **{k: v.url for k, v in extra.items()}}
-                time.sleep(3)  # the proxies' first /metrics polls of the decodes
+                for u in (c["proxy"].url, c["proxy1"].url):  # each decode's first request, not counted
+                    stream(u, {"model": c["model"], "prompt": ids(SHORT, 7), "max_tokens": 4})
+                time.sleep(3)  # the proxies' /metrics polls of the decodes
                 print("| front | class | requests | refused | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |")
                 print("|---|---|---|---|---|---|")
                 for k, name in enumerate(args.fronts):

@@ -373,3 +373,54 @@ def test_need_follows_vllms_rules():
     assert Need.of({}, 100).kv_tokens(info) == 1024
     chat = Need.of({"max_tokens": 7, "max_completion_tokens": 9}, 10)
     assert chat.max_tokens == 9 and Need.of({"max_tokens": -1, "n": True}, 10) == Need(10, None, 1)
+
+
+# ---- vLLM's router, for its users (issue 50, item 3) -----------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_vllm_router_consistent_hash_keeps_named_sessions_but_knows_no_decode_group(tmp_path):
+    """What README "Behind vLLM's router" says of vllm-router 0.1.17 (``--decode-policy
+    consistent_hash``, NIXL protocol) over the same fakes: a session named in ``user`` or
+    ``session_id`` stays on one decode; one not named does not; and a request only the DCP=2
+    decode admits is refused whenever its body hashes to the DCP=1 decode."""
+    from vllm_dcp2d.local.servers import Process, bin_path, free_port, wait_all
+
+    router_bin = bin_path("vllm-router")
+    if not __import__("os").path.exists(router_bin):
+        pytest.skip("vllm-router is not installed in this environment")
+
+    async def go():
+        insts = [FakeVllm("prefill", "p0", max_model_len=1 << 20), FakeVllm("decode", "d0", **DCP1),
+                 FakeVllm("decode", "d1", **DCP2)]
+        servers = [TestServer(f.app, host="127.0.0.1") for f in insts]
+        for s in servers:
+            await s.start_server()
+        urls = [str(s.make_url("")).rstrip("/") for s in servers]
+        port = free_port()
+        router = Process("router", [router_bin, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+                                    "--decode-policy", "consistent_hash", "--host", "127.0.0.1", "--port", str(port),
+                                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                    "--worker-startup-check-interval", "1", "--prefill", urls[0],
+                                    "--decode", urls[1], "--decode", urls[2]], port, tmp_path / "router.log").start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, wait_all, [router], 60)
+            async with aiohttp.ClientSession() as s:
+                async def served(body):
+                    async with s.post(f"{router.url}/v1/completions", json={"model": "m", **body}) as r:
+                        return json.loads(await r.read())["choices"][0]["text"] if r.status == 200 else r.status
+                long = [await served({"prompt": ids(1600, i), "max_tokens": 12}) for i in range(30)]
+                named, unnamed = {}, {}
+                for sess in range(6):
+                    prompts = turns(4, first=300, seed=sess)
+                    named[sess] = {await served({"prompt": p, "max_tokens": 12, "user": f"s{sess}"}) for p in prompts}
+                    unnamed[sess] = {await served({"prompt": p, "max_tokens": 12}) for p in
+                                     turns(4, first=300, seed=10 + sess)}
+                return long, named, unnamed
+        finally:
+            router.stop()
+            for s in servers:
+                await s.close()
+    long, named, unnamed = asyncio.run(asyncio.wait_for(go(), 100))
+    assert set(long) == {400, "d1"}, long  # some refused by DCP=1, the rest answered by DCP=2
+    assert all(len(v) == 1 for v in named.values()), named
+    assert any(len(v) > 1 for v in unnamed.values()), unnamed

@@ -80,7 +80,7 @@ class FakeVllm:
                 status=400)
         chat = request.path.endswith("/chat/completions")
         if self.kind == "prefill":
-            key = body["kv_transfer_params"]["transfer_id"]
+            key = (body.get("kv_transfer_params") or {}).get("transfer_id") or "router-key"
             out = {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": key, "remote_request_id": key,
                                           "remote_bootstrap_addr": "tcp://127.0.0.1:1", "remote_engine_id": self.name},
                    "usage": {"prompt_tokens": len(ids)}, "choices": [{"text": "x"}]}

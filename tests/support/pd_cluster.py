@@ -104,9 +104,10 @@ def loopback(name: str) -> tuple[str, None]:
 
 
 @contextlib.contextmanager
-def pd_cluster(work, place=loopback):
+def pd_cluster(work, place=loopback, decode_kv_bytes: int = DECODE_KV_BYTES):
     """Start the cluster in ``work``; yields a dict of the model path, the stats file
-    and the processes by name; always stops them."""
+    and the processes by name; always stops them. ``decode_kv_bytes``: KV memory per decode
+    rank, the same for both (``bench/routing.py`` gives them more than the tests)."""
     from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", work / "model")
@@ -121,11 +122,11 @@ def pd_cluster(work, place=loopback):
                           dtype=DTYPE, engine_id="prefill", max_model_len=DECODE_MAX_LEN[DCP], **at("prefill"),
                           extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, dtype=DTYPE,
-                         block_size=PAGE, kv_cache_bytes=DECODE_KV_BYTES, max_model_len=DECODE_MAX_LEN[DCP],
+                         block_size=PAGE, kv_cache_bytes=decode_kv_bytes, max_model_len=DECODE_MAX_LEN[DCP],
                          **at("decode"),
                          extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     decode1 = vllm_server("decode1", model, free_port(), work, role="kv_consumer", tp=2, block_size=PAGE,
-                          dtype=DTYPE, failure_policy="recompute", kv_cache_bytes=DECODE_KV_BYTES,
+                          dtype=DTYPE, failure_policy="recompute", kv_cache_bytes=decode_kv_bytes,
                           max_model_len=DECODE_MAX_LEN[1], **at("decode1"),
                           extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy", **at("proxy"))
