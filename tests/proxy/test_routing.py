@@ -178,6 +178,26 @@ def test_short_requests_fall_back_to_dcp2_when_dcp1_has_no_room():
 
 
 @pytest.mark.timeout(60)
+def test_pipelined_routes_token_ids_by_length_and_text_to_the_longest_context():
+    """``--pipelined`` picks the decode before the prefill answers: a token-id prompt is routed
+    by its length as always; a text prompt, whose length is not known yet, goes to the decodes
+    of the longest ``max_model_len`` (nothing a decode admits is refused there), by its session
+    key only."""
+    async def go():
+        async with Cluster([DCP1, DCP2], pipelined=True) as c:
+            await c.served_by({"prompt": ids(100, 1), "max_tokens": 4})  # learns the prefill's bootstrap
+            short_ids = [await c.served_by({"prompt": ids(100, 2 + i), "max_tokens": 4}) for i in range(2)]
+            long_ids = await c.served_by({"prompt": ids(1600, 5), "max_tokens": 4})
+            text = [await c.served_by({"prompt": "z" * n, "max_tokens": 4}) for n in (100, 1600)]
+            pipelined = [b["kv_transfer_params"].get("remote_request_id") is not None for b in c.decode[1].calls]
+            return short_ids, long_ids, text, pipelined, await c.metrics()
+    short_ids, long_ids, text, pipelined, m = run(go())
+    assert (short_ids, long_ids, text) == (["d0", "d0"], "d1", ["d1", "d1"])
+    assert pipelined == [True, True, True]  # sent with the prefill, not after it
+    assert sample(m, PREFIX + "routed_total", dcp_size="2", reason="unknown") == 2
+
+
+@pytest.mark.timeout(60)
 def test_least_loaded_routing_is_the_old_balancer():
     """``--routing least-loaded`` (policy None): calls alternate whatever they hold, and a long
     request meets the DCP=1 decode's 400 (the issue's symptom, kept as the baseline)."""
