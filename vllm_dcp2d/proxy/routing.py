@@ -170,6 +170,9 @@ class Router:
     # ---- picks -------------------------------------------------------------------------------
 
     def pick_prefill(self, plan: Plan, exclude=()) -> Upstream:
+        """The remembered prefill of ``plan``'s keys (known before the prefill hop only for a
+        token-id prompt or a named session) if in rotation and within ``slack`` calls of the
+        least loaded, else the least loaded."""
         pool = self.prefill_pool
         place = self._remembered(plan)
         ok = [u for u in pool.upstreams if u.healthy and u not in exclude]
