@@ -177,10 +177,11 @@ def test_one_proxy_routes_by_decode_group_and_session(cluster):
         dcp = {r["dcp_size"] for r in recs}
         assert len(dcp) == 1 and len(recs) == 4, recs  # 2 CP ranks x 2 decode TP ranks, one decode
         moved.append((dcp.pop(), len(prompt), sum(r["bytes"] for r in recs)))
+        assert moved[-1][0] == moved[0][0], moved  # the session's decode
         if turn == 0:
             check_paths(recs, len(prompt), moved[0][0], 2, 0)
         else:
-            bound = expected_bytes(len(prompt), moved[0][0], max(moved[-2][1] // PAGE - 2, 0))
+            bound = expected_bytes(len(prompt), moved[-1][0], max(moved[-2][1] // PAGE - 2, 0))
             assert all(r["bytes"] <= bound[(r["cp_rank"], r["dcp_rank"])] for r in recs), (recs, bound)
         prompt = prompt + tokens(out) + ids(60, 458 + turn)
     print("session turns (DCP size, prompt tokens, bytes moved):", moved)

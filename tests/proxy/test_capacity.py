@@ -43,13 +43,16 @@ def test_a_usage_outside_0_1_is_not_read(value):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 1 << 20), st.one_of(st.none(), st.floats(0, 1)), st.integers(0, 1 << 21))
-def test_free_tokens(kv, usage, in_flight):
-    """Capacity less the larger of the reported usage and the proxy's own calls; never below 0."""
+@given(st.integers(1, 1 << 20), st.one_of(st.none(), st.floats(0, 1)), st.integers(0, 1 << 21),
+       st.integers(0, 1 << 21))
+def test_free_tokens(kv, usage, in_flight, at_poll):
+    """Capacity less others' use (the reported usage less the proxy's own calls then) and the
+    proxy's own calls now; never below 0, never above the capacity."""
     info = DecodeInfo(1, 16, 1024, kv, 4)
-    free = free_tokens(info, usage, in_flight)
-    assert free == max(kv - max(round((usage or 0) * kv), in_flight), 0)
+    free = free_tokens(info, usage, in_flight, at_poll)
+    assert free == max(kv - max(round((usage or 0) * kv) - at_poll, 0) - in_flight, 0)
     assert 0 <= free <= kv
+    assert free_tokens(info, usage, in_flight) <= free  # forgetting what the proxy held then: less free
 
 
 class Instance:

@@ -119,18 +119,26 @@ def test_a_request_only_dcp2_holds_goes_there_and_short_ones_to_dcp1(form):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("form", ["ids", "text"])
 def test_a_request_no_decode_admits_gets_400_naming_the_longest(form):
-    """3,000 tokens: no decode admits it. The client gets 400 naming 2,048 (the longest context
-    served) and no decode sees it; a token-id prompt is refused before the prefill computes it."""
+    """3,000 tokens: no decode admits it; the client gets 400 naming 2,048 tokens, the longest
+    context served. A token-id prompt is refused by the proxy before the prefill computes
+    anything; a text prompt's length comes from the prefill's answer, so it goes to the DCP=2
+    decode, whose own 400 names its length (and whose connector frees the prefill's KV at
+    once), never to the DCP=1 one."""
     async def go():
         async with Cluster([DCP1, DCP2]) as c:
             prompt = ids(3000, 1) if form == "ids" else "y" * 3000
             status, out = await c.post({"prompt": prompt, "max_tokens": 4})
             return c, status, out, await c.metrics()
     c, status, out, m = run(go())
-    assert status == 400 and "longest context served is 2048 tokens (DCP=2" in out["error"]["message"], out
-    assert [len(d.calls) for d in c.decode] == [0, 0]
+    msg = out["error"]["message"]
+    assert [len(d.calls) for d in c.decode] == [0, 0 if form == "ids" else 1]
     assert len(c.prefill[0].calls) == (0 if form == "ids" else 1)
-    assert sample(m, PREFIX + "errors_total", stage="proxy", kind="too_long") == 1
+    if form == "ids":
+        assert status == 400 and "longest context served is 2048 tokens (DCP=2" in msg, out
+        assert sample(m, PREFIX + "errors_total", stage="proxy", kind="too_long") == 1
+    else:
+        assert status == 400 and "maximum context length is 2048 tokens" in msg, out
+        assert sample(m, PREFIX + "routed_total", dcp_size="2", reason="too_long") == 1
 
 
 @pytest.mark.timeout(60)
@@ -343,8 +351,9 @@ decode_state = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([512, 1024,
        st.integers(1, 3))
 def test_the_pick_is_the_smallest_dcp_that_fits_with_room(states, prompt, max_tokens, n):
     """Over drawn decodes (DCP size, length, KV usage, calls in flight, healthy, said what it is):
-    a request no decode admits is ``TooLong`` exactly when every decode said what it is; a pick
-    is healthy, admits the request, fits it whole whenever a healthy decode does, and has room
+    a client's token-id prompt no decode admits is ``TooLong`` exactly when every decode said
+    what it is; after the prefill, a pick is healthy, admits the request (or, when none does,
+    is of the longest context), fits it whole whenever a healthy decode does, and has room
     whenever a healthy fitting decode has, with the smallest DCP size among those; reservations
     come back to 0."""
     router = Router(Pool("prefill", ["http://p:1"]),
@@ -359,18 +368,26 @@ def test_the_pick_is_the_smallest_dcp_that_fits_with_room(states, prompt, max_to
     ok = [u for u in ups if u.healthy]
     fitting = [u for u in ok if u.info and need.fits(u.info)]
     roomy = [u for u in fitting if router._room(u, need) >= 0]
+    with_ids = Plan({"max_tokens": max_tokens, "n": n})
     try:
-        d = router.pick_decode(plan)
+        router.learn(with_ids, prompt, None)
+        router.check_fits(with_ids)  # what plan() does with a client's token ids, before the prefill
+        assert any(u.info is None or need.admitted(u.info) for u in ups)
     except TooLong:
         assert all(u.info is not None and not need.admitted(u.info) for u in ups)
-        return
-    except NoHealthyUpstream:
-        assert not any(u.info is None or need.admitted(u.info) for u in ok)
+    try:
+        d = router.pick_decode(plan)  # after the prefill: never TooLong
+    except NoHealthyUpstream:  # none in rotation, or only decodes out of rotation admit it
+        assert not ok or (all(u.info is not None and not need.admitted(u.info) for u in ok)
+                          and any(u.info is not None and need.admitted(u.info) for u in ups))
         return
     up = d.upstream
     assert up.healthy
     if up.info is None:
         assert not any(u.info and need.admitted(u.info) for u in ok)
+    elif d.reason == "too_long":  # no decode admits it: the longest context refuses it itself
+        assert not any(need.admitted(u.info) for u in ups)
+        assert up.info.max_model_len == max(u.info.max_model_len for u in ok)
     else:
         assert need.admitted(up.info)
         if fitting:
@@ -380,6 +397,22 @@ def test_the_pick_is_the_smallest_dcp_that_fits_with_room(states, prompt, max_to
     assert up.in_flight_tokens == plan.reserved
     router.release(plan)
     assert all(u.in_flight_tokens == 0 for u in ups)
+
+
+def test_a_polled_usage_is_not_the_proxys_own_calls_twice():
+    """A session's turn ends and its next one comes before the next poll: the poll still counted
+    the previous turn's KV, which the proxy held then and released since; the next turn must find
+    room on its decode (it moved away before: the e2e cluster's turn 2 went to DCP=2)."""
+    router = Router(Pool("prefill", ["http://p:1"]), Pool("decode", ["http://d0:1", "http://d1:1"]))
+    d0, d1 = router.decode_pool.upstreams
+    d0.info, d1.info = DecodeInfo(1, 32, 1024, 1088, 4), DecodeInfo(2, 32, 2048, 2176, 4)
+    turn1 = router.plan({"max_tokens": 12}, ids(500, 1))
+    assert router.pick_decode(turn1).upstream is d0
+    d0.kv_usage, d0.in_flight_at_poll = 16 / 34, d0.in_flight_tokens  # polled while turn 1 ran
+    router.release(turn1)
+    turn2 = router.plan({"max_tokens": 12}, ids(500, 1) + ids(72, 2))
+    d = router.pick_decode(turn2)
+    assert (d.upstream, d.reason, d.affinity) == (d0, "affinity", "hit")
 
 
 def test_need_follows_vllms_rules():

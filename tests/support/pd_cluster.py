@@ -130,7 +130,11 @@ def pd_cluster(work, place=loopback, decode_kv_bytes: int = DECODE_KV_BYTES):
                           max_model_len=DECODE_MAX_LEN[1], **at("decode1"),
                           extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy", **at("proxy"))
-    proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1", **at("proxy"))
+    # least-loaded: a request too long for decode1 must reach it (its refusal and the prefill's
+    # release are what test_a_request_too_long_for_one_decode_rank checks); routing would refuse a
+    # token-id prompt before the prefill
+    proxy1 = proxy_server(free_port(), [prefill.url], [decode1.url], work, "proxy1", **at("proxy"),
+                          args=("--routing", "least-loaded"))
     proxyp = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxyp", pipelined=True, **at("proxy"))
     proxyr = proxy_server(free_port(), [prefill.url], [decode.url, decode1.url], work, "proxyr", **at("proxy"),
                           args=("--health-interval", "0.5"))

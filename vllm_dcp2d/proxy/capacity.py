@@ -15,9 +15,10 @@ length is N tokens") only a prompt of ``max_model_len`` tokens or more, or
 ``max_model_len``. A request *fits with room* when the
 decode also has a free sequence slot (the proxy's calls in flight to it below
 ``max_num_seqs``) and ``kv_tokens(need) <= kv_fraction x free KV tokens``. Free
-KV is the capacity less the larger of what vLLM reported used at the last poll
-and what this proxy's calls in flight there may use: the poll lags by up to its
-interval, the proxy's own count does not.
+KV is the capacity less what others use (vLLM's usage at the last poll less what
+this proxy's calls held then) and less what this proxy's calls in flight now may
+hold: the poll lags by up to its interval (a session's next turn would otherwise
+find its own previous turn still counted), the proxy's own count does not.
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ class Need:
         return self.prompt + self.n * out
 
 
-def free_tokens(info: DecodeInfo, usage: float | None, in_flight_tokens: int) -> int:
-    """KV tokens free on a decode: capacity less the larger of vLLM's last reported usage and
-    the KV this proxy's calls in flight there may hold."""
-    used = max(round((usage or 0.0) * info.kv_tokens), in_flight_tokens)
-    return max(info.kv_tokens - used, 0)
+def free_tokens(info: DecodeInfo, usage: float | None, in_flight_tokens: int, in_flight_at_poll: int = 0) -> int:
+    """KV tokens free on a decode: capacity less others' use (vLLM's ``usage`` at the last poll
+    less ``in_flight_at_poll``, the tokens this proxy's calls there held then) and less the
+    tokens this proxy's calls there hold now (``in_flight_tokens``)."""
+    others = max(round((usage or 0.0) * info.kv_tokens) - in_flight_at_poll, 0)
+    return max(info.kv_tokens - others - in_flight_tokens, 0)

@@ -58,8 +58,9 @@ METRICS = (
      "Decode calls by the DCP size of the decode picked (\"unknown\": it has not said) and why: fits "
      "(the smallest DCP size that fits the request with room), fallback (a larger one: the smaller had "
      "no room), full (none had room: the fitting decode with the most free KV), affinity (the decode "
-     "that served the prompt's prefix), unknown (length or decode not known: least loaded). Retries "
-     "count again."),
+     "that served the prompt's prefix), unknown (length or decode not known: least loaded), too_long "
+     "(no decode admits it and the prefill has run: the longest context's decode refuses it with "
+     "its own 400 and frees the prefill's KV). Retries count again."),
     ("affinity_total", "counter", ("outcome",),
      "Decode picks of requests with affinity keys: hit (back to the decode that served the prefix), "
      "move (that decode was out of rotation, did not fit or was overloaded: the history moves once), "
@@ -68,8 +69,9 @@ METRICS = (
      "Prefix and session keys remembered now (bounded by --affinity-entries, least recently used "
      "dropped)."),
     ("decode_free_tokens", "gauge", ("upstream", "dcp_size"),
-     "KV tokens the router counts free on each decode that said what it is: capacity less the larger "
-     "of its last reported usage and what the proxy's calls in flight there may hold."),
+     "KV tokens the router counts free on each decode that said what it is: capacity less others' use "
+     "(its last reported usage less what the proxy's calls held then) and less what the proxy's calls "
+     "in flight there may hold now."),
 )
 
 
@@ -95,7 +97,8 @@ class _Upstreams:
                                  labels=["upstream", "dcp_size"])
         for u in self.router.decode_pool.upstreams:
             if u.info is not None:
-                free.add_metric([u.url, str(u.info.dcp_size)], free_tokens(u.info, u.kv_usage, u.in_flight_tokens))
+                free.add_metric([u.url, str(u.info.dcp_size)],
+                                free_tokens(u.info, u.kv_usage, u.in_flight_tokens, u.in_flight_at_poll))
         yield free
         aff = self.router.affinity
         yield GaugeMetricFamily(PREFIX + "affinity_entries", _help("affinity_entries"),

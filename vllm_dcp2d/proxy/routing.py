@@ -12,9 +12,13 @@ none has, the fitting decode with the most free KV (``full``: vLLM queues it
 there). A request whose whole answer fits no decode goes to the decodes of the
 longest ``max_model_len`` that admit it (``capacity``: vLLM clamps its
 ``max_tokens`` there, as a colocated instance of that length would). A request no
-decode admits gets ``TooLong`` (the client's 400, naming the longest length served)
-and never reaches a decode that would refuse it; ``NoHealthyUpstream`` when only
-decodes out of rotation admit it. Decodes that did not say what they are (no
+decode admits: with the client's token ids, ``TooLong`` before the prefill computes
+anything (the client's 400, naming the longest context served); once the prefill
+has run (a text prompt's length comes from its answer), the decode of the longest
+context (``too_long``), whose own 400 names that length and whose connector
+releases the prefill's blocks at once (a 400 from the proxy would leave them
+held until ``claim_timeout_s``). ``NoHealthyUpstream`` when only decodes out of
+rotation admit it. Decodes that did not say what they are (no
 ``vllm:dcp2d_instance_info`` yet) take a request no known decode admits, or one
 whose length is unknown.
 
@@ -43,7 +47,7 @@ from .capacity import Need, free_tokens
 from .upstreams import NoHealthyUpstream, Pool, Upstream
 
 DEFAULT_PAGE = 16  # affinity page before any decode said its page size (vLLM's default block size)
-REASONS = ("fits", "fallback", "full", "affinity", "unknown")
+REASONS = ("fits", "fallback", "full", "affinity", "unknown", "too_long")
 
 
 class TooLong(Exception):
@@ -205,13 +209,16 @@ class Router:
             longest = max((u.info.max_model_len for u in admitted), default=None)
             fitting = [u for u in admitted if u.info.max_model_len == longest]
         if not fitting:
-            self.check_fits(plan)
             unknown = [u for u in ok if u.info is None]
-            if not unknown:
+            if unknown:
+                return self._decided(plan, pool.pick(exclude, unknown), "unknown", place)
+            if any(u.info is not None and need.admitted(u.info) for u in pool.upstreams):
                 raise NoHealthyUpstream("decode", f"none in rotation admits a {need.prompt}-token prompt; "
                                         + ", ".join(f"{u.url} ({u.reason or 'tried already'})"
                                                     for u in pool.upstreams if u.info and need.admitted(u.info)))
-            return self._decided(plan, pool.pick(exclude, unknown), "unknown", place)
+            longest = max(u.info.max_model_len for u in ok)  # its 400 names it; it releases the prefill's KV
+            return self._decided(plan, pool.pick(exclude, [u for u in ok if u.info.max_model_len == longest]),
+                                 "too_long", place)
         roomy = [u for u in fitting if self._room(u, need) >= 0]
         up = self._affine(place, fitting, roomy)
         if up is not None:
@@ -243,7 +250,7 @@ class Router:
         free sequence slot."""
         if u.outstanding >= u.info.max_num_seqs:
             return -1.0
-        free = free_tokens(u.info, u.kv_usage, u.in_flight_tokens)
+        free = free_tokens(u.info, u.kv_usage, u.in_flight_tokens, u.in_flight_at_poll)
         return self.policy.kv_fraction * free - need.kv_tokens(u.info)
 
     def _affine(self, place: Place | None, candidates: list[Upstream], roomy: list[Upstream]) -> Upstream | None:

@@ -43,7 +43,8 @@ class NoHealthyUpstream(Exception):
 class Upstream:
     """One ``vllm serve`` instance; ``outstanding`` counts the proxy's calls to it now. A decode's
     ``info`` and ``kv_usage`` are what it said at the last poll (None: not yet);
-    ``in_flight_tokens``, the KV tokens the proxy's calls to it now may hold (``routing``)."""
+    ``in_flight_tokens``, the KV tokens the proxy's calls to it now may hold (``routing``),
+    ``in_flight_at_poll`` what they were when ``kv_usage`` was read."""
 
     kind: str
     url: str
@@ -53,6 +54,7 @@ class Upstream:
     info: DecodeInfo | None = None
     kv_usage: float | None = None
     in_flight_tokens: int = 0
+    in_flight_at_poll: int = 0  # in_flight_tokens when kv_usage was read
 
     def __repr__(self) -> str:
         return f"{self.kind} {self.url}"
@@ -175,7 +177,8 @@ class HealthChecker:
             log.info("%r: DCP=%d, %d-token pages, max_model_len %d, KV %d tokens, %d sequences", u, info.dcp_size,
                      info.block_size, info.max_model_len, info.kv_tokens, info.max_num_seqs)
         u.info = info or u.info
-        u.kv_usage = usage if usage is not None else u.kv_usage
+        if usage is not None:
+            u.kv_usage, u.in_flight_at_poll = usage, u.in_flight_tokens
 
     async def poll_once(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, p, u) for p in self.pools for u in p.upstreams))
