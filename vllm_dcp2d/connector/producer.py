@@ -223,6 +223,8 @@ class ProducerWorker:
     def count_stats(self) -> None:
         if self.layer_split is not None:
             self.stats.count("prefix_broadcast_bytes", self.layer_split.take_bytes())
+        if self.sender is not None:
+            self.stats.count("refused_registrations", self.sender.consumers.take_refused())
 
     def threads(self) -> tuple:
         """What runs threads of this role (each has ``.failed``)."""

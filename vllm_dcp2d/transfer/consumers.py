@@ -30,6 +30,7 @@ thread only.
 from __future__ import annotations
 
 import ipaddress
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -84,7 +85,8 @@ class Consumers:
         self._refusals: OrderedDict[bytes, Registration] = OrderedDict()  # link -> its refusal, oldest first
         self._trusted: set[bytes] = set()  # links of this process's own receiver (``trust``)
         self._quota = Quota("registered connections", PER_SOURCE, TOTAL, PER_SOURCE_BYTES, TOTAL_BYTES)
-        self.refused = 0  # registrations refused since start (``take_refused`` resets)
+        self._refused = 0  # registrations refused since ``take_refused`` (read from another thread)
+        self._count = threading.Lock()
 
     def register(self, link: bytes, msg: RegisterConsumer, peer: str) -> Registration:
         """Take ``msg`` from connection ``link`` (whose address is ``peer``): the new
@@ -98,7 +100,8 @@ class Consumers:
             while why and self._evict(source):  # room from its own least recently used
                 why = self._quota.take(source, size)
         if why:
-            self.refused += 1
+            with self._count:
+                self._refused += 1
             reg = Registration(msg.session, None, source, f"{self.name} refused the registration of Mooncake "
                                                           f"session {msg.session!r}: {why}")
             self._refusals[link] = reg
@@ -132,7 +135,9 @@ class Consumers:
             self._drop(link)
 
     def take_refused(self) -> int:
-        n, self.refused = self.refused, 0
+        """Registrations refused since the last call (any thread)."""
+        with self._count:
+            n, self._refused = self._refused, 0
         return n
 
     def __len__(self) -> int:
