@@ -38,7 +38,7 @@ from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.vllm_compat import connector_api as compat
-from vllm_dcp2d.vllm_compat import instance
+from vllm_dcp2d.vllm_compat import dsa, instance
 from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class ProducerWorker:
         # transfer key -> (when its blocks went to the sender, seconds since request_finished)
         self._handed: dict[str, tuple[float, float | None]] = {}
         self._finished: set[str] = set()  # request ids finished without the sender
+        self._fused: list[str] = []  # layers whose fused KV write dsa.hook_fused_writes hooked
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -104,6 +105,23 @@ class ProducerWorker:
         log.info("DCP2D layer-split storage: TP rank %d stores layers [%d, %d) plus one transient slot for the "
                  "other %d (%d layer slots instead of %d)", self.tp_rank, r.start, r.stop, len(others),
                  len(owned) + 1, num_layers)
+
+    def hear_kv_writes(self, names: list[str]) -> None:
+        """Layer pipelining sends each layer from ``save_kv_layer``; make it fire after the
+        KV writes of DSA layers too, which vLLM's CUDA model writes in a fused kernel outside
+        any connector call (``vllm_compat/dsa.py``). Layers whose writes no connector call
+        follows are sent after the prompt completes; logged once (TP rank 0)."""
+        self._fused, unseen, refused = dsa.hook_fused_writes(self.vllm_config, names)
+        if self.tp_rank != 0:
+            return
+        if self._fused:
+            log.info("DCP2D layer pipelining: %d DSA layers write their KV inside a fused kernel; save_kv_layer "
+                     "follows it on each (vllm_compat/dsa.py)", len(self._fused))
+        if unseen:
+            name, why = next(iter(unseen.items()))
+            log.warning("DCP2D layer pipelining is off for %d layers (%s, ...: %s%s): no connector call follows "
+                        "their KV write, so a fetch that waits for a request gets them after its prompt completes",
+                        len(unseen), name, why, f"; {refused}" if refused else "")
 
     def token(self) -> str:
         """The instance's registration token, drawn by TP rank 0. A collective: every
@@ -233,6 +251,8 @@ class ProducerWorker:
         return tuple(p for p in (self.sender, self.http_bootstrap, self.bootstrap) if p is not None)
 
     def unhook(self) -> None:
+        dsa.unhook_fused_writes(self.vllm_config, self._fused)
+        self._fused = []
         if self.layer_split is not None:
             unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
             self.layer_split = None
