@@ -48,7 +48,7 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
            "layer_index", "kv_regions", "page_layout", "kv_layout", "kv_element_order", "kv_scales",
            "model_config_id",
-           "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
+           "check_interleave", "record_event", "stream_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
            "preempted", "single_host", "kv_cache_registers", "num_kv_heads", "tp_broadcast", "prompt_inputs"]
@@ -279,7 +279,14 @@ def layer_index(layer_name: str) -> int:
 def record_event(kv_layer: torch.Tensor):
     """A CUDA event recorded now on the current stream if ``kv_layer`` is on a GPU
     (the sender waits on it before reading the layer), else None."""
-    if not kv_layer.is_cuda:
+    return stream_event(kv_layer.is_cuda)
+
+
+def stream_event(on_gpu: bool):
+    """A CUDA event recorded now on the current stream (the model runner's: vLLM 0.32-0.34
+    run the forward, the sampler and the drafter on it) where the KV is on a GPU, else None:
+    it completes once every kernel queued before it did."""
+    if not on_gpu:
         return None
     event = torch.cuda.Event()
     event.record()
