@@ -34,7 +34,8 @@ if [ -n "$version" ]; then
   case "$version" in 0.32.0|0.33.0|0.34.0) ;; *) fail args "--vllm $version: vllm_dcp2d supports 0.32.0, 0.33.0 and 0.34.0" ;; esac
   [[ "$install_timeout" =~ ^[1-9][0-9]*$ ]] || fail args "--install-timeout $install_timeout: expected whole seconds > 0"
 fi
-[ -z "$wheels" ] || [ -n "$version" ] || fail args "--wheels $wheels: give --vllm VERSION too (the wheels are installed into .venv-gpu-VERSION)"
+[ -z "$wheels" ] || [ -n "$version" ] \
+  || fail args "--wheels $wheels: give --vllm VERSION too (the wheels are installed into .venv-gpu-VERSION)"
 need=("vllm==$version" "mooncake-transfer-engine>=0.3.13" "pyzmq>=25")
 if [ -n "$wheels" ]; then
   [ -d "$wheels" ] || fail wheels "--wheels $wheels: not a directory"
@@ -71,7 +72,8 @@ if [ -n "$version" ]; then
     if [ "$rc" = 124 ]; then
       fail install "installing vllm==$version ran past --install-timeout $install_timeout s (log $log)"
     elif [ "$rc" != 0 ]; then
-      fail install "pip exited $rc installing vllm==$version from ${wheels:-the package index}: $(grep -m1 -E '^ERROR' "$log" || tail -1 "$log") (log $log)"
+      why=$(grep -m1 -E '^ERROR' "$log" || tail -1 "$log")
+      fail install "pip exited $rc installing vllm==$version from ${wheels:-the package index}: $why (log $log)"
     fi
     echo "$stamp" > "$venv/.ok"
     echo "[gpu-check] installed in $((SECONDS - t0)) s"
