@@ -1,7 +1,7 @@
 """``vllm-dcp2d`` command line.
 
   vllm-dcp2d plan   --num-layers 78 --cp 8 --dcp 4 --tokens 32768 --page-size 64 \\
-                    (--bytes-per-token-layer 576 | --cache latent:656 --cache indexer:132)
+                    (--bytes-per-token-layer 576 | --cache latent:656 --cache indexer:132[:FF(SSSF)])
                     [--draft-layers N] [--shuffle SEED] [--json]
   vllm-dcp2d plan   --kv-heads 8 --prefill-tp 2 --decode-tp 2 [--dcp 1] --num-layers 32 --page-size 16 \\
                     --tokens 8192 [--head-bytes 512] [--layout hnd|nhd] [--cp N] [--json]
@@ -35,9 +35,13 @@ def _plan(argv: list[str]) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--bytes-per-token-layer", type=int, default=None,
                     help="KV bytes per token per layer (default 576: GLM-5.2's MLA latent, 512 + 64)")
-    ap.add_argument("--cache", action="append", default=None, metavar="NAME:BYTES",
-                    help="a cache every layer holds, with its bytes per token (repeat it; instead of "
-                         "--bytes-per-token-layer): GLM-5.2 with sparse MLA: --cache latent:656 --cache indexer:132")
+    ap.add_argument("--cache", action="append", default=None, metavar="NAME:BYTES[:PATTERN]",
+                    help="a cache the layers hold, with its bytes per token (repeat it; instead of "
+                         "--bytes-per-token-layer): GLM-5.2 with sparse MLA: --cache latent:656 --cache indexer:132. "
+                         "PATTERN: which of the target's layers hold it, one letter per layer as vLLM's "
+                         "index_topk_pattern (F holds it, S does not: a 'shared' layer reusing an earlier "
+                         "layer's top-k), a part in parentheses repeated: indexer:132:FF(SSSF) is "
+                         "index_topk_freq=4; draft layers hold every cache")
     ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                     help="use shuffled block ids drawn with this seed")
     ap.add_argument("--draft-layers", type=int, default=0,
@@ -89,12 +93,15 @@ def _plan_heads(ap, args, argv: list[str]) -> int:
     return 0
 
 
-def _cache(text: str) -> tuple[str, int]:
-    """``--cache NAME:BYTES`` -> (name, bytes per token and layer); ValueError naming it."""
-    name, _, value = text.rpartition(":")
-    if not name or not value.isdigit() or int(value) < 1:
-        raise ValueError(f"--cache {text!r}: expected NAME:BYTES with BYTES >= 1 (e.g. latent:656)")
-    return name, int(value)
+def _cache(text: str) -> tuple[str, int, str | None]:
+    """``--cache NAME:BYTES[:PATTERN]`` -> (name, bytes per token and layer, layer pattern or
+    None); ValueError naming it."""
+    parts = text.split(":")
+    name, value, pattern = parts[0], parts[1] if len(parts) > 1 else "", parts[2] if len(parts) == 3 else None
+    if len(parts) not in (2, 3) or not name or not value.isdigit() or int(value) < 1 or pattern == "":
+        raise ValueError(f"--cache {text!r}: expected NAME:BYTES[:PATTERN] with BYTES >= 1 (e.g. latent:656, "
+                         f"indexer:132:FF(SSSF))")
+    return name, int(value), pattern
 
 
 def main(argv: list[str] | None = None) -> int:
