@@ -261,7 +261,8 @@ def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
         stalls.append(-1)
         raise TransferError(peer, len(desc), -1, 0, " (stalled)")
 
-    s.gate.transport = type("T", (), {"write": staticmethod(stalled), "max_batch": 1024})()
+    s.gate.transport = type("T", (), {"write": staticmethod(stalled), "max_batch": 1024,
+                                      "opened": staticmethod(lambda peer: True)})()
     s.gate.open()
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)

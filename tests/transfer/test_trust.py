@@ -621,14 +621,15 @@ def test_junk_behind_the_magic_bytes_costs_a_rank_a_head_hash(stack, monkeypatch
     assert sent > 2 and max(counting.hashed) < 1 << 20, sorted(counting.hashed)[-3:]
 
 
-def _attempt(p: Prefill, key: str, tokens: int, digest: str, wait_s: float, attempt: int) -> tuple[bytes, float]:
-    """One attempt on a fresh link registered as a session of this host: the raw answer
+def _attempt(p: Prefill, key: str, tokens: int, digest: str, wait_s: float, attempt: int,
+             session: str = "127.0.0.1:9") -> tuple[bytes, float]:
+    """One attempt on a fresh link registered as ``session`` (of this host): the raw answer
     and how long it took (the stranger's view of a refusal)."""
     kv = np.zeros((L, 8, PAGE_BYTES), np.uint8)
     sock = sockets.socket(zmq.DEALER)
     try:
         sock.connect(p.sender.address)
-        sock.send(encode(RegisterConsumer.of("D", "127.0.0.1:9", Memory([kv.ctypes.data], [kv.nbytes]))))
+        sock.send(encode(RegisterConsumer.of("D", session, Memory([kv.ctypes.data], [kv.nbytes]))))
         req = TransferRequest.build(regions=regions(kv), block_ids=DST_IDS, transfer_key=key, attempt_id=attempt,
                                     engine_id="D", consumer_rank=0, consumer_size=1, dcp_size=1, dcp_rank=0,
                                     num_tokens=tokens, first_page=0, num_blocks=8, fingerprint=FP, wait_s=wait_s,
