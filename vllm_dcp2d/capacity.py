@@ -261,15 +261,16 @@ def format_seed_table1(t: dict) -> str:
         f"(pool x dcp model), or its pool and graphs {_gb(d['draft_reserved_bytes_fixed_pool'])} (fixed model)",
         f"§8 read literally (a draft token costs all 78 layers' bytes, x dcp_size): DCP=1 could hold at most "
         f"{_tok(d['dcp1_tokens_if_draft_pool_is_full_kv'])} tokens even with no draft graphs, not 1.17M",
-        f"{'figure':<30}{'seed':>8}{'pool x dcp':>12}{'dev':>8}{'fixed pool':>12}{'dev':>8}  role",
+        f"{'figure':<30}{'seed':>8}{'pool x dcp':>12}{'dev':>8}{'req':>5}{'fixed pool':>12}{'dev':>8}{'req':>5}  role",
     ]
     for figure, seed, caps, role in t["rows"]:
         cells = ""
         for m in ("dcp", "fixed"):
             v = caps[m].tokens_per_group
             dev = f"{100 * (v / seed - 1):+.1f}%" if seed else "-"
-            cells += f"{_tok(v):>12}{dev:>8}"
+            cells += f"{_tok(v):>12}{dev:>8}{caps[m].requests:>5}"
         out.append(f"{figure:<30}{_tok(seed) if seed else '-':>8}{cells}  {role}")
-    out.append("tokens = the DCP group's (rank 0's x DCP size), whole pages of 64; a deviation within 2% "
-               "reproduces the seed's figure")
+    req = t["rows"][0][2]["dcp"].request_tokens
+    out.append(f"tokens = the DCP group's (rank 0's x DCP size), whole pages of 64; a deviation within 2% "
+               f"reproduces the seed's figure; req = concurrent requests of {req:,} tokens that fit")
     return "\n".join(out)
