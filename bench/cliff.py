@@ -64,9 +64,8 @@ def kv_bytes_for(fit: int, max_len: int) -> int:
 
 def planner_fits(kv_bytes: int, dcp: int, max_len: int) -> int:
     """Requests of ``max_len`` the planner says a DCP group holds (less vLLM's null block)."""
-    return capacity(Memory(kv_cache_bytes=kv_bytes - PAGE * LAYERS * TOKEN_LAYER_BYTES), target_layers=LAYERS,
-                    bytes_per_token_layer=TOKEN_LAYER_BYTES, page_size=PAGE, dcp_size=dcp,
-                    request_tokens=max_len).requests
+    return capacity(Memory(kv_cache_bytes=kv_bytes - PAGE * LAYERS * TOKEN_LAYER_BYTES),
+                    token_bytes=LAYERS * TOKEN_LAYER_BYTES, page_size=PAGE, dcp_size=dcp, request_tokens=max_len).requests
 
 
 def prefill_server(work: Path, model: str, max_len: int, seqs: int, name: str = "prefill"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -127,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {m} | {v:.2f} | {'-' if b is None else f'{b:.2f}'} | {verdict(m, v, b, a.tolerance, a.floor_ms)} "
               f"| {src} |")
     if a.record:
-        print(f"\n```gate\n# {cpu}; {time.strftime('%Y-%m-%d')}; bench/gate.py --requests {a.requests} --fit {a.fit}")
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
+                              cwd=BENCHMARKS.parent).stdout.strip() or "?"
+        print(f"\n```gate\n# {cpu}; {time.strftime('%Y-%m-%d')}; {head}; bench/gate.py --requests {a.requests} "
+              f"--fit {a.fit}")
         for m, v in now.items():
-            print(f"{cls} {m} {v:.3g} gate.py on this host")
+            print(f"{cls} {m} {v:.3g} gate.py on {head}, {cpu.split(',')[0]}")
         print("```")
     return 0
 

@@ -16,7 +16,8 @@ Every ``--sample-s``, per process (prefill, decode, proxy: each server's whole s
 core and workers included): RSS, threads, open fds; per instance: KV usage, blocks in
 quarantine (``vllm:dcp2d_blocks_in_quarantine``), running and waiting requests. Printed: the
 outcomes, and per process and quantity the median just after warm-up (before the first
-fault) against the median of the load's last 15% (after both faults), with a verdict ("flat":
+fault) against the median of the load's last 15% (after both faults: the load goes on for a fifth of
+the run after the prefill is resumed), with a verdict ("flat":
 RSS no more than ``--slack`` above, threads and fds within 5% + 2; KV usage and quarantined
 blocks back to 0 once the load ended and the cluster drained);
 ``--png``: every series over time, the faults marked; ``--json``: the samples.
@@ -138,10 +139,15 @@ def flatness(s: Sampler, early: tuple[float, float], late: tuple[float, float], 
     for name in ("prefill", "decode", "proxy"):
         for key, label, scale in WATCHED:
             pts = s.series(name, key)
+            if not pts:  # not sampled for this process (the proxy has no KV)
+                continue
+            if key not in (METRICS[0], METRICS[1]):  # a session with no process is a dead server: not a sample
+                pts = [(t, v) for t, v in pts if v > 0]
             e = [v * scale for t, v in pts if early[0] <= t < early[1]]
             lt = [v * scale for t, v in pts if late[0] <= t < late[1]]
             after = [v * scale for t, v in pts if t >= drained]
             if not e or not lt:
+                out.append((name, label, float("nan"), float("nan"), float("nan"), "NO SAMPLES in a window"))
                 continue
             em, lm, peak = float(np.median(e)), float(np.median(lt)), max(v * scale for _, v in pts)
             if key in (METRICS[0], METRICS[1]):
@@ -220,9 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             with Clients(c, a, a.concurrency) as clients:
                 f = threading.Thread(target=faults, args=(c, s, t0, total, marks), daemon=True)
                 f.start()
-                while time.monotonic() < t0 + total or f.is_alive():
+                report = t0 + 60
+                # the load goes on to the end of the run, and a fifth of the run after the last fault
+                while f.is_alive() or time.monotonic() < max(t0 + total, marks[-1][0] + 0.2 * total):
                     time.sleep(1.0)
-                    if int(time.monotonic() - t0) % 60 == 0:
+                    if time.monotonic() >= report:
+                        report += 60
                         kinds = [d[1] for d in list(clients.done)]
                         print(f"  {(time.monotonic() - t0) / 60:5.1f} min: " + ", ".join(
                             f"{k} {kinds.count(k)}" for k in sorted(set(kinds))), flush=True)
@@ -233,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     done = clients.done
     kinds = {k: sum(d[1] == k for d in done) for k in ("equal", "wrong", "error", "unclear", "hung_up", "unverified")}
     load_end = next(t for t, what in marks if what == "load ends")
-    early, late = (t0 + a.warmup * total, marks[0][0]), (load_end - 0.15 * (load_end - t0), load_end)
+    recovered = next(t for t, what in marks if what == "prefill SIGCONT")
+    early, late = (t0 + a.warmup * total, marks[0][0]), (max(recovered, load_end - 0.15 * (load_end - t0)), load_end)
     rows = flatness(s, early, late, load_end, a.slack)
     print(f"\n{host_cpu()}; {a.minutes:g} min of agent sessions ({a.turns} turns from {a.base} tokens, +{a.step}; "
           f"{a.out_tokens} output tokens) from {a.concurrency} clients, every {a.hang_up_every}th hanging up\n")
@@ -244,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, label, em, lm, peak, verdict in rows:
         print(f"{name:<8} {label:<22} {em:>13.2f} {lm:>10.2f} {peak:>10.2f}  {verdict}")
     print("after warm-up = median from the end of the warm-up to the first fault; end = median of the load's "
-          "last 15%; KV usage and quarantined blocks must be 0 once the load ended and the cluster drained")
+          "last 15% after the last fault; KV usage and quarantined blocks must be 0 once the load ended and the cluster drained")
     for d in [d for d in done if d[1] in ("wrong", "unclear")][:10]:
         print(f"  {d[1]}: {d[2]}")
     if a.json:

@@ -52,8 +52,7 @@ def test_seed_table1_fixed_draft_pool_reproduces_it_and_pool_x_dcp_does_not():
 def test_demo_decode_capacity_is_what_its_engine_logs(kv_bytes, dcp, tokens):
     """Tiny llama-mqa, TP=2: 4 layers, one KV head (replicated over TP) of 32 fp32 dims, K and V:
     256 B per token and layer on a rank, 32-token pages."""
-    c = capacity(Memory(kv_cache_bytes=kv_bytes), target_layers=4, bytes_per_token_layer=256, page_size=32,
-                 dcp_size=dcp, request_tokens=1024)
+    c = capacity(Memory(kv_cache_bytes=kv_bytes), token_bytes=4 * 256, page_size=32, dcp_size=dcp, request_tokens=1024)
     assert c.tokens_per_group == tokens
     assert c.tokens_per_rank == tokens // dcp
 
@@ -77,6 +76,9 @@ def test_cli_seed_table1_and_a_plan():
     assert rows[(4, "no draft")]["requests"] == 34_777 // cdiv(500_000, 256)
     p = run("plan", "--capacity", "--gpu-memory", "288XB")
     assert p.returncode == 2 and "size '288XB'" in p.stderr
+    p = run("plan", "--capacity", "--gpu-memory", "80GB", "--num-layers", "33", "--draft-layers", "1",
+            "--draft-pool", "fixed")
+    assert p.returncode == 2 and "--draft-pool-bytes" in p.stderr
 
 
 def test_parse_bytes():
@@ -94,15 +96,14 @@ def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="draft pool 'half'"):
         Draft(1, 576, "half")
     with pytest.raises(ValueError, match="DCP size 0"):
-        capacity(Memory(kv_cache_bytes=1 << 20), target_layers=1, bytes_per_token_layer=1, page_size=1,
-                 dcp_size=0, request_tokens=1)
+        capacity(Memory(kv_cache_bytes=1 << 20), token_bytes=1, page_size=1, dcp_size=0, request_tokens=1)
     with pytest.raises(ValueError, match="leaves no KV"):
-        capacity(Memory(kv_cache_bytes=1 << 20), target_layers=1, bytes_per_token_layer=1, page_size=1,
-                 dcp_size=1, request_tokens=1, draft=Draft(1, 1, "fixed", pool_bytes=1 << 20))
+        capacity(Memory(kv_cache_bytes=1 << 20), token_bytes=1, page_size=1, dcp_size=1, request_tokens=1,
+                 draft=Draft(1, 1, "fixed", pool_bytes=1 << 20))
 
 
 geometry = st.fixed_dictionaries({
-    "target_layers": st.integers(1, 100), "bytes_per_token_layer": st.integers(1, 4096),
+    "token_bytes": st.integers(1, 400_000),
     "page_size": st.sampled_from([1, 16, 32, 64, 128]), "request_tokens": st.integers(1, 2_000_000)})
 drafts = st.one_of(st.none(), st.builds(Draft, st.integers(1, 3), st.integers(1, 4096), st.sampled_from(["dcp", "fixed"]),
                                         st.integers(0, 1 << 26), st.integers(0, 1 << 26)))

@@ -4,9 +4,9 @@
 One decode rank's memory: ``gpu_bytes * utilization`` minus the weights, the LoRA
 experts, the activation peak and the CUDA graphs is the KV budget (or vLLM's
 ``--kv-cache-memory-bytes`` given directly). The target's KV is paged: a page is
-``page_size`` tokens of every target layer, ``page_size * target_layers *
-bytes_per_token_layer`` bytes on one rank (all of a layer's caches: sparse MLA's latent and
-indexer). With DCP=N a rank holds every N-th page of a sequence (``layout.dcp_page_owner``),
+``page_size`` tokens of every target layer, ``page_size * token_bytes`` bytes on one rank
+(``token_bytes``: a token's bytes over every target layer and cache on that rank: sparse MLA's
+latent and, in the layers that have one, the indexer's keys). With DCP=N a rank holds every N-th page of a sequence (``layout.dcp_page_owner``),
 so the group holds N times the tokens a rank holds; a request of T tokens takes
 ``cdiv(T, N * page_size)`` pages of each rank (rank 0 holds the most), which is vLLM's own
 ``cdiv(cdiv(T, N), block_size)``.
@@ -121,7 +121,7 @@ class Capacity:
     dcp_size: int
     page_size: int
     kv_budget_bytes: int
-    page_bytes: int               # one target page on one rank: page_size x target layers x bytes
+    page_bytes: int               # one target page on one rank: page_size x token_bytes
     pages_per_rank: int
     draft_pages_per_rank: int
     draft_reserved_bytes: int     # the draft's graphs, plus its pool if fixed
@@ -138,18 +138,17 @@ class Capacity:
         return self.tokens_per_rank * self.dcp_size
 
 
-def capacity(memory: Memory, *, target_layers: int, bytes_per_token_layer: int, page_size: int, dcp_size: int,
-             request_tokens: int, draft: Draft | None = None) -> Capacity:
+def capacity(memory: Memory, *, token_bytes: int, page_size: int, dcp_size: int, request_tokens: int,
+             draft: Draft | None = None) -> Capacity:
     """The capacity of one decode rank and its DCP group; ValueError naming a bad input.
 
-    ``bytes_per_token_layer``: one rank's KV bytes per token of one target layer, all its caches
-    (MLA's latent is replicated over TP, a GQA model's heads are split: give one rank's share)."""
-    if min(target_layers, bytes_per_token_layer, page_size, dcp_size, request_tokens) < 1:
-        raise ValueError(f"target layers {target_layers}, bytes per token and layer {bytes_per_token_layer}, "
-                         f"page size {page_size}, DCP size {dcp_size}, request tokens {request_tokens}: "
-                         f"expected >= 1 each")
+    ``token_bytes``: one rank's KV bytes per token over every target layer and cache (MLA's
+    latent is replicated over TP, a GQA model's heads are split: give one rank's share)."""
+    if min(token_bytes, page_size, dcp_size, request_tokens) < 1:
+        raise ValueError(f"bytes per token {token_bytes}, page size {page_size}, DCP size {dcp_size}, "
+                         f"request tokens {request_tokens}: expected >= 1 each")
     budget = memory.kv_budget()
-    page_bytes = page_size * target_layers * bytes_per_token_layer
+    page_bytes = page_size * token_bytes
     reserved, per_page, draft_ratio = 0, page_bytes, 0
     if draft is not None:
         reserved = draft.graphs_bytes + (draft.pool_bytes if draft.pool == "fixed" else 0)
@@ -229,8 +228,7 @@ def seed_table1(request_tokens: int = 500_000) -> dict:
                            graphs_bytes=budget - t1 * (kv_token + draft_token)),
               "fixed": Draft(s["draft_layers"], s["bytes_per_token_layer"], "fixed",
                              pool_bytes=budget - t1 * kv_token)}
-    geo = dict(target_layers=s["target_layers"], bytes_per_token_layer=s["bytes_per_token_layer"],
-               page_size=s["page_size"], request_tokens=request_tokens)
+    geo = dict(token_bytes=kv_token, page_size=s["page_size"], request_tokens=request_tokens)
     rows = []
     for dcp in (1, 4, 8):
         for kind in ("none", "draft"):

@@ -159,6 +159,8 @@ def _plan_capacity(argv: list[str]) -> int:
         if args.cache and args.bytes_per_token_layer is not None:
             raise ValueError("give --cache or --bytes-per-token-layer, not both")
         per_layer = sum(b for _, b in map(_cache, args.cache)) if args.cache else args.bytes_per_token_layer or 576
+        if args.draft_layers and args.draft_pool == "fixed" and not args.draft_pool_bytes:
+            raise ValueError("--draft-pool fixed: give the pool's size with --draft-pool-bytes")
         if not 0 <= args.draft_layers < args.num_layers:
             raise ValueError(f"--draft-layers {args.draft_layers}: expected 0 <= it < --num-layers {args.num_layers}")
         mem = cap.Memory(args.gpu_memory, args.memory_utilization, args.weights,
