@@ -74,6 +74,14 @@ def test_cli_seed_table1_and_a_plan():
     assert rows[(4, "no draft")]["pages_per_rank"] == 10**11 // 2_875_392 == 34_777
     assert rows[(4, "draft (dcp pool)")]["pages_per_rank"] == 95 * 10**9 // (2_875_392 + 4 * 36_864)
     assert rows[(4, "no draft")]["requests"] == 34_777 // cdiv(500_000, 256)
+    # sparse MLA: the latent in every layer, the indexer in 2 + 76 / 4 = 21 of the 78 target layers
+    p = run("plan", "--capacity", "--kv-cache-memory-bytes", "100GB", "--num-layers", "79", "--draft-layers", "1",
+            "--cache", "latent:656", "--cache", "indexer:132:FF(SSSF)", "--dcp", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = {r["draft"]: r for r in json.loads(p.stdout)["rows"]}
+    assert rows["no draft"]["page_bytes"] == 64 * (78 * 656 + 21 * 132)
+    # the MTP layer holds both caches, and with the pool x dcp draft 2 draft pages per target page
+    assert rows["draft (dcp pool)"]["pages_per_rank"] == 100 * 10**9 // (64 * (78 * 656 + 21 * 132 + 2 * 788))
     p = run("plan", "--capacity", "--gpu-memory", "288XB")
     assert p.returncode == 2 and "size '288XB'" in p.stderr
     p = run("plan", "--capacity", "--gpu-memory", "80GB", "--num-layers", "33", "--draft-layers", "1",

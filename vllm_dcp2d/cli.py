@@ -8,7 +8,7 @@
                     (KV heads sharded over TP: the 3D paths, layer x head x page)
   vllm-dcp2d plan --capacity (--gpu-memory 288GB [--memory-utilization 0.9] [--weights B] [--lora-experts N
                     --lora-expert-bytes B] [--activations B] [--cuda-graphs B] | --kv-cache-memory-bytes B)
-                    --num-layers 79 --draft-layers 1 (--bytes-per-token-layer 576 | --cache NAME:BYTES ...)
+                    --num-layers 79 --draft-layers 1 (--bytes-per-token-layer 576 | --cache NAME:BYTES[:PATTERN] ...)
                     --page-size 64 --dcp 1,4,8 --tokens 500000 [--draft-pool dcp|fixed] [--draft-pool-bytes B]
                     [--draft-graphs B] [--draft-bytes-per-token-layer B] [--json]
   vllm-dcp2d plan --capacity --seed-table1  (the seed's Table 1: what is derived, what is predicted)
@@ -104,6 +104,7 @@ def _plan_heads(ap, args, argv: list[str]) -> int:
 
 def _plan_capacity(argv: list[str]) -> int:
     from vllm_dcp2d import capacity as cap
+    from vllm_dcp2d.report import layer_pattern
 
     ap = argparse.ArgumentParser(prog="vllm-dcp2d plan --capacity",
                                  description="KV tokens per decode rank and DCP group, and the requests of a length "
@@ -132,8 +133,9 @@ def _plan_capacity(argv: list[str]) -> int:
                          "--draft-layers 1)")
     ap.add_argument("--bytes-per-token-layer", type=int, default=None,
                     help="one rank's KV bytes per token of one layer (default 576: GLM-5.2's latent)")
-    ap.add_argument("--cache", action="append", default=None, metavar="NAME:BYTES",
-                    help="a cache every layer holds, bytes per token on one rank (repeat it)")
+    ap.add_argument("--cache", action="append", default=None, metavar="NAME:BYTES[:PATTERN]",
+                    help="a cache the layers hold, bytes per token on one rank (repeat it; PATTERN as for plan: "
+                         "which target layers hold it, e.g. indexer:132:FF(SSSF))")
     ap.add_argument("--draft-bytes-per-token-layer", type=int, default=None,
                     help="the draft's, if not the target's")
     ap.add_argument("--draft-pool", choices=("dcp", "fixed"), default="dcp",
@@ -158,11 +160,15 @@ def _plan_capacity(argv: list[str]) -> int:
             return 0
         if args.cache and args.bytes_per_token_layer is not None:
             raise ValueError("give --cache or --bytes-per-token-layer, not both")
-        per_layer = sum(b for _, b in map(_cache, args.cache)) if args.cache else args.bytes_per_token_layer or 576
         if args.draft_layers and args.draft_pool == "fixed" and not args.draft_pool_bytes:
             raise ValueError("--draft-pool fixed: give the pool's size with --draft-pool-bytes")
         if not 0 <= args.draft_layers < args.num_layers:
             raise ValueError(f"--draft-layers {args.draft_layers}: expected 0 <= it < --num-layers {args.num_layers}")
+        target = args.num_layers - args.draft_layers
+        caches = [_cache(c) for c in args.cache] if args.cache else [("kv", args.bytes_per_token_layer or 576, None)]
+        # a cache with a layer pattern is in the target's layers it names; draft layers hold every cache
+        token_bytes = sum(b * (int(layer_pattern(p, target).sum()) if p else target) for _, b, p in caches)
+        per_layer = sum(b for _, b, _ in caches)
         mem = cap.Memory(args.gpu_memory, args.memory_utilization, args.weights,
                          args.lora_experts * args.lora_expert_bytes, args.activations, args.cuda_graphs,
                          args.kv_cache_memory_bytes)
@@ -174,8 +180,7 @@ def _plan_capacity(argv: list[str]) -> int:
         for dcp in (int(x) for x in args.dcp.split(",")):
             for label, d in ((("no draft", None),) + ((f"draft ({args.draft_pool} pool)", draft),) if draft else
                              (("no draft", None),)):
-                rows.append((label, cap.capacity(mem, target_layers=args.num_layers - args.draft_layers,
-                                                  bytes_per_token_layer=per_layer, page_size=args.page_size,
+                rows.append((label, cap.capacity(mem, token_bytes=token_bytes, page_size=args.page_size,
                                                   dcp_size=dcp, request_tokens=args.tokens, draft=d)))
     except ValueError as e:
         ap.error(str(e))
