@@ -52,20 +52,21 @@ DECODE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vll
 
 
 def max_len_for(tokens: int) -> int:
-    """``--max-model-len`` for requests of ``tokens`` (prompt and output): whole pages and one more."""
-    return cdiv(tokens, PAGE) * PAGE + PAGE
+    """``--max-model-len`` for requests of ``tokens`` (prompt and output), in whole pages: no more,
+    or a DCP=1 decode sized for ``--fit 1`` would not start (vLLM wants one such request to fit)."""
+    return cdiv(tokens, PAGE) * PAGE
 
 
-def kv_bytes_for(fit: int, max_len: int) -> int:
-    """The KV budget per decode rank that holds ``fit`` requests of ``max_len`` tokens at DCP=1,
-    plus the block vLLM keeps back (its null block)."""
-    return (fit * cdiv(max_len, PAGE) + 1) * PAGE * LAYERS * TOKEN_LAYER_BYTES
+def kv_bytes_for(fit: int, tokens: int) -> int:
+    """The KV budget per decode rank that holds ``fit`` requests of ``tokens`` (prompt and output)
+    at DCP=1, plus the block vLLM keeps back (its null block)."""
+    return (fit * cdiv(tokens, PAGE) + 1) * PAGE * LAYERS * TOKEN_LAYER_BYTES
 
 
-def planner_fits(kv_bytes: int, dcp: int, max_len: int) -> int:
-    """Requests of ``max_len`` the planner says a DCP group holds (less vLLM's null block)."""
+def planner_fits(kv_bytes: int, dcp: int, tokens: int) -> int:
+    """Requests of ``tokens`` the planner says a DCP group holds (less vLLM's null block)."""
     return capacity(Memory(kv_cache_bytes=kv_bytes - PAGE * LAYERS * TOKEN_LAYER_BYTES),
-                    token_bytes=LAYERS * TOKEN_LAYER_BYTES, page_size=PAGE, dcp_size=dcp, request_tokens=max_len).requests
+                    token_bytes=LAYERS * TOKEN_LAYER_BYTES, page_size=PAGE, dcp_size=dcp, request_tokens=tokens).requests
 
 
 def prefill_server(work: Path, model: str, max_len: int, seqs: int, name: str = "prefill"):
@@ -193,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(a.prompt_tokens if "long" in workloads else 0,
                   a.base + a.step * (a.turns - 1) if "agent" in workloads else 0) + a.out_tokens
     max_len = max_len_for(longest)
-    kv = kv_bytes_for(a.fit, max_len)
+    kv = kv_bytes_for(a.fit, longest)
     work = Path(a.work or tempfile.mkdtemp(prefix="dcp2d-cliff-"))
     model = build_tiny_model("llama-mqa", work / "model", dtype="float32")
     seqs = 4 * max(conc) * max(1, a.turns)
-    print(f"{host_cpu()}; decode KV {kv:,} B per rank (DCP=1 holds {a.fit} of {max_len} tokens); logs in {work}",
+    print(f"{host_cpu()}; decode KV {kv:,} B per rank (DCP=1 holds {a.fit} of {longest} tokens); logs in {work}",
           flush=True)
     rows, prefill = [], prefill_server(work, model, max_len, seqs)
     try:
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     for c in conc:
                         r = run_point(proxy.url, prefill.url, decode.url, model, stats, w, c, a,
                                       seed=10**7 * dcp + 10**5 * c + (0 if w == "long" else 5 * 10**4))
-                        rows.append({**r, "dcp": dcp, "tp": max(2, dcp), "fits": planner_fits(kv, dcp, max_len)})
+                        rows.append({**r, "dcp": dcp, "tp": max(2, dcp), "fits": planner_fits(kv, dcp, longest)})
                         print(fmt_row(rows[-1]), flush=True)
     finally:
         prefill.stop()
