@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     recovered = next(t for t, what in marks if what == "prefill SIGCONT")
     early, late = (t0 + a.warmup * total, marks[0][0]), (max(recovered, load_end - 0.15 * (load_end - t0)), load_end)
     rows = flatness(s, early, late, load_end, a.slack)
-    print(f"\n{host_cpu()}; {a.minutes:g} min of agent sessions ({a.turns} turns from {a.base} tokens, +{a.step}; "
+    print(f"\n{host_cpu()}; {(load_end - t0) / 60:.1f} min (--minutes {a.minutes:g}) of agent sessions ({a.turns} turns from {a.base} tokens, +{a.step}; "
           f"{a.out_tokens} output tokens) from {a.concurrency} clients, every {a.hang_up_every}th hanging up\n")
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in kinds.items()) + f"; KV usage after the drain {usage}")
     for t, what in marks:
