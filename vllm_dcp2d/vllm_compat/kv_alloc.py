@@ -12,7 +12,8 @@ from types import SimpleNamespace as NS
 
 import torch
 
-__all__ = ["allocate_kv", "allocate_sparse_mla", "sparse_mla_specs", "logical_pages", "kv_cache_layouts"]
+__all__ = ["allocate_kv", "allocate_sparse_mla", "sparse_mla_specs", "logical_pages", "kv_cache_layouts",
+           "instance_kv_capacity"]
 
 
 def kv_cache_layouts():
@@ -133,3 +134,37 @@ def logical_pages(t: torch.Tensor, blocks: int) -> torch.Tensor:
     if t.shape[0] == blocks:
         return t
     return t.unflatten(0, (blocks, -1)).transpose(1, 2).reshape(blocks, t.shape[1], -1, t.shape[3])
+
+
+def instance_kv_capacity(model: str, layer_specs: dict, *, tp: int, dcp: int, kv_cache_bytes: int, block: int,
+                         max_model_len: int, dtype: str = "float32", layout: str = "LBHNC") -> dict:
+    """What vLLM's engine core plans for a ``vllm serve`` instance of ``model`` whose every TP
+    worker reports ``layer_specs`` (layer name -> ``KVCacheSpec``) and has ``kv_cache_bytes``
+    (``--kv-cache-memory-bytes``): vLLM's own ``VllmConfig`` (``EngineArgs``, as the CLI builds
+    it), ``get_kv_cache_configs``, ``generate_scheduler_kv_cache_config`` and
+    ``get_kv_cache_capacity`` (its "KV cache size: N tokens" line), no engine started.
+
+    Returns ``num_blocks`` (per worker: each holds that many blocks of every group),
+    ``block_tokens`` (the token span of a group-0 block in the scheduler,
+    ``resolve_dcp_kv_block_size``), ``tokens`` and ``max_concurrency`` (of ``max_model_len``)
+    as vLLM logs them, and ``groups`` ([(layer names, dcp_sharded)])."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs  # 0.33
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs  # 0.32
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_kv_cache_capacity,
+                                             resolve_dcp_kv_block_size)
+
+    vc = EngineArgs(model=model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=block,
+                    dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                    enforce_eager=True).create_engine_config()
+    vc.cache_config.kv_cache_layout = layout  # what the engine core resolves before planning (CPU: LBHNC)
+    configs = get_kv_cache_configs(vc, [dict(layer_specs) for _ in range(tp)], [kv_cache_bytes] * tp)
+    sched = generate_scheduler_kv_cache_config(configs)
+    tokens, concurrency = get_kv_cache_capacity(vc, sched)
+    group0 = sched.kv_cache_groups[0].kv_cache_spec
+    return {"num_blocks": sched.num_blocks, "block_tokens": resolve_dcp_kv_block_size(group0, dcp),
+            "tokens": tokens, "max_concurrency": concurrency,
+            "groups": [(list(g.layer_names), bool(getattr(g.kv_cache_spec, "dcp_sharded", True)))
+                       for g in sched.kv_cache_groups]}
