@@ -238,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
             marks.append((time.monotonic(), "load ends"))
             usage = c.wait_drained()
             time.sleep(2 * a.sample_s)  # samples of the drained cluster
-        t1 = time.monotonic()
     done = clients.done
     kinds = {k: sum(d[1] == k for d in done) for k in ("equal", "wrong", "error", "unclear", "hung_up", "unverified")}
     load_end = next(t for t, what in marks if what == "load ends")

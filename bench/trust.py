@@ -45,7 +45,7 @@ def stats(xs: list[float]) -> str:
 
 def messages() -> list:
     from vllm_dcp2d.transfer.messages import Fingerprint, QueryRanks, TransferOutcome, TransferRequest
-    from vllm_dcp2d.plan import KVRegions, Memory
+    from vllm_dcp2d.plan import KVRegions
 
     fp = Fingerprint("glm", 78, 64, "fp8_e4m3", 36864, "N64,C576:kv_c|k_pe", "sha256:x@main")
     regions = KVRegions.uniform(np.arange(78), (1 << 30) + np.arange(78) * (1 << 24), 36864)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from vllm_dcp2d.capacity import Draft, Memory, capacity, parse_bytes, seed_table1
 from vllm_dcp2d.layout import cdiv, dcp_page_owner
-from tests.test_cli import run
+from tests.support.cli import run
 
 
 def test_seed_table1_fixed_draft_pool_reproduces_it_and_pool_x_dcp_does_not():

@@ -1,19 +1,10 @@
 """`vllm-dcp2d plan` on the seed's GLM-5.2 configuration (design §5.3, §6.1)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-CLI = [sys.executable, "-m", "vllm_dcp2d.cli"]
-
-
-def run(*args):
-    # 240 s: `compat` imports vLLM, which took over 60 s on a loaded 2-core machine
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+from tests.support.cli import run
 
 
 def test_plan_json_matches_seed_numbers():

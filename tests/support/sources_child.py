@@ -229,7 +229,7 @@ if runner == "v2":
     import numpy as np  # noqa: E402
     from vllm.model_executor.models.utils import compute_skip_topk_layers  # noqa: E402
 
-    from tests.vllm_compat.test_kv_alloc import transfer_exact  # noqa: E402
+    from tests.support.kv_layouts import transfer_exact  # noqa: E402
 
     configs = {"indexer_types": NS(index_topk=2048, num_hidden_layers=6,
                                    indexer_types=["full", "full", "shared", "full", "shared", "shared"]),

@@ -20,8 +20,8 @@ import zmq
 
 from tests.support.stranger import run as stranger
 from tests.support.transfer import wait_fetch
-from tests.transfer.test_safety import SRC_IDS, TOKENS
-from tests.transfer.test_trust import DIGEST, SECRET, Decode, Prefill
+from tests.support.pair import SRC_IDS, TOKENS
+from tests.support.one_rank import DIGEST, SECRET, Decode, Prefill
 from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.transfer import consumers, sockets
 from vllm_dcp2d.transfer.auth import Auth

@@ -21,7 +21,7 @@ import zmq
 
 from tests.support.fake_rank import FakeRank, outcome
 from tests.support.transfer import PD, wait_fetch
-from tests.transfer.test_safety import DST_IDS, FP, L, SRC_IDS, TOKENS, Side, regions, wait_until
+from tests.support.pair import DST_IDS, FP, L, SRC_IDS, TOKENS, Side, regions, wait_until
 from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer

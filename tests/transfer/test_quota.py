@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.stranger import run as stranger
-from tests.transfer.test_send_ledger import request
-from tests.transfer.test_safety import TOKENS
-from tests.transfer.test_trust import DIGEST, Decode, Prefill
+from tests.support.pair import request
+from tests.support.pair import TOKENS
+from tests.support.one_rank import DIGEST, Decode, Prefill, attempt
 from vllm_dcp2d.transfer import send_ledger
 from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferOutcome, decode, encode
 from vllm_dcp2d.transfer.quota import Quota
@@ -145,7 +145,6 @@ def test_a_source_whose_sessions_fail_their_handshake_gets_no_more_probes(stack)
     ones at once, without a probe; a session already open is not, and neither is another
     source."""
     from tests.support.bad_peers import closed_session
-    from tests.transfer.test_trust import _attempt  # a request on a fresh link registered as session "127.0.0.1:9"
 
     p = Prefill(stack)
     for i in range(10):
@@ -153,7 +152,7 @@ def test_a_source_whose_sessions_fail_their_handshake_gets_no_more_probes(stack)
     answers = []
     for i in range(10):
         t0 = time.monotonic()
-        got, _ = _attempt(p, f"k{i}", TOKENS, DIGEST, 0.0, i, session=closed_session())
+        got, _ = attempt(p, f"k{i}", TOKENS, DIGEST, 0.0, i, session=closed_session())
         answers.append((decode(got, TransferOutcome).reason, time.monotonic() - t0))
     assert all("did not answer its handshake" in r for r, _ in answers[:8]), answers
     for reason, seconds in answers[8:]:
