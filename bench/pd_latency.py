@@ -3,10 +3,12 @@
 Cluster on loopback: tiny ``llama-mqa`` in float32 (a bench copy with 16K positions),
 prefill TP=2 = 2 layer-split CP ranks (``kv_producer``), decode TP=2 DCP=2 with a
 ``stats_file``, and ``vllm-dcp2d proxy`` (sequential, and a second one ``--pipelined``); prefix caching off on both instances.
-For each prompt length, ``--requests`` distinct prompts, each sent three ways in
+For each prompt length, ``--requests`` distinct prompts, each sent every way in
 turn (so each way sees the machine in the same state), 8 output tokens, greedy:
 
   colocated   the prefill instance alone, as a plain request (how issue 29 measured it)
+  colocated TP=2 DCP=2  a plain instance of the decode's own shape (issue 49): PD minus it
+              is what the transfer costs, it minus colocated what DCP costs
   PD          through the proxy
   PD pipelined  through ``vllm-dcp2d proxy --pipelined`` (the decode asks first; layers
               go as they are computed)
@@ -17,8 +19,9 @@ turn (so each way sees the machine in the same state), 8 output tokens, greedy:
               decode (``decode_body`` with the prefill's ``kv_transfer_params``)
 
 Every answer must equal the colocated one (token ids); a mismatch stops the bench.
-Printed: end-to-end p50 / p99 / max per way, PD minus colocated (difference of the
-medians, issue 29's target), and the stages of PD by hand: the prefill hop, the
+Printed, with the host's CPU and the flags that pick vLLM's CPU build: end-to-end p50 / p99 / max per
+way, PD minus colocated (difference of the medians, issue 29's target) split into the transfer's
+cost and DCP's, and the stages of PD by hand: the prefill hop, the
 decode hop and inside it, from the decode's ``stats_file``: admit (its API server
 receiving the request to the scheduler recording its load), the fetch (slowest decode
 rank's ``fetch_seconds``), the wait from the fetch's end to the step that reported it
@@ -27,7 +30,7 @@ its first step, and the rest (the other decode steps, HTTP, and the gaps between
 stages). A warm-up round per length is not counted.
 
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/pd_latency.py \
-        [--lengths 100,400,2000,8000] [--requests 30] [--out-tokens 8]
+        [--lengths 100,400,2000,8000] [--requests 30] [--out-tokens 8] [--no-routers] [--no-pipelined]
 
 With ``--out-tokens 1`` the stages of PD by hand are a TTFT split: "rest" is then the
 HTTP around the decode hop and the gaps between its stages.
@@ -49,12 +52,14 @@ from vllm_dcp2d.proxy.app import decode_body, prefill_body
 from vllm_dcp2d.local.servers import (free_port, post_json, proxy_server, read_stats, router_server, vllm_server,
                                         wait_all)
 from vllm_dcp2d.local.tiny_models import build_tiny_model
+from vllm_dcp2d.local.workload import host_cpu, pct
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 PAGE = 32
 OUT_TOKENS = 8      # --out-tokens; 1 makes the decode hop's "rest" the first decode step
 MAX_LEN = 8448      # set from --lengths: the longest prompt and its output, in whole pages
+COLOCATED_DCP = "colocated TP=2 DCP=2"
 
 
 def long_model(path: Path, positions: int) -> str:
@@ -76,11 +81,6 @@ def prompt(n: int, seed: int) -> list[int]:
 def body(model: str, ids: list[int]) -> dict:
     return {"model": model, "prompt": ids, "max_tokens": OUT_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True}
-
-
-def pct(xs, q: float) -> float:
-    xs = [x for x in xs if x == x]
-    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
 
 
 def timed(url: str, payload: dict) -> tuple[float, dict]:
@@ -111,7 +111,11 @@ def tokens(out: dict) -> list[int]:
     return out["choices"][0]["token_ids"]
 
 
-def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") -> None:
+def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto", routers: bool = True,
+        pipelined: bool = True) -> dict:
+    """Start the cluster, measure every way at every length, stop it; returns ``{"rows": [(length,
+    {way: [seconds]})], "stages": [(length, {stage: [seconds]})], "inside": [(length, PD mean,
+    {proxy histogram: mean})]}`` (``report`` prints them)."""
     model = long_model(work / "model", max(16384, MAX_LEN))
     stats = work / "decode-stats.jsonl"
     common = dict(block_size=PAGE, dtype="float32", kv_cache_bytes=256 << 20, max_model_len=MAX_LEN,
@@ -120,18 +124,27 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") ->
                           extra_config={"bootstrap_port": free_port()}, **common)
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=2,
                          extra_config={"stats_file": str(stats), "transfer_timeout_s": 120.0}, **common)
+    # the decode's own shape without PD: PD minus it is the transfer's cost, it minus the
+    # prefill instance (TP=2, DCP=1) is DCP's
+    colocated_dcp = vllm_server("colocated-dcp2", model, free_port(), work, role="", tp=2, dcp=2, extra_config={},
+                                **common)
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work)
-    pipelined = proxy_server(free_port(), [prefill.url], [decode.url], work, name="proxy-pipelined", pipelined=True)
-    routers = {f"vllm-router {mode}": router_server(free_port(), [prefill], [decode], work, mode, f"router-{mode}")
-               for mode in ("nixl", "mooncake")}
-    procs = [prefill, decode, proxy, pipelined, *routers.values()]
+    procs = [prefill, decode, colocated_dcp, proxy]
+    ways = {COLOCATED_DCP: colocated_dcp.url, "PD": proxy.url}
+    if pipelined:
+        procs.append(proxy_server(free_port(), [prefill.url], [decode.url], work, name="proxy-pipelined",
+                                  pipelined=True))
+        ways["PD pipelined"] = procs[-1].url
+    for mode in ("nixl", "mooncake") if routers else ():
+        procs.append(router_server(free_port(), [prefill], [decode], work, mode, f"router-{mode}"))
+        ways[f"vllm-router {mode}"] = procs[-1].url
     try:
         for p in procs:
             p.start()
         wait_all(procs, 900)
         rows, stages, inside = [], [], []
         for length in lengths:
-            e2e = {"colocated": [], "PD": [], "PD pipelined": [], **{name: [] for name in routers}, "PD by hand": []}
+            e2e = {"colocated": [], **{name: [] for name in ways}, "PD by hand": []}
             hops = {k: [] for k in ("prefill hop", "decode hop", "admit", "fetch", "reported after", "resume",
                                     "first step", "rest")}
             keys, sums = [], {}
@@ -140,13 +153,9 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") ->
                     sums = proxy_sums(proxy.url)
                 ids = prompt(length, 1000 * length + i)
                 dt_c, ref = timed(prefill.url + "/v1/completions", body(model, ids))
-                dt_p, out = timed(proxy.url + "/v1/completions", body(model, ids))
-                assert tokens(out) == tokens(ref), (length, i, "proxy", tokens(out), tokens(ref))
-                dt_pp, out = timed(pipelined.url + "/v1/completions", body(model, ids))
-                assert tokens(out) == tokens(ref), (length, i, "pipelined", tokens(out), tokens(ref))
-                dt_r = {}
-                for name, router in routers.items():
-                    dt_r[name], out = timed(router.url + "/v1/completions", body(model, ids))
+                dt = {}
+                for name, url in ways.items():
+                    dt[name], out = timed(url + "/v1/completions", body(model, ids))
                     assert tokens(out) == tokens(ref), (length, i, name, tokens(out), tokens(ref))
                 dt_pre, pre = timed(prefill.url + "/v1/completions",
                                     prefill_body(body(model, ids), f"bench-{length}-{i}"))
@@ -156,10 +165,8 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") ->
                 if i == 0:
                     continue
                 e2e["colocated"].append(dt_c)
-                e2e["PD"].append(dt_p)
-                e2e["PD pipelined"].append(dt_pp)
-                for name, dt in dt_r.items():
-                    e2e[name].append(dt)
+                for name, v in dt.items():
+                    e2e[name].append(v)
                 e2e["PD by hand"].append(dt_pre + dt_dec)
                 hops["prefill hop"].append(dt_pre)
                 hops["decode hop"].append(dt_dec)
@@ -185,34 +192,55 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto") ->
                 hops["rest"].append(dec - sum(v for v in stage.values() if v == v))
             rows.append((length, e2e))
             stages.append((length, hops))
-        print(f"\n## PD and colocated end to end ({n} requests per length, {OUT_TOKENS} output tokens, "
-              "prefill TP=2 layer-split -> decode TP=2 DCP=2, tiny llama-mqa fp32, loopback, prefix caching off)\n")
-        print("| prompt tokens | way | p50 (s) | p99 (s) | max (s) | p50 minus colocated p50 (ms) |")
-        print("|---|---|---|---|---|---|")
-        for length, e2e in rows:
-            base = pct(e2e["colocated"], 50)
-            for way, xs in e2e.items():
-                print(f"| {length} | {way} | {pct(xs, 50):.3f} | {pct(xs, 99):.3f} | {max(xs):.3f} | "
-                      f"{(pct(xs, 50) - base) * 1e3:+.0f} |")
-        print("\n## Stages of PD by hand (ms: p50 / p99 / max)\n")
-        names = list(stages[0][1])
-        print("| prompt tokens | " + " | ".join(names) + " |")
-        print("|---|" + "---|" * len(names))
-        for length, hops in stages:
-            cells = [f"{pct(hops[k], 50) * 1e3:.0f} / {pct(hops[k], 99) * 1e3:.0f} / "
-                     f"{max(hops[k]) * 1e3:.0f}" for k in names]
-            print(f"| {length} | " + " | ".join(cells) + " |")
-        print("\n## Inside the proxy (means, ms; from its own histograms)\n")
-        print("| prompt tokens | PD end to end | proxy request | its prefill call | its decode call | "
-              "proxy's own (request - calls) | outside the proxy (end to end - request) |")
-        print("|---|---|---|---|---|---|---|")
-        for length, e2e_mean, m in inside:
-            req, pre, dec = m.get("request", float("nan")), m.get("prefill", float("nan")), m.get("decode", float("nan"))
-            print(f"| {length} | {e2e_mean * 1e3:.0f} | {req * 1e3:.0f} | {pre * 1e3:.0f} | {dec * 1e3:.0f} | "
-                  f"{(req - pre - dec) * 1e3:.0f} | {(e2e_mean - req) * 1e3:.0f} |")
+        return {"rows": rows, "stages": stages, "inside": inside}
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def split(e2e: dict[str, list[float]]) -> dict[str, float]:
+    """Medians, ms: PD minus colocated (what PD adds), and that split into the transfer's cost
+    (PD minus the decode's shape colocated) and DCP's (the decode's shape minus the prefill's)."""
+    p50 = {k: pct(v, 50) * 1e3 for k, v in e2e.items()}
+    return {"pd": p50["PD"] - p50["colocated"], "transfer": p50["PD"] - p50[COLOCATED_DCP],
+            "dcp": p50[COLOCATED_DCP] - p50["colocated"]}
+
+
+def report(res: dict, n: int) -> None:
+    rows, stages, inside = res["rows"], res["stages"], res["inside"]
+    print(f"\n## PD and colocated end to end ({n} requests per length, {OUT_TOKENS} output tokens, "
+          "prefill TP=2 layer-split -> decode TP=2 DCP=2, tiny llama-mqa fp32, loopback, prefix caching off; "
+          f"{host_cpu()})\n")
+    print("| prompt tokens | way | p50 (s) | p99 (s) | max (s) | p50 minus colocated p50 (ms) |")
+    print("|---|---|---|---|---|---|")
+    for length, e2e in rows:
+        base = pct(e2e["colocated"], 50)
+        for way, xs in e2e.items():
+            print(f"| {length} | {way} | {pct(xs, 50):.3f} | {pct(xs, 99):.3f} | {max(xs):.3f} | "
+                  f"{(pct(xs, 50) - base) * 1e3:+.0f} |")
+    print(f"\n## What PD adds, split by cause (p50, ms; {host_cpu()})\n")
+    print(f"| prompt tokens | PD minus colocated | transfer: PD minus {COLOCATED_DCP} | "
+          f"DCP: {COLOCATED_DCP} minus colocated (TP=2, DCP=1) |")
+    print("|---|---|---|---|")
+    for length, e2e in rows:
+        s = split(e2e)
+        print(f"| {length} | {s['pd']:+.0f} | {s['transfer']:+.0f} | {s['dcp']:+.0f} |")
+    print("\n## Stages of PD by hand (ms: p50 / p99 / max)\n")
+    names = list(stages[0][1])
+    print("| prompt tokens | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for length, hops in stages:
+        cells = [f"{pct(hops[k], 50) * 1e3:.0f} / {pct(hops[k], 99) * 1e3:.0f} / "
+                 f"{max(hops[k]) * 1e3:.0f}" for k in names]
+        print(f"| {length} | " + " | ".join(cells) + " |")
+    print("\n## Inside the proxy (means, ms; from its own histograms)\n")
+    print("| prompt tokens | PD end to end | proxy request | its prefill call | its decode call | "
+          "proxy's own (request - calls) | outside the proxy (end to end - request) |")
+    print("|---|---|---|---|---|---|---|")
+    for length, e2e_mean, m in inside:
+        req, pre, dec = m.get("request", float("nan")), m.get("prefill", float("nan")), m.get("decode", float("nan"))
+        print(f"| {length} | {e2e_mean * 1e3:.0f} | {req * 1e3:.0f} | {pre * 1e3:.0f} | {dec * 1e3:.0f} | "
+              f"{(req - pre - dec) * 1e3:.0f} | {(e2e_mean - req) * 1e3:.0f} |")
 
 
 def main() -> None:
@@ -223,17 +251,17 @@ def main() -> None:
     ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
     ap.add_argument("--work", default="", help="directory for the model and logs (default: a temporary one)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="both instances' --kv-cache-dtype (e.g. fp8)")
+    ap.add_argument("--no-routers", action="store_true", help="skip the two vllm-router ways")
+    ap.add_argument("--no-pipelined", action="store_true", help="skip the pipelined proxy")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     if a.out_tokens < 1 or min(lengths) < 1:
         raise SystemExit(f"--out-tokens {a.out_tokens}, --lengths {a.lengths}: expected positive counts")
     OUT_TOKENS = a.out_tokens
     MAX_LEN = max(MAX_LEN, -(-(max(lengths) + OUT_TOKENS) // PAGE) * PAGE + PAGE)
-    if a.work:
-        run(Path(a.work), lengths, a.requests, a.kv_cache_dtype)
-    else:
-        with tempfile.TemporaryDirectory() as d:
-            run(Path(d), lengths, a.requests, a.kv_cache_dtype)
+    with tempfile.TemporaryDirectory() as d:
+        report(run(Path(a.work or d), lengths, a.requests, a.kv_cache_dtype, not a.no_routers, not a.no_pipelined),
+               a.requests)
 
 
 if __name__ == "__main__":

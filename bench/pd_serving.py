@@ -49,6 +49,7 @@ import numpy as np
 
 from vllm_dcp2d.proxy import decode_body, prefill_body
 from vllm_dcp2d.local.servers import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.local.workload import session_stats
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -58,17 +59,7 @@ SHIM = Path(__file__).resolve().parent / "builtin_cpu_shim"
 
 def session_cpu_s(sids: set[int]) -> float:
     """CPU seconds (user + system) of every live process in the sessions ``sids``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            raw = stat.read_text()
-        except OSError:
-            continue
-        f = raw[raw.rindex(")") + 2:].split()  # fields from "state" on: sid is [3], utime/stime [11]/[12]
-        if int(f[3]) in sids:
-            total += int(f[11]) + int(f[12])
-    return total / tick
+    return sum(session_stats(sid)["cpu_s"] for sid in sids)
 
 
 def post(url: str, body: dict, timeout_s: float) -> tuple[int, str | None]:

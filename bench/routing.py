@@ -192,7 +192,7 @@ def decision_latency(lengths=(1000, 8000, 32000, 128000), n_decodes=4, reps=50) 
     its keys hashed), ``learn_answer`` (a text prompt: the prefill answer's ids), the decode
     pick with the affinity map full (65,536 entries) and the release; beside it, what
     ``return_token_ids`` adds to reading the prefill's answer (json of the ids)."""
-    from vllm_dcp2d.proxy.capacity import DecodeInfo
+    from vllm_dcp2d.proxy.fit import DecodeInfo
     from vllm_dcp2d.proxy.routing import Router
     from vllm_dcp2d.proxy.upstreams import Pool
 

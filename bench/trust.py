@@ -20,7 +20,7 @@ tiny test model (4 layers, 2 KV heads of 64 bf16, 32-token pages, DCP 2) and of 
 layers of a 656 B latent and a 132 B indexer key per token, 64-token pages, DCP 4), at 8K and
 32K tokens; ``--device cuda`` runs the torch column on a GPU (no xxh3 column there).
 
-    MC_LOG_LEVEL=ERROR .venv/bin/python bench/trust.py [--reps 30] [--part 1|1b|2|3|all] [--device cpu]
+    MC_LOG_LEVEL=ERROR .venv/bin/python bench/trust.py [--reps 30] [--part 1|1b|2|3|4|all] [--device cpu]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def stats(xs: list[float]) -> str:
 
 def messages() -> list:
     from vllm_dcp2d.transfer.messages import Fingerprint, QueryRanks, TransferOutcome, TransferRequest
-    from vllm_dcp2d.plan import KVRegions, Memory
+    from vllm_dcp2d.plan import KVRegions
 
     fp = Fingerprint("glm", 78, 64, "fp8_e4m3", 36864, "N64,C576:kv_c|k_pe", "sha256:x@main")
     regions = KVRegions.uniform(np.arange(78), (1 << 30) + np.arange(78) * (1 << 24), 36864)
@@ -132,6 +132,48 @@ def part1b(reps: int) -> None:
     for label, n, run in rows:
         times = [run() for _ in range(reps)]
         print(f"| {label} | {n} | {stats(times)} |")
+
+
+def part4(reps: int) -> None:
+    """What the checks of issue 48 cost per message, on a prefill rank's I/O thread: a link's
+    registration (decode + the host and own-session checks + the quota), and what a
+    TransferRequest pays besides decoding (the registration lookup, ``check_inside``, the
+    per-source quota in ``SendLedger.arrive``), for the GLM-5.2 requests of ``messages()``."""
+    from vllm_dcp2d.plan import Memory
+    from vllm_dcp2d.transfer.consumers import Consumers
+    from vllm_dcp2d.transfer.messages import RegisterConsumer, decode, encode
+    from vllm_dcp2d.transfer.send_ledger import Attempt, SendLedger
+
+    memory = Memory([1 << 30], [78 << 24])
+    reg = encode(RegisterConsumer.of("decode-engine", "10.0.0.2:15123", memory))
+    consumers = Consumers("cp rank 0", lambda: {"10.0.0.1:15000"}, sealed=False)
+
+    def register():
+        t0 = time.perf_counter()
+        consumers.register(b"link", decode(reg, RegisterConsumer), "10.0.0.2")
+        return time.perf_counter() - t0
+
+    rows = [("RegisterConsumer: decode + checks + quota (once per link and minute)", len(reg), register)]
+    for label, req in messages()[1:3]:
+        ledger = SendLedger("cp rank 0")
+        def request(req=req):
+            t0 = time.perf_counter()
+            r = consumers.get(b"link")
+            req.check_inside(r.memory)
+            a = Attempt(b"link", req, time.monotonic() + 30, 1000, source=r.source, session=r.session,
+                        memory=r.memory)
+            ledger.arrive(a)
+            ledger.cancel(b"link", req.attempt_id, "bench")  # answered: its quota is given back
+            ledger.take_answers()
+            return time.perf_counter() - t0
+
+        rows.append((f"{label}: lookup + check_inside + quota + arrive/cancel", len(encode(req)), request))
+    print()
+    print("| message | bytes | p50 / p99 / max ms |")
+    print("|---|---|---|")
+    for label, nbytes, run in rows:
+        times = [run() for _ in range(reps)]
+        print(f"| {label} | {nbytes} | {stats(times)} |")
 
 
 def _timed(fn) -> float:
@@ -280,7 +322,7 @@ def _view(bufs, addr: int, nbytes: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--part", choices=["1", "1b", "2", "3", "all"], default="all")
+    ap.add_argument("--part", choices=["1", "1b", "2", "3", "4", "all"], default="all")
     ap.add_argument("--device", default="cpu", help="where part 3 keeps the KV (cpu, cuda)")
     args = ap.parse_args()
     if args.reps < 1:
@@ -293,6 +335,8 @@ def main() -> None:
         part2(args.reps)
     if args.part in ("3", "all"):
         part3(args.reps, args.device)
+    if args.part in ("4", "all"):
+        part4(max(args.reps, 1000))
 
 
 if __name__ == "__main__":

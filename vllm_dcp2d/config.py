@@ -108,8 +108,9 @@ KEYS: dict[str, tuple[str, str]] = {
                 "ends within 60 s (`WRITE_LIMIT_S`) plus Mooncake's progress timeout. Keep it above 70 s plus "
                 "the largest clock difference between prefill and decode hosts."),
     "max_quarantined_blocks": ("consumer", "Blocks one prefill instance may keep quarantined on a decode rank; "
-                               "past it that instance's fetches are refused until its quarantines lift. 0: a "
-                               "quarter of the rank's KV blocks."),
+                               "past it that instance's fetches are refused until its quarantines lift, and past "
+                               "twice it for all instances together every fetch is. 0: a quarter of the rank's KV "
+                               "blocks (at least 64)."),
     "release_unfetched": ("consumer", "A decode instance that will not fetch a request's KV (its prompt is "
                           "cached, it was aborted before its fetch began, its load was refused or its fetch "
                           "failed) tells every prefill CP rank at once (`ReleaseTransfer`), so the prefill frees "

@@ -1,7 +1,8 @@
-"""``scripts/gpu-check.sh``: every GPU path of vllm_dcp2d in one run on one GPU, one PASS/FAIL table.
+"""``scripts/gpu-check.sh``: every GPU path of vllm_dcp2d one GPU can run, one PASS/FAIL table.
 
 Rows (each runs in its own process under a timeout, so a crash or hang is a FAIL
-row, not a lost run):
+row, not a lost run), each printed with what it proves and what it cannot on one GPU
+(``SCOPE``):
 
 * ``mooncake``: KV allocated on the GPU by vLLM's own allocator in two layouts with
   equal page formats, the plan of a CP=2 x DCP=2 reshard, each path written by the
@@ -13,7 +14,9 @@ row, not a lost run):
   and the tiny DeepSeek MLA (576, bf16, 64-token pages, FLASHMLA): every request
   answered, KV moved over the connector, and the Llama's greedy tokens through PD
   equal the prefill instance's own (MLA's count is reported: bf16 and a different
-  kernel path for the last prompt token on decode, docs/connector.md "MLA").
+  kernel path for the last prompt token on decode, docs/connector.md "MLA"). The
+  servers start one after another, each with a fixed KV cache (``--kv-cache-memory-bytes``),
+  so none sizes its KV from free memory another one is still taking.
 * ``vllm-layer-split``, ``vllm-dcp``: SKIP: layer-split prefill (TP>=2) and DCP>1 run
   one rank per GPU (vLLM's device groups refuse two ranks on one device); run the demo
   with ``--prefill-tp 2`` or ``--decode-dcp 2`` on a 2-GPU host.
@@ -35,6 +38,20 @@ from pathlib import Path
 ROWS = ("mooncake", "vllm-pd", "vllm-layer-split", "vllm-dcp")
 DEVICE_ROWS = ("mooncake",)  # take the device (--device cpu: CPU memory stands in for the GPU's)
 ROW_S = {"mooncake": 120.0}  # vllm-pd: what is left
+# Per row: what a PASS proves, and what it cannot on one GPU (README "On GPUs" says the same).
+SCOPE = {
+    "mooncake": ("byte-exact Mooncake writes of every CP2 x DCP2 path between KV that vLLM allocated on this GPU: "
+                 "dense pages in two layouts, MLA pages CPU -> GPU, sparse MLA's latent and indexer planes",
+                 "RDMA and two hosts (TCP on one host), a copy between two GPUs"),
+    "vllm-pd": ("PD at DCP=1 through the connector on this vLLM's GPU model runner (Model Runner V2 on 0.34): KV "
+                "moved, the tiny Llama's greedy tokens equal the prefill's own, the tiny DeepSeek MLA (FLASHMLA) "
+                "answered",
+                "DCP > 1, layer-split CP > 1 and TP > 1 (one rank per GPU), sparse MLA (DSA) serving, speculative "
+                "decoding, the interleave's cost"),
+    "vllm-layer-split": ("nothing (SKIP)", "layer-split prefill: TP >= 2, one GPU per rank"),
+    "vllm-dcp": ("nothing (SKIP)", "DCP > 1: one GPU per DCP rank"),
+}
+KV_BYTES = 256 << 20  # each vllm-pd server's KV cache: fixed, not a share of free memory
 
 
 def check_mooncake(device: str = "cuda") -> str:
@@ -107,7 +124,11 @@ def check_vllm_pd() -> str:
     from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="dcp2d-gpu-check-"))
-    gpu = ("--gpu-memory-utilization", "0.15", "--enforce-eager", "--max-num-seqs", "4")
+    # A fixed KV cache per server, started one after another: none sizes its KV from free memory
+    # that another is taking. The utilization only passes vLLM's start-up check that so much is
+    # free (0.32, 0.33; 0.34's extensible KV cache skips it): 4 servers of tiny models stay below it.
+    gpu = ("--kv-cache-memory-bytes", str(KV_BYTES), "--gpu-memory-utilization", "0.1", "--enforce-eager",
+           "--max-num-seqs", "4")
     pairs, procs = [], []
     for kind in ("llama-mqa", "deepseek-v2-mla"):
         model = build_tiny_model(kind, work / kind)
@@ -126,9 +147,10 @@ def check_vllm_pd() -> str:
         pairs.append((kind, model, p, x, stats))
         procs += [p, d, x]
     try:
-        for proc in procs:
+        deadline = time.monotonic() + 360
+        for proc in procs:  # one after another (module doc)
             proc.start()
-        wait_all(procs, 360)
+            wait_all([proc], max(1.0, deadline - time.monotonic()))
         notes = []
         for kind, model, p, x, stats in pairs:
             equal = 0
@@ -215,6 +237,10 @@ def main(argv=None) -> int:
     print(f"\n{'check':<14} {'result':<6} {'seconds':>7}  detail")
     for name, res, sec, detail in results:
         print(f"{name:<14} {res:<6} {sec:7.0f}  {detail}")
+    print("\nwhat each row proves, and what it cannot on one GPU:")
+    for name, *_ in results:
+        proves, cannot = SCOPE[name]
+        print(f"  {name}: proves {proves}; cannot: {cannot}")
     return 1 if any(r[1] == "FAIL" for r in results) else 0
 
 

@@ -21,7 +21,9 @@ they pack into ``C``:
   ``fp8_ds_mla`` 656 B per token with its scales inside; beside it in every
   layer the indexer's key cache (DEEPSEEK_V32_INDEXER: 128 fp8 values and a
   float32 scale per token, 132 B). vLLM puts both in one KV cache group with two
-  page sizes; here they are two planes of one KV layer, each with its format.
+  page sizes; here they are two planes of one KV layer, each with its format. A
+  layer that reuses an earlier layer's top-k (vLLM's ``indexer_types`` "shared",
+  ``index_topk_freq``) has the latent plane only.
 
 Two instances exchange pages byte for byte iff their :func:`page_format` strings
 are equal. An fp8 KV cache (``fp8``/``fp8_e4m3``, ``fp8_e5m2``) has the same
@@ -43,6 +45,7 @@ import torch
 from vllm_dcp2d.plan import KVRegions
 
 __all__ = ["kv_regions", "page_format", "kv_content", "kv_dtype_name", "order_digest", "plane_key", "layer_planes",
+           "plane_kind", "plane_kinds", "planes_digest",
            "FP8_DTYPES", "FP8_BACKENDS", "MHA_BACKENDS", "MLA_BACKENDS", "SPARSE_MLA_BACKENDS", "INDEXER_BACKENDS"]
 
 MHA_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
@@ -131,12 +134,26 @@ def plane_key(name: str) -> str:
     return _LAYER_NUMBER.sub(r"\1*\2", name, count=1)
 
 
+def plane_kind(name: str) -> str:
+    """What a cache is within its layer, whoever's layer it is: the name after the layer
+    number ("self_attn.indexer.k_cache"; a draft model's ``draft_model.model.layers.0.
+    self_attn.attn`` is the same kind as the target's ``model.layers.0.self_attn.attn``)."""
+    m = _LAYER_NUMBER.search(name)
+    return name[m.end():] if m else name
+
+
 def layer_planes(kv_caches: dict, layer_ids: dict[str, int] | None, layer_index) -> dict[int, list[str]]:
     """KV layer id -> the names of its caches (planes), in :func:`plane_key` order."""
     planes: dict[int, list[str]] = {}
     for name in kv_caches:
         planes.setdefault(layer_ids[name] if layer_ids else layer_index(name), []).append(name)
     return {lid: sorted(names, key=plane_key) for lid, names in planes.items()}
+
+
+def plane_kinds(planes: dict[int, list[str]]) -> list[str]:
+    """Every :func:`plane_kind` any layer of ``planes`` (``layer_planes``) holds, in the
+    order a layer's planes take (sparse MLA: "self_attn.attn", then "self_attn.indexer.k_cache")."""
+    return sorted({plane_kind(n) for names in planes.values() for n in names})
 
 
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: dict[str, int] | None = None,
@@ -150,49 +167,72 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_ids: d
                 one per head in ``LHBNC`` / ``BHLNC``. Caches with the same KV layer
                 id are that layer's planes (sparse MLA: the latent cache and the
                 indexer's key cache of one layer), each with its own page format;
-                their regions follow one another in :func:`plane_key` order.
+                their regions follow one another in :func:`plane_kind` order. Layers
+                may hold different planes (a DSA layer without an indexer): the regions
+                are those of every kind of plane, and ``region_mask`` marks the ones a
+                layer has (where it has none, ``base`` repeats another layer's, so every
+                base lies in registered memory).
     num_blocks: blocks per layer (``kv_cache_config.num_blocks``).
     layer_ids:  layer name -> KV layer id; default ``layer_index(name)``.
     groups, sharded: layer name -> KV cache group, and each group's sharding;
                 default one sharded group. A layer's planes share one group.
     Returns (regions over KV layer ids, [(addr, nbytes)] of distinct storages).
-    Raises ValueError where layers differ in their planes or page formats.
+    Raises ValueError where one kind of plane has different page formats in two layers.
     """
-    layers, bases, fmt, mem, group_of = [], [], None, {}, []
-    for lid, names in layer_planes(kv_caches, layer_ids, layer_index).items():
-        this, base = [], []
+    planes = layer_planes(kv_caches, layer_ids, layer_index)
+    kinds = plane_kinds(planes)
+    fmt: dict[str, tuple] = {}  # kind -> its page (block stride, run, axes, runs, heads, runs per head)
+    first: dict[str, np.ndarray] = {}  # kind -> bases of the first layer holding it
+    layers, rows, mem, group_of = [], [], {}, []
+    for lid, names in planes.items():
+        row = {}
         for name in names:
+            kind = plane_kind(name)
+            if kind in row:
+                raise ValueError(f"KV layer {lid} holds two caches of kind {kind!r}: {names}")
             t = kv_caches[name]
             block_stride, dims = _page_dims(t, num_blocks, name)
             run, outer = _split_runs(dims, name)
             offsets = np.zeros(1, dtype=np.int64)
             for _, size, stride in outer:  # outermost first: regions in address order
                 offsets = (offsets[:, None] + stride * np.arange(size, dtype=np.int64)).reshape(-1)
-            this.append((block_stride, run, dims, offsets.size, *_head_geometry(dims[len(outer):])))
-            base.append(t.data_ptr() + offsets)
+            page = (block_stride, run, dims, offsets.size, *_head_geometry(dims[len(outer):]))
+            if fmt.setdefault(kind, page) != page:
+                raise ValueError(f"KV cache {name}: pages (block stride, run bytes, axes, runs) {page} differ from "
+                                 f"other layers' {kind!r} caches {fmt[kind]}; DCP2DConnector needs one page format "
+                                 f"per kind of cache")
+            row[kind] = t.data_ptr() + offsets
+            first.setdefault(kind, row[kind])
             storage = t.untyped_storage()
             mem[storage.data_ptr()] = storage.nbytes()
-        if fmt is None:
-            fmt = this
-        elif this != fmt:
-            raise ValueError(f"KV caches {names}: pages (block stride, run bytes, axes, runs) per cache {this} differ "
-                             f"from other layers' {fmt}; DCP2DConnector needs every layer to hold the same caches "
-                             f"in the same formats")
         owners = {groups.get(name, 0) if groups else 0 for name in names}
         if len(owners) != 1:
             raise ValueError(f"KV caches {names} of one layer are in different KV cache groups {sorted(owners)}")
         layers.append(lid)
         group_of.append(owners.pop())
-        bases.append(np.concatenate(base))
+        rows.append(row)
     if not layers:
         raise ValueError("register_kv_caches got no KV cache tensors")
-    stride = np.concatenate([np.full(n, f[0]) for f in fmt for n in [f[3]]])
-    run = np.concatenate([np.full(f[3], f[1]) for f in fmt])
-    heads = np.concatenate([np.full(f[3], f[4]) for f in fmt])
-    runs = np.concatenate([np.full(f[3], f[5]) for f in fmt])
-    regions = KVRegions(np.array(layers), np.array(bases), stride, run, np.array(group_of),
-                        np.array(sharded if sharded else [True]), heads, runs)
+    base = np.array([np.concatenate([row.get(k, first[k]) for k in kinds]) for row in rows])
+    mask = np.array([np.concatenate([np.full(fmt[k][3], k in row) for k in kinds]) for row in rows])
+    per = [fmt[k] for k in kinds]
+    regions = KVRegions(np.array(layers), base, np.concatenate([np.full(f[3], f[0]) for f in per]),
+                        np.concatenate([np.full(f[3], f[1]) for f in per]), np.array(group_of),
+                        np.array(sharded if sharded else [True]), np.concatenate([np.full(f[3], f[4]) for f in per]),
+                        np.concatenate([np.full(f[3], f[5]) for f in per]), None if mask.all() else mask)
     return regions, sorted(mem.items())
+
+
+def planes_digest(kv_caches: dict, layer_ids: dict[str, int] | None, layer_index) -> str | None:
+    """Which kinds of plane each layer holds, as "sha256:<12 hex>" over the KV layer ids in
+    order, or None where every layer holds every kind (the fingerprint's ``layout`` then
+    names the planes alone, as before layers could differ)."""
+    planes = layer_planes(kv_caches, layer_ids, layer_index)
+    kinds = plane_kinds(planes)
+    held = np.array([[k in {plane_kind(n) for n in planes[lid]} for k in kinds] for lid in sorted(planes)])
+    if held.all():
+        return None
+    return "sha256:" + hashlib.sha256(np.packbits(held).tobytes() + str(held.shape).encode()).hexdigest()[:12]
 
 
 def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) -> str:

@@ -123,9 +123,11 @@ def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_i
                    place in the producer's page and in the consumer's.
 
     Order: per (producer group, consumer group), layer-major, then region, then
-    page (then run, then head); runs contiguous on both sides are merged. Returns
-    int64 arrays; no Python loop per page or layer. With equal heads the
-    descriptors are those of whole pages.
+    page (then run, then head); runs contiguous on both sides are merged. A layer
+    moves only the regions it has (``KVRegions.region_mask``: a layer without a
+    plane, e.g. a DSA layer without an indexer cache). Returns int64 arrays; no
+    Python loop per page or layer. With equal heads the descriptors are those of
+    whole pages.
     """
     dcp_size = _check_size("dcp_size", dcp_size)
     dcp_rank = _check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
@@ -172,6 +174,7 @@ def _plan_group(src: KVRegions, src_ids: np.ndarray, layers: np.ndarray, dst: KV
         return Descriptors.empty()
     src_base = src.rows(layers, "producer")  # [L, R]
     dst_base = dst.rows(layers, "consumer")
+    keep = _layer_regions(src, dst, layers)  # [L, R] bool, or None: every layer every region
     # Page offsets, and so the runs along the page axis, are the same for
     # every layer: find them once per region on [Pd] arrays, then add the
     # layer bases. Runs therefore merge within a (layer, region) row.
@@ -191,11 +194,29 @@ def _plan_group(src: KVRegions, src_ids: np.ndarray, layers: np.ndarray, dst: KV
         s.append(src_base[:, j, None] + rs[None, :])  # [L, runs_j]
         d.append(dst_base[:, j, None] + rd[None, :])
         n.append(np.broadcast_to(rn[None, :], (layers.size, rn.size)))
+    if keep is not None:  # layers without some planes: their runs of those regions go
+        runs = [np.broadcast_to(keep[:, j, None], part.shape) for j, part in enumerate(s)]
+        sel = _rows_to_flat(runs)
+        return Descriptors(_rows_to_flat(s)[sel], _rows_to_flat(d)[sel], _rows_to_flat(n)[sel])
     return Descriptors(_rows_to_flat(s), _rows_to_flat(d), _rows_to_flat(n))
 
 
+def _layer_regions(src: KVRegions, dst: KVRegions, layers: np.ndarray) -> np.ndarray | None:
+    """bool ``[L, R]``: the regions each of ``layers`` has, the producer's and the consumer's
+    alike, or None where every one of them has every region. A consumer's regions that came
+    over the wire carry no mask (``TransferRequest``): the producer's own then decides, and
+    the fingerprint (``layout``) has made sure both hold the same planes per layer."""
+    mine = src.masks_of(layers, "producer")
+    theirs = dst.masks_of(layers, "consumer")
+    if not dst.uniform_planes and not np.array_equal(mine, theirs):
+        k = int(np.argwhere((mine != theirs).any(axis=1))[0, 0])
+        raise ValueError(f"layer {int(layers[k])}: the producer has regions {np.flatnonzero(mine[k]).tolist()}, the "
+                         f"consumer {np.flatnonzero(theirs[k]).tolist()} (layers hold different planes)")
+    return None if mine.all() else mine
+
+
 def _rows_to_flat(parts: list[np.ndarray]) -> np.ndarray:
-    """``[L, runs_j]`` per region -> layer-major, region-minor flat int64 ``[n]``."""
+    """``[L, runs_j]`` per region -> layer-major, region-minor flat ``[n]``."""
     if len(parts) == 1:
         return np.ascontiguousarray(parts[0]).reshape(-1)
     return np.concatenate(parts, axis=1).reshape(-1)

@@ -20,6 +20,11 @@ group
     ``i`` in its block ``block_ids[i]`` (a speculative draft's KV runs with DCP
     disabled; a DSA indexer cache is the next such group). A request then has
     one block table per group: a tuple of int sequences, in group order.
+plane
+    One cache of a layer (sparse MLA: the latent and the indexer's keys), one or
+    more regions. Layers may hold different planes (a DSA layer that reuses an
+    earlier layer's top-k has no indexer cache): the regions are those of every
+    plane any layer holds, and ``region_mask`` says which a layer has.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class KVRegions:
                                      them (NHD ``[N, H, C]``). A page of region ``j`` is
                                      ``head_runs`` runs, each ``head_count`` heads of
                                      ``page_bytes / (head_count * head_runs)`` bytes.
+    region_mask:   bool ``[Lh, R]``  whether layer ``layer_ids[k]`` has region ``j`` (default: every
+                                     layer every region). A layer without a plane has none of
+                                     its regions: nothing of it is planned or checked, and its
+                                     ``base`` there is not read.
     """
 
     layer_ids: np.ndarray
@@ -63,6 +72,7 @@ class KVRegions:
     group_sharded: np.ndarray | None = None
     head_count: np.ndarray | None = None
     head_runs: np.ndarray | None = None
+    region_mask: np.ndarray | None = None
 
     def __post_init__(self):
         ids = np.asarray(self.layer_ids, dtype=np.int64).reshape(-1)
@@ -101,11 +111,15 @@ class KVRegions:
         if (heads < 1).any() or (runs < 1).any() or (nbytes % (heads * runs)).any():
             raise ValueError(f"need head_count >= 1 and head_runs >= 1 dividing page_bytes, got head_count "
                              f"{heads.tolist()} head_runs {runs.tolist()} page_bytes {nbytes.tolist()}")
+        mask = (np.ones(base.shape, dtype=bool) if self.region_mask is None
+                else np.asarray(self.region_mask, dtype=bool))
+        if mask.shape != base.shape:
+            raise ValueError(f"region_mask has shape {mask.shape}, expected layers x regions = {base.shape}")
         row_of = np.full(int(ids.max()) + 1 if ids.size else 0, -1, dtype=np.int64)
         row_of[ids] = np.arange(ids.size)
         for name, val in (("layer_ids", ids), ("base", base), ("page_stride", stride), ("page_bytes", nbytes),
                           ("layer_group", group), ("group_sharded", sharded), ("head_count", heads),
-                          ("head_runs", runs), ("_row_of", row_of)):
+                          ("head_runs", runs), ("region_mask", mask), ("_row_of", row_of)):
             object.__setattr__(self, name, val)
 
     @classmethod
@@ -137,7 +151,16 @@ class KVRegions:
         scale = np.where(self.head_count > 1, count, 1)
         nbytes = self.head_bytes * scale
         return KVRegions(self.layer_ids, self.base, np.maximum(self.page_stride, nbytes), nbytes, self.layer_group,
-                         self.group_sharded, scale, self.head_runs)
+                         self.group_sharded, scale, self.head_runs, self.region_mask)
+
+    @property
+    def uniform_planes(self) -> bool:
+        """Every layer has every region (no ``region_mask`` entry is False)."""
+        return bool(self.region_mask.all())
+
+    def masks_of(self, layers: np.ndarray, side: str) -> np.ndarray:
+        """bool ``[n, R]``: the regions each of ``layers`` has; raises if a layer is not held."""
+        return self.region_mask[self._rows_index(layers, side)]
 
     def groups_of(self, layers: np.ndarray, side: str) -> np.ndarray:
         """Group of each of ``layers`` (int64 ``[n]``); raises if a layer is not held."""
@@ -201,23 +224,28 @@ class Memory:
 
 def region_ends(regions: KVRegions, num_blocks: int) -> np.ndarray:
     """int64 ``[L, R]``: one past the last byte ``num_blocks`` blocks of each
-    (layer, region) reach, ``base + (num_blocks - 1) * page_stride + page_bytes``;
-    raises ValueError (naming the layer) where that passes 2^63."""
+    (layer, region) reach, ``base + (num_blocks - 1) * page_stride + page_bytes`` (0 where
+    the layer does not have the region); raises ValueError (naming the layer) where that
+    passes 2^63."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    room = MAX_ADDR - regions.base - regions.page_bytes[None, :]  # no overflow: all terms in [0, 2^63)
-    bad = (room < 0) | ((num_blocks - 1) > room // regions.page_stride[None, :])
+    base = np.where(regions.region_mask, regions.base, 0)  # a region a layer does not have reaches nothing
+    room = MAX_ADDR - base - regions.page_bytes[None, :]  # no overflow: all terms in [0, 2^63)
+    bad = regions.region_mask & ((room < 0) | ((num_blocks - 1) > room // regions.page_stride[None, :]))
     if bad.any():
         k, j = map(int, np.argwhere(bad)[0])
         raise ValueError(f"layer {int(regions.layer_ids[k])} region {j}: base {int(regions.base[k, j])} + "
                          f"{num_blocks - 1} x page_stride {int(regions.page_stride[j])} overflows int64")
-    return regions.base + (num_blocks - 1) * regions.page_stride[None, :] + regions.page_bytes[None, :]
+    ends = base + (num_blocks - 1) * regions.page_stride[None, :] + regions.page_bytes[None, :]
+    return np.where(regions.region_mask, ends, 0)
 
 
 def blocks_within(regions: KVRegions, memory: Memory) -> int:
-    """The most blocks every (layer, region) of ``regions`` has inside ``memory``;
-    raises ValueError (naming the layer) where a region starts outside it."""
+    """The most blocks every (layer, region) of ``regions`` has inside ``memory`` (the
+    regions each layer has); raises ValueError (naming the layer) where a region starts
+    outside it."""
     room = memory.room(regions.base.reshape(-1)).reshape(regions.base.shape)
+    room = np.where(regions.region_mask, room, MAX_ADDR)  # a region a layer does not have needs no room
     if (room < regions.page_bytes[None, :]).any():
         k, j = map(int, np.argwhere(room < regions.page_bytes[None, :])[0])
         raise ValueError(f"layer {int(regions.layer_ids[k])} region {j} at {int(regions.base[k, j]):#x} "

@@ -12,17 +12,21 @@ import numpy as np
 from vllm_dcp2d.plan import Descriptors, KVRegions, plan_request
 from vllm_dcp2d.layout import _check_size, cdiv, cp_layer_range
 
-__all__ = ["synthetic_request", "reshard_matrix", "format_matrix", "matrix_from_records"]
+__all__ = ["synthetic_request", "reshard_matrix", "format_matrix", "matrix_from_records", "layer_pattern"]
 
 _SPACE = 1 << 40  # each synthetic rank gets its own 1 TiB of address space
 
 
 def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int, page_size: int,
-                      page_bytes, shuffle_seed: int | None = None, draft_layers: int = 0):
+                      page_bytes, shuffle_seed: int | None = None, draft_layers: int = 0,
+                      plane_layers: np.ndarray | None = None):
     """Regions and block tables of one request on synthetic addresses.
 
     page_bytes: bytes of one page of one layer, or a sequence of them, one per cache a
     layer holds (its planes: sparse MLA's latent and indexer caches), each its own region.
+    plane_layers: bool ``[num_layers, planes]``, which layer holds which plane (default
+    every layer every plane; a DSA layer that reuses an earlier layer's top-k has no
+    indexer cache): ``KVRegions.region_mask`` on both sides.
     Returns ``(src_regions[cp_size], src_block_ids[P], dst_regions[dcp_size], dst_block_ids)``
     with ``P = cdiv(tokens, page_size)``. ``dst_block_ids`` is ``[M]``, ``M = cdiv(P, dcp_size)``,
     or with ``draft_layers`` (the last layers: a speculative draft's, a replicated group on
@@ -35,6 +39,10 @@ def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int,
                          f"got {tokens}, {page_size}, {planes.tolist() if planes.size > 1 else int(planes[0])}, "
                          f"{draft_layers} of {num_layers}")
     cp_size, dcp_size = _check_size("cp_size", cp_size), _check_size("dcp_size", dcp_size)
+    held = (np.ones((num_layers, planes.size), dtype=bool) if plane_layers is None
+            else np.asarray(plane_layers, dtype=bool))
+    if held.shape != (num_layers, planes.size):
+        raise ValueError(f"plane_layers has shape {held.shape}, expected layers x planes = {(num_layers, planes.size)}")
     pages = cdiv(tokens, page_size)
     local = cdiv(pages, dcp_size)
     rng = np.random.default_rng(shuffle_seed)
@@ -49,14 +57,14 @@ def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int,
     for r in range(cp_size):
         layers = np.array(cp_layer_range(num_layers, cp_size, r), dtype=np.int64)
         base = (r + 1) * _SPACE + _offsets(np.full(layers.size, src_pool), planes)
-        src.append(KVRegions(layers, base, planes, planes))
+        src.append(KVRegions(layers, base, planes, planes, region_mask=held[layers]))
     # Decode: the target's layers, then the draft's, each (layer, plane) a pool of its group's size.
     group = (np.arange(num_layers) >= num_layers - draft_layers).astype(np.int64)
     offsets = _offsets(np.where(group == 1, draft_pool, dst_pool), planes)
     dst = []
     for d in range(dcp_size):
         dst.append(KVRegions(np.arange(num_layers), (cp_size + d + 1) * _SPACE + offsets, planes, planes, group,
-                             np.array([True, False][: 2 if draft_layers else 1])))
+                             np.array([True, False][: 2 if draft_layers else 1]), region_mask=held))
     return src, src_ids, dst, ((dst_ids, draft_ids) if draft_layers else dst_ids)
 
 
@@ -67,23 +75,55 @@ def _offsets(pool: np.ndarray, planes: np.ndarray) -> np.ndarray:
     return (np.cumsum(sizes) - sizes).reshape(pool.size, planes.size)
 
 
+def layer_pattern(pattern: str, num_layers: int) -> np.ndarray:
+    """bool ``[num_layers]``: which layers hold a cache, from ``pattern``, one letter per layer
+    as vLLM's ``index_topk_pattern`` writes them: ``F`` holds it ("full": the layer runs its
+    own indexer), ``S`` does not ("shared": it reuses an earlier layer's top-k). A part in
+    parentheses repeats to the last layer: ``FF(SSSF)`` is vLLM's ``index_topk_freq=4``
+    (with its default ``index_skip_topk_offset`` 2). Raises ValueError naming the pattern."""
+    import re
+
+    m = re.fullmatch(r"([FS]*)(?:\(([FS]+)\))?", pattern)
+    if m is None or not pattern:
+        raise ValueError(f"layer pattern {pattern!r}: expected letters F (holds the cache) and S (does not), one "
+                         f"per layer, the last part in parentheses repeated (e.g. FF(SSSF))")
+    head, tail = m.group(1), m.group(2) or ""
+    if tail:
+        text = head + tail * (max(0, num_layers - len(head)) // len(tail) + 1)
+        text = text[:num_layers]
+    else:
+        text = head
+    if len(text) != num_layers:
+        raise ValueError(f"layer pattern {pattern!r} names {len(text)} layers, the model has {num_layers} "
+                         f"(repeat a part with parentheses: FF(SSSF))")
+    return np.frombuffer(text.encode(), dtype=np.uint8) == ord("F")
+
+
 def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, page_size: int,
                    bytes_per_token_layer: int, shuffle_seed: int | None = None, draft_layers: int = 0,
-                   caches: list[tuple[str, int]] | None = None) -> dict:
+                   caches: list[tuple] | None = None) -> dict:
     """Plan every path of one request and summarize it as a JSON-ready dict.
 
     ``{"paths": [{"cp_rank", "dcp_rank", "layers": [start, end], "pages", "bytes",
     "descriptors"}, ...], "total_bytes", "naive_bytes", "kv_bytes", "draft_kv_bytes", ...}``;
     ``draft_layers``: the last layers, a draft's, sent whole to every DCP rank; ``caches``:
-    ``[(name, bytes per token and layer)]`` of the caches every layer holds (sparse MLA:
-    the latent and the indexer's keys, both DCP-sharded on decode), instead of one cache of
-    ``bytes_per_token_layer``; each one's KV comes back in ``"caches"``.
+    ``[(name, bytes per token and layer[, layer pattern])]`` of the caches the layers hold
+    (sparse MLA: the latent and the indexer's keys, both DCP-sharded on decode), instead of
+    one cache of ``bytes_per_token_layer``; a pattern (:func:`layer_pattern`, over the
+    target's layers) says which layers hold it, every layer without one; a draft's layers
+    hold every cache (vLLM builds an MTP layer's indexer whatever the pattern). Each one's
+    KV comes back in ``"caches"``.
     """
-    caches = caches or [("kv", bytes_per_token_layer)]
-    per_token = [b for _, b in caches]
+    caches = [(c[0], c[1], c[2] if len(c) > 2 else None) for c in caches or [("kv", bytes_per_token_layer)]]
+    per_token = [b for _, b, _ in caches]
     page_bytes = page_size * sum(per_token)
+    held = np.ones((num_layers, len(caches)), dtype=bool)
+    for p, (_, _, pattern) in enumerate(caches):
+        if pattern is not None:
+            held[:num_layers - draft_layers, p] = layer_pattern(pattern, num_layers - draft_layers)
     src, src_ids, dst, dst_ids = synthetic_request(num_layers, cp_size, dcp_size, tokens, page_size,
-                                                   [page_size * b for b in per_token], shuffle_seed, draft_layers)
+                                                   [page_size * b for b in per_token], shuffle_seed, draft_layers,
+                                                   None if held.all() else held)
     plans: dict[tuple[int, int], Descriptors] = plan_request(num_layers, cp_size, src, src_ids, dst, dst_ids)
     pages = len(src_ids)
     paths = []
@@ -92,7 +132,8 @@ def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, pa
         paths.append({"cp_rank": r, "dcp_rank": d, "layers": [lr.start, lr.stop],
                       "pages": len(range(d, pages, dcp_size)), "bytes": desc.nbytes,
                       "descriptors": len(desc)})
-    kv_bytes = num_layers * pages * page_bytes
+    layers_of = held.sum(axis=0)
+    kv_bytes = int(sum(int(n) * pages * page_size * b for n, b in zip(layers_of, per_token)))
     out = {"num_layers": num_layers, "cp_size": cp_size, "dcp_size": dcp_size, "tokens": tokens,
            "page_size": page_size, "pages": pages, "page_bytes": page_bytes, "paths": paths,
            "kv_bytes": kv_bytes, "total_bytes": sum(p["bytes"] for p in paths),
@@ -100,7 +141,8 @@ def reshard_matrix(num_layers: int, cp_size: int, dcp_size: int, tokens: int, pa
            "draft_kv_bytes": draft_layers * pages * page_bytes}
     if len(caches) > 1:
         out["caches"] = [{"name": n, "bytes_per_token_layer": b, "page_bytes": page_size * b,
-                          "kv_bytes": num_layers * pages * page_size * b} for n, b in caches]
+                          "layers": int(layers_of[p]), "kv_bytes": int(layers_of[p]) * pages * page_size * b}
+                         for p, (n, b, _) in enumerate(caches)]
     return out
 
 
@@ -163,7 +205,8 @@ def format_matrix(m: dict) -> str:
     lines = [
         f"2D reshard of one request: {m['num_layers']} layers, CP={m['cp_size']} -> DCP={m['dcp_size']}, "
         f"{m['tokens']} tokens = {m['pages']} pages x {m['page_size']} tokens, "
-        f"{m['page_bytes']} B per page per layer",
+        f"{m['page_bytes']} B per page per layer"
+        + (" with every cache" if any(c["layers"] < m["num_layers"] for c in m.get("caches", ())) else ""),
         "",
         f"{'cp_rank':>7} {'dcp_rank':>8}  {'layers':<10} {'pages':>7} {'bytes':>11} {'descriptors':>11}",
     ]
@@ -191,7 +234,10 @@ def format_matrix(m: dict) -> str:
                      f"{m['draft_layers']} (not sharded on decode): {_human(draft * m['dcp_size'])} = "
                      f"{m['dcp_size']:.2f}x their KV")
     for c in m.get("caches", ()):
+        where = ("every layer" if c.get("layers", m["num_layers"]) == m["num_layers"]
+                 else f"{c['layers']} of the {m['num_layers']} layers")
         lines.append(f"  {c['name']} cache: {c['bytes_per_token_layer']} B per token and layer, its own page format "
-                     f"({c['page_bytes']} B per page), DCP-sharded on decode: {_human(c['kv_bytes'])} of the KV")
+                     f"({c['page_bytes']} B per page), in {where}, DCP-sharded on decode: "
+                     f"{_human(c['kv_bytes'])} of the KV")
     lines.append(f"naive (full KV to every DCP rank): {_human(naive)} = {m['dcp_size']:.2f}x the KV")
     return "\n".join(lines)

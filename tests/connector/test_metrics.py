@@ -156,10 +156,10 @@ def _prom(dcp_size=2, kv_cache_size_tokens=2176):
 @pytest.mark.parametrize("dcp_size,tokens,want", [(2, 2176, "2176"), (2, None, str(34 * 32 * 2)),
                                                   (1, None, str(34 * 32))])
 def test_instance_info_says_what_a_front_routes_by(dcp_size, tokens, want):
-    """``vllm:dcp2d_instance_info`` (what ``vllm-dcp2d proxy`` reads, ``proxy/capacity.py``): 1 per
+    """``vllm:dcp2d_instance_info`` (what ``vllm-dcp2d proxy`` reads, ``proxy/fit.py``): 1 per
     engine, the DCP size, page, length, KV and sequence limits as labels; the KV capacity is
     vLLM's ``kv_cache_size_tokens`` where set, else blocks x page x DCP size."""
-    from vllm_dcp2d.proxy.capacity import DecodeInfo, parse_metrics
+    from vllm_dcp2d.proxy.fit import DecodeInfo, parse_metrics
     from prometheus_client import generate_latest
 
     reg, _ = _prom(dcp_size, tokens)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.support.fake_upstreams import FakeVllm
 from vllm_dcp2d.proxy import Proxy
-from vllm_dcp2d.proxy.capacity import DecodeInfo, Need
+from vllm_dcp2d.proxy.fit import DecodeInfo, Need
 from vllm_dcp2d.proxy.metrics import PREFIX
 from vllm_dcp2d.proxy.routing import Plan, Policy, Router, TooLong
 from vllm_dcp2d.proxy.upstreams import NoHealthyUpstream, Pool
@@ -386,7 +386,7 @@ def test_the_pick_is_the_smallest_dcp_that_fits_with_room(states, prompt, max_to
     if up.info is None:
         assert not any(u.info and need.admitted(u.info) for u in ok)
     elif d.reason == "too_long":  # no decode admits it: the longest context refuses it itself
-        assert not any(need.admitted(u.info) for u in ups)
+        assert not any(u.info is not None and need.admitted(u.info) for u in ups)
         assert up.info.max_model_len == max(u.info.max_model_len for u in ok)
     else:
         assert need.admitted(up.info)

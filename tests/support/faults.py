@@ -71,6 +71,8 @@ class FaultConfig:
     dcp: int = 2
     drain_s: float = 90.0
     start_s: float = 900.0
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 64 << 20
 
     @property
     def bound_s(self) -> float:
@@ -166,13 +168,14 @@ class FaultCluster:
     def _processes(self) -> dict[str, Process]:
         """The servers, on ports free right now."""
         cfg, common = self.cfg, {"stats_file": str(self.stats)}
+        size = {"max_model_len": cfg.max_model_len, "kv_cache_bytes": cfg.kv_cache_bytes}
         procs = {
             "prefill": vllm_server("prefill", self.model, free_port(), self.work, role="kv_producer", tp=2,
-                                   block_size=PAGE, dtype=DTYPE,
+                                   block_size=PAGE, dtype=DTYPE, **size,
                                    extra_config={**common, "bootstrap_port": free_port(),
                                                  "send_timeout_s": cfg.send_timeout_s}),
             "decode": vllm_server("decode", self.model, free_port(), self.work, role="kv_consumer", tp=2,
-                                  dcp=cfg.dcp, block_size=PAGE, dtype=DTYPE, failure_policy="fail",
+                                  dcp=cfg.dcp, block_size=PAGE, dtype=DTYPE, failure_policy="fail", **size,
                                   args=("--max-num-seqs", str(max(8, cfg.concurrency + 2))),
                                   extra_config={**common, "transfer_timeout_s": cfg.transfer_timeout_s,
                                                 "prefill_wait_s": cfg.prefill_wait_s,

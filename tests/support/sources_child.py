@@ -190,6 +190,64 @@ layout = kv_cache_layouts().BLNHC
 out["alloc"] = [kv_regions(allocate_kv(layout, False, 2, 5, 16, 8, 128, torch.bfloat16), 5)[0].page_bytes.tolist(),
                 kv_regions(allocate_sparse_mla(layout, 2, 5), 5)[0].page_bytes.tolist()]
 out["same"] = same
+
+# The DSA architectures on CUDA (issue 51): the class vLLM's registry loads for each (its
+# package's CUDA branch, re-imported with the platform answering "CUDA"), the attention
+# classes of that package, and for each why the plugin would not hear its KV write (None:
+# vLLM's connector call follows it, or the plugin's dsa_fused_kv_write hooks it).
+from vllm_dcp2d.vllm_compat import dsa  # noqa: E402
+
+dsa_out = {}
+was = current_platform.is_cuda, current_platform.is_rocm
+current_platform.is_cuda, current_platform.is_rocm = (lambda: True), (lambda: False)
+try:
+    importlib.reload(importlib.import_module("vllm.models.deepseek_v32"))
+    from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention  # noqa: E402
+    from vllm.model_executor.models.registry import ModelRegistry  # noqa: E402
+
+    fused = dsa.fused_writer_classes()
+    for arch in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV32MTPModel"):
+        cls = ModelRegistry._try_load_model_cls(arch)
+        package = ".".join(cls.__module__.split(".")[:3])
+        layers = {f"{c.__module__}:{c.__qualname__}": c for m in list(sys.modules.values())
+                  if getattr(m, "__name__", "").startswith(package)
+                  for c in vars(m).values() if isinstance(c, type) and issubclass(c, (Attention, MLAAttention))}
+        dsa_out[arch] = {"class": f"{cls.__module__}:{cls.__qualname__}",
+                         "attention": {k: dsa.unseen_writes(c, fused) for k, c in layers.items()},
+                         "fused": sorted(k for k, c in layers.items() if issubclass(c, fused))}
+finally:
+    current_platform.is_cuda, current_platform.is_rocm = was
+out["dsa"] = dsa_out
+
+# Layers without an indexer with vLLM's own settings (0.34: compute_skip_topk_layers), their
+# specs built by the real backends' customize_spec (Hopper and Blackwell), allocated by this
+# version's allocator: each layer's own planes moved byte for byte (tests/vllm_compat/test_kv_alloc).
+if runner == "v2":
+    from types import SimpleNamespace as NS  # noqa: E402
+
+    import numpy as np  # noqa: E402
+    from vllm.model_executor.models.utils import compute_skip_topk_layers  # noqa: E402
+
+    from tests.support.kv_layouts import transfer_exact  # noqa: E402
+
+    configs = {"indexer_types": NS(index_topk=2048, num_hidden_layers=6,
+                                   indexer_types=["full", "full", "shared", "full", "shared", "shared"]),
+               "index_topk_freq=2": NS(index_topk=2048, num_hidden_layers=6, index_topk_freq=2)}
+    skip, L = {}, kv_cache_layouts()
+    for name, hf in configs.items():
+        indexer = sorted(set(range(6)) - compute_skip_topk_layers(hf))
+        moved = []
+        for blackwell in (False, True):
+            current_platform.is_device_capability_family = lambda f, b=blackwell: b and f == 100
+            for src_l, dst_l in ((L.LBNHC, L.BLNHC), (L.BLHNC, L.LBHNC)):
+                src = [allocate_sparse_mla(src_l, 6, 5, indexer_layers=indexer) for _ in range(2)]
+                dst = [allocate_sparse_mla(dst_l, 6, 3, indexer_layers=indexer) for _ in range(2)]
+                masks = kv_regions(dst[0], 3)[0]
+                transfer_exact(src, 5, dst, 3, 6, np.random.default_rng(0))
+                moved.append(sorted(int(lid) for lid, m in zip(masks.layer_ids, masks.region_mask) if m.all()))
+        skip[name] = {"indexer": indexer, "with_indexer": moved}
+    out["skip_topk"] = skip
 # What a GPU host of this version would decide: the registry asked again with the platform
 # answering "not CPU" (CPU-only patches then do not apply; the others are installed above).
 current_platform.is_cpu = lambda: False

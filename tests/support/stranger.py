@@ -51,12 +51,22 @@ from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, Fingerprint, Message
 from vllm_dcp2d.plan import KVRegions, Memory
 
 WAIT_S = 5.0
-SOURCE = "127.0.0.1"  # where its connections come from (``--source``)
+SOURCE = ""  # where its side-channel connections come from (``--source``; "": where routing says)
 
 
 def connect(sock: zmq.Socket, address: str) -> None:
-    """Connect from ``SOURCE`` (ZMQ's ``tcp://source:0;host:port``)."""
-    sock.connect(address.replace("tcp://", f"tcp://{SOURCE}:0;", 1))
+    """Connect from ``SOURCE`` if set (ZMQ's ``tcp://source:0;host:port``)."""
+    sock.connect(address.replace("tcp://", f"tcp://{SOURCE}:0;", 1) if SOURCE else address)
+
+
+def local_address(address: str) -> str:
+    """The address this host's connections to ``address`` come from."""
+    if SOURCE:
+        return SOURCE
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))  # no packet: the kernel picks the route and its address
+        return s.getsockname()[0]
 
 
 def ask(address: str, payload: bytes, wait_s: float = WAIT_S, first: bytes = b"") -> str:
@@ -137,13 +147,13 @@ def _request(t: RankTable, key: str, tokens: int, base: int, wait_s: float = 0.0
         fingerprint=fp, wait_s=wait_s, prompt_digest=digest)
 
 
-def _own(t: RankTable) -> tuple[bytes, int]:
-    """The stranger's own registration (a session on its own host: taken without a
-    secret) and the base address of its memory."""
+def _own(t: RankTable, rank: str) -> tuple[bytes, int]:
+    """The stranger's own registration for its links to ``rank`` (a session on its own host:
+    taken without a secret) and the base address of its memory."""
     memory = np.zeros(t.fingerprint.num_layers * 4 * t.fingerprint.page_bytes, np.uint8)
     _KEEP.append(memory)
-    return encode(RegisterConsumer.of("stranger", f"{SOURCE}:9", Memory([memory.ctypes.data], [memory.nbytes]))), \
-        memory.ctypes.data
+    reg = RegisterConsumer.of("stranger", f"{local_address(rank)}:9", Memory([memory.ctypes.data], [memory.nbytes]))
+    return encode(reg), memory.ctypes.data
 
 
 _KEEP: list = []
@@ -155,8 +165,11 @@ def read(bootstrap: str, key: str = "", tokens: int = 1, **_) -> dict:
     t = table(bootstrap)
     if t is None:
         return {"table": None}
-    reg, base = _own(t)
-    return {addr: ask(addr, encode(_request(t, key, tokens + 7, base)), first=reg) for addr in t.addresses}
+    out = {}
+    for addr in t.addresses:
+        reg, base = _own(t, addr)
+        out[addr] = ask(addr, encode(_request(t, key, tokens + 7, base)), first=reg)
+    return out
 
 
 def deputy(bootstrap: str, key: str = "", tokens: int = 1, digest: str = "", session: str = "",
@@ -186,9 +199,9 @@ def flood(bootstrap: str, conns: int = 1, per: int = 300, **_) -> dict:
     t = table(bootstrap)
     if t is None:
         return {"table": None}
-    reg, base = _own(t)
     out = {}
     for addr in t.addresses:
+        reg, base = _own(t, addr)
         socks = []
         for c in range(conns):
             sock = sockets.socket(zmq.DEALER)
@@ -323,7 +336,7 @@ def main(argv=None) -> int:
     p.add_argument("--memory", default="")
     p.add_argument("--conns", type=int, default=1)
     p.add_argument("--per", type=int, default=300)
-    p.add_argument("--source", default="127.0.0.1")
+    p.add_argument("--source", default="")
     p.add_argument("--seconds", type=float, default=5.0)
     a = p.parse_args(argv)
     global SOURCE

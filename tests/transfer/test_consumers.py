@@ -20,8 +20,8 @@ import zmq
 
 from tests.support.stranger import run as stranger
 from tests.support.transfer import wait_fetch
-from tests.transfer.test_safety import SRC_IDS, TOKENS
-from tests.transfer.test_trust import DIGEST, SECRET, Decode, Prefill
+from tests.support.pair import SRC_IDS, TOKENS
+from tests.support.one_rank import DIGEST, SECRET, Decode, Prefill
 from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.transfer import consumers, sockets
 from vllm_dcp2d.transfer.auth import Auth
@@ -200,3 +200,30 @@ def test_only_the_processs_own_receiver_may_register_its_own_session():
     c.trust(b"own-receiver")
     assert c.register(b"own-receiver", reg("127.0.0.1:7000"), "127.0.0.1").refused == ""
     assert "this prefill rank's own session" in c.register(b"another", reg("127.0.0.1:7000"), "127.0.0.1").refused
+
+
+def test_a_full_table_makes_room_from_the_source_holding_most(monkeypatch):
+    """An idle flood from many addresses (a review: 48 addresses held all 4,096 entries for
+    300 s) cannot keep a new decode out: the source holding the most gives up its least
+    recently used registration to one holding fewer."""
+    monkeypatch.setattr(consumers, "TOTAL", 12)
+    monkeypatch.setattr(consumers, "PER_SOURCE", 6)
+    c = Consumers("cp rank 0", lambda: set(), sealed=False)
+    for i in range(6):
+        assert c.register(b"a%d" % i, reg("10.0.0.2:1"), "10.0.0.2").refused == ""
+    for i in range(5):
+        assert c.register(b"b%d" % i, reg("10.0.0.3:1"), "10.0.0.3").refused == ""
+    for i in range(4):  # the table holds 12: room comes from the biggest source each time
+        assert c.register(b"n%d" % i, reg("10.0.0.9:1"), "10.0.0.9").refused == "", i
+    held = [sum(c.get(b"%s%d" % (x, i)) is not None for i in range(6)) for x in (b"a", b"b", b"n")]
+    assert held == [4, 4, 4] and c.get(b"a0") is None and c.get(b"b0") is None  # the least recently used went
+    assert c.register(b"n4", reg("10.0.0.9:1"), "10.0.0.9").refused  # no source holds more than it would
+
+
+def test_a_session_has_one_spelling():
+    """Leading zeros or another spelling of an address made one session many (its handshake
+    back-off and the own-session check compare strings): refused at decode."""
+    from vllm_dcp2d.transfer.messages import MessageError, decode
+    for bad, why in (("127.0.0.1:0123", "without leading zeros"), ("0:0:0:0:0:0:0:1:5", "write its address as '::1'")):
+        with pytest.raises(MessageError, match=why):
+            decode(encode(reg(bad)))

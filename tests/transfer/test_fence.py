@@ -21,7 +21,7 @@ import zmq
 
 from tests.support.fake_rank import FakeRank, outcome
 from tests.support.transfer import PD, wait_fetch
-from tests.transfer.test_safety import DST_IDS, FP, L, SRC_IDS, TOKENS, Side, regions, wait_until
+from tests.support.pair import DST_IDS, FP, L, SRC_IDS, TOKENS, Side, regions, wait_until
 from vllm_dcp2d.plan import Memory
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
@@ -144,3 +144,49 @@ def test_a_write_already_past_its_fence_is_not_retried(stack):
     assert not s.dst.any()
     assert s.gate.transport.write(s.recv.transport.session_id, desc, [], time.time_ns() + 10 ** 10) == 256
     assert np.array_equal(s.dst.reshape(-1)[:256], s.src.reshape(-1)[:256])
+
+
+def test_a_prefill_clock_behind_the_decodes_moves_the_fence_only_by_the_messages_delay(stack):
+    """A review set the prefill's clock 200 s behind the decode's: an attempt whose fence had
+    passed was still written. The request also carries the time it had left
+    (``budget_ns``), and the rank stops at whichever comes first by its own clock."""
+    s = Side(stack)
+    s.gate.open()
+    sock = sockets.socket(zmq.DEALER)
+    stack.callback(sock.close)
+    sock.connect(s.sender.address)
+    _register(sock, s)
+    req = _request(s, time.time_ns() + 200 * 10 ** 9, 1, wait_s=10.0)  # by this clock, 200 s away ...
+    sock.send(encode(TransferRequest.build(**{**_args(req), "budget_ns": 300_000_000})))  # ... but 0.3 s left
+    wait_until(lambda: s.sender.waiting("x") == 1)
+    time.sleep(0.5)
+    s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
+    assert sock.poll(10_000)
+    out = decode(sock.recv(), TransferOutcome)
+    assert not out.ok and "the decode's deadline for this attempt passed" in out.reason, out.reason
+    assert not s.gate.ended and not s.dst.any()
+
+
+def _args(req: TransferRequest) -> dict:
+    keep = ("transfer_key", "attempt_id", "engine_id", "consumer_rank", "consumer_size", "dcp_size", "dcp_rank",
+            "num_tokens", "first_page", "num_blocks", "fingerprint", "wait_s", "prompt_digest", "not_after_ns")
+    return {k: getattr(req, k) for k in keep} | {"regions": req.regions(), "block_ids": req.tables()}
+
+
+def test_all_prefill_instances_together_keep_at_most_twice_one_instances_share(stack):
+    """A review spread quarantines over five fake instances (and one of them under a second
+    address) past any one instance's cap: all together keep at most twice it."""
+    ranks = []
+    for _ in range(3):
+        boot = stack.enter_context(BootstrapServer())
+        rank = FakeRank(boot.address, FP, None)
+        stack.callback(rank.close)
+        ranks.append(boot.address)
+    r, _ = receiver(stack, timeout_s=3.0, cancel_grace_s=0.2, fence_s=60.0, max_quarantined_blocks=4)
+    for key, boot in zip("ab", ranks):
+        r.start(key, boot, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
+        assert list(wait_fetch(r, key, 20).quarantined) == [0]
+    r.start("c", ranks[2], DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
+    f = wait_fetch(r, "c", 5)
+    assert f.error.reason.startswith("8 blocks of this decode rank are quarantined (at most 8 for all prefill "
+                                     "instances together)"), f.error

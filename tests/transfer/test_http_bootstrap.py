@@ -19,7 +19,8 @@ from http.server import ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from tests.transfer.test_sender_pipelined import DST_IDS, FP, NUM_TOKENS, SRC_IDS, expected_layer, regions, wait_until
+from tests.support.pair import wait_until
+from tests.support.pipelined import DST_IDS, FP, NUM_TOKENS, SRC_IDS, expected_layer, regions
 
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.config import DCP2DConfig

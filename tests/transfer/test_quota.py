@@ -19,10 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.stranger import run as stranger
-from tests.transfer.test_send_ledger import request
-from tests.transfer.test_trust import Decode, Prefill
+from tests.support.pair import request
+from tests.support.pair import TOKENS
+from tests.support.one_rank import DIGEST, Decode, Prefill, attempt
 from vllm_dcp2d.transfer import send_ledger
-from vllm_dcp2d.transfer.messages import ReleaseTransfer, encode
+from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferOutcome, decode, encode
 from vllm_dcp2d.transfer.quota import Quota
 from vllm_dcp2d.transfer.send_ledger import Attempt, SendLedger
 
@@ -133,3 +134,33 @@ def test_a_flood_from_other_hosts_leaves_a_legit_fetch_on_time(stack):
         f = d.fetch(p.boot.address, key)
         assert f.ok and time.monotonic() - t0 < 2.0, (f.error, time.monotonic() - t0)
         assert np.array_equal(d.dst, d.expected(p.src))
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(120)
+def test_a_source_whose_sessions_fail_their_handshake_gets_no_more_probes(stack):
+    """A review named 1,000 silent sessions from one host (each new spelling or port a new
+    session), each probe holding a writer for its bound, and another decode's fetch waited
+    28 s. A source whose new sessions failed their handshake 8 times in 10 s is refused new
+    ones at once, without a probe; a session already open is not, and neither is another
+    source."""
+    from tests.support.bad_peers import closed_session
+
+    p = Prefill(stack)
+    for i in range(10):
+        p.add(f"k{i}")
+    answers = []
+    for i in range(10):
+        t0 = time.monotonic()
+        got, _ = attempt(p, f"k{i}", TOKENS, DIGEST, 0.0, i, session=closed_session())
+        answers.append((decode(got, TransferOutcome).reason, time.monotonic() - t0))
+    assert all("did not answer its handshake" in r for r, _ in answers[:8]), answers
+    for reason, seconds in answers[8:]:
+        assert "Mooncake sessions that failed their handshake: this source (address 127.0.0.1) had 8" in reason
+    d = Decode(stack)  # its session is new too, but its own: the probe answers
+    p.add("legit")
+    assert not d.fetch(p.boot.address, "legit").ok  # same source: refused its new session for now
+    time.sleep(10.5)  # the window passes
+    p.add("later")
+    f = d.fetch(p.boot.address, "later")
+    assert f.ok and np.array_equal(d.dst, d.expected(p.src)), f.error

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.transfer.test_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
+from tests.support.pair import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
 from vllm_dcp2d.transfer import send_ledger
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport

@@ -17,111 +17,22 @@ import numpy as np
 import pytest
 
 from vllm_dcp2d.transfer import send_ledger
-from vllm_dcp2d.transfer.bootstrap import BootstrapServer, register_rank
+from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from tests.support.fake_rank import FakeRank, outcome
 
-from vllm_dcp2d.transfer.messages import Fingerprint, RegisterRank
-from vllm_dcp2d.plan import KVRegions
 from vllm_dcp2d.transfer.receiver import Receiver
-from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport, TransferError
 from tests.support.transfer import PD, wait_fetch, writes_in_flight
+from tests.support.pair import (BLOCKS, DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, Side, deadline_now,
+                                released_then_unchanged, regions, wait_until)
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
-
-L, PAGE, PAGE_BYTES, BLOCKS = 2, 16, 256, 8
-FP = Fingerprint("m", L, PAGE, "uint8", PAGE_BYTES, "test", "cfg")
-SRC_IDS = np.array([5, 0, 6, 2])      # producer block of each of the 4 pages
-DST_IDS = np.array([7, 1, 4, 3])      # decode DCP=1: page i -> block DST_IDS[i]
-TOKENS = 4 * PAGE - 5
-
-
-def regions(kv: np.ndarray) -> KVRegions:
-    return KVRegions.uniform(np.arange(L), kv.ctypes.data + np.arange(L) * kv[0].nbytes, PAGE_BYTES)
-
-
-def wait_until(cond, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
-def deadline_now(recv: Receiver, key: str) -> None:
-    """The fetch of ``key`` reaches its deadline now: a test forces the race it is
-    about (the deadline passing while a write is in flight) instead of hoping a
-    short timeout falls after the fetch reached the rank on a loaded machine."""
-    (f,) = [f for f in recv.ledger.active() if f.transfer_key == key]
-    f.deadline = time.monotonic()
-
-
-class Gate:
-    """A transport whose writes wait until ``open()``: a write stalled in flight.
-    ``ended``: monotonic times at which real writes returned (reads of the source
-    and bytes into the destination happen before that)."""
-
-    def __init__(self, transport):
-        self.transport = transport
-        self.entered = threading.Event()
-        self._open = threading.Event()
-        self.ended: list[float] = []
-
-    def open(self):
-        self._open.set()
-
-    def write(self, peer, desc, stalls=None, not_after_ns=0):
-        self.entered.set()
-        assert self._open.wait(60), "gate never opened"
-        try:
-            return self.transport.write(peer, desc, stalls, not_after_ns)
-        finally:
-            self.ended.append(time.monotonic())
-
-    def __getattr__(self, name):
-        return getattr(self.transport, name)
-
-
-class Side:
-    """One prefill rank (real Sender over a gated Mooncake transport) and one decode
-    rank (real Receiver), byte arrays for KV."""
-
-    def __init__(self, stack: contextlib.ExitStack, sender_kw=None, receiver_kw=None, rank_address=None):
-        rng = np.random.default_rng(0)
-        self.src = rng.integers(1, 255, (L, BLOCKS, PAGE_BYTES), dtype=np.uint8)
-        self.dst = np.zeros((L, BLOCKS, PAGE_BYTES), np.uint8)
-        tp, td = MooncakeTransport(), MooncakeTransport()
-        stack.callback(td.close)
-        stack.callback(tp.close)
-        tp.register(self.src.ctypes.data, self.src.nbytes)
-        self.boot = stack.enter_context(BootstrapServer())
-        self.gate = Gate(tp)
-        self.sender = Sender(self.gate, regions(self.src), FP, engine_id="P", cp_rank=0, cp_size=1,
-                             bootstrap=None if rank_address else self.boot.address, **(sender_kw or {}))
-        stack.callback(self.sender.close)
-        if rank_address:  # the decode reaches the rank through rank_address(sender.address)
-            register_rank(self.boot.address, RegisterRank("P", 0, 1, rank_address(self.sender.address), FP), 5)
-        kw = dict(timeout_s=30.0, cancel_grace_s=0.5) | (receiver_kw or {})
-        self.recv = Receiver(td, regions(self.dst), FP, engine_id="D", buffers=[(self.dst.ctypes.data,
-                                                                                 self.dst.nbytes)], **kw)
-        stack.callback(self.recv.close)
-
-    def expected(self) -> np.ndarray:
-        want = np.zeros_like(self.dst)
-        want[:, DST_IDS] = self.src[:, SRC_IDS]
-        return want
 
 
 @pytest.fixture
 def stack():
     with contextlib.ExitStack() as s:
         yield s
-
-
-def released_then_unchanged(side: Side, settle_s: float = 0.5) -> None:
-    """No byte lands after the caller released the decode blocks."""
-    snapshot = side.dst.copy()
-    time.sleep(settle_s)
-    assert np.array_equal(side.dst, snapshot), "bytes landed after the blocks were released"
 
 
 def test_expiry_waits_for_the_write_in_flight(stack):
@@ -261,7 +172,8 @@ def test_sender_reports_a_timed_out_write_unsettled(stack, monkeypatch):
         stalls.append(-1)
         raise TransferError(peer, len(desc), -1, 0, " (stalled)")
 
-    s.gate.transport = type("T", (), {"write": staticmethod(stalled), "max_batch": 1024})()
+    s.gate.transport = type("T", (), {"write": staticmethod(stalled), "max_batch": 1024,
+                                      "opened": staticmethod(lambda peer: True)})()
     s.gate.open()
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)

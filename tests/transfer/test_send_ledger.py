@@ -9,22 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_dcp2d.transfer import send_ledger
-from vllm_dcp2d.transfer.messages import Fingerprint, ReleaseTransfer, TransferOutcome, TransferRequest
-from vllm_dcp2d.plan import KVRegions, Memory
+from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferOutcome
 from vllm_dcp2d.transfer.send_ledger import Attempt, SendLedger
+from tests.support.pair import request
 from tests.support.transfer import writes_in_flight
-
-FP = Fingerprint("m", 2, 16, "uint8", 256, "test", "cfg")
-KV = np.zeros((2, 8, 256), np.uint8)
-
-
-def request(key="k", attempt=1, engine="D", rank=0, size=1, tokens=40, wait_s=5.0) -> TransferRequest:
-    regions = KVRegions.uniform([0, 1], KV.ctypes.data + np.arange(2) * KV[0].nbytes, 256)
-    return TransferRequest.build(
-        regions=regions, block_ids=np.arange(3), transfer_key=key,
-        attempt_id=attempt, engine_id=engine, consumer_rank=rank, consumer_size=size, dcp_size=1,
-        dcp_rank=0, num_tokens=tokens, first_page=0, num_blocks=8, fingerprint=FP, wait_s=wait_s)
-
 
 class Book:
     """A ledger whose answers are recorded: ``answers[attempt key] -> [outcome, ...]``."""

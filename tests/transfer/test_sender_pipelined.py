@@ -11,29 +11,18 @@ import time
 import numpy as np
 import pytest
 
-from tests.transfer.test_safety import deadline_now
+from tests.support.pair import deadline_now, wait_until
+from tests.support.pipelined import (DST_BLOCKS, DST_IDS, FP, L, NUM_PAGES, NUM_TOKENS, PAGE_BYTES, SRC_BLOCKS,
+                                     SRC_IDS, expected_layer, regions)
 
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
-from vllm_dcp2d.transfer.messages import Fingerprint
-from vllm_dcp2d.plan import KVRegions, plan_path
+from vllm_dcp2d.plan import plan_path
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from tests.support.transfer import PD, wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
-
-L, PAGE_BYTES, SRC_BLOCKS, DST_BLOCKS = 4, 256, 7, 8
-FP = Fingerprint("m", L, 16, "uint8", PAGE_BYTES, "test", "cfg")
-SRC_IDS = np.array([5, 0, 6, 2, 3])          # producer block of each of the 5 pages
-DST_IDS = np.array([7, 1, 4])                # decode DCP rank 1 of 2: pages 1, 3 -> blocks 7, 1
-NUM_PAGES = 5
-NUM_TOKENS = 16 * NUM_PAGES - 7           # the last page is partly filled
-
-
-def regions(kv: np.ndarray) -> KVRegions:
-    return KVRegions.uniform(np.arange(L), kv.ctypes.data + np.arange(L) * kv[0].nbytes, PAGE_BYTES)
-
 
 @pytest.fixture
 def pair():
@@ -53,21 +42,6 @@ def pair():
             sender.close()
             tp.close()
             td.close()
-
-
-def expected_layer(src, layer: int) -> np.ndarray:
-    """Decode rank 1's blocks of ``layer`` after the transfer: pages 1 and 3."""
-    want = np.zeros((DST_BLOCKS, PAGE_BYTES), np.uint8)
-    for page in (1, 3):
-        want[DST_IDS[page // 2]] = src[layer, SRC_IDS[page]]
-    return want
-
-
-def wait_until(cond, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_layers_written_as_they_are_computed(pair):

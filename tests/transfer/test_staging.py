@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.transfer.test_stalled_write import StalledThenRetried
+from tests.support.pair import StalledThenRetried
 from vllm_dcp2d.transfer import send_ledger
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.messages import Fingerprint

@@ -24,34 +24,12 @@ import sys
 import numpy as np
 import pytest
 
-from tests.transfer.test_safety import DST_IDS, SRC_IDS, TOKENS, Side, deadline_now, released_then_unchanged, wait_until
+from tests.support.pair import (DST_IDS, SRC_IDS, TOKENS, Side, StalledThenRetried, deadline_now,
+                                released_then_unchanged, wait_until)
 from vllm_dcp2d.transfer import send_ledger
 from tests.support.transfer import PD, wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
-
-
-class StalledThenRetried:
-    """Every write: the first attempt stalls and is given up (its code goes to
-    ``stalls``, as ``MooncakeTransport.write`` reports it), the retry succeeds. The
-    given-up attempt's descriptors are kept: ``land()`` delivers them late."""
-
-    def __init__(self, real):
-        self.real = real
-        self.max_batch = real.max_batch
-        self.ghosts: list = []
-
-    def write(self, peer, desc, stalls=None, not_after_ns=0):
-        stalls.append(-1)
-        self.ghosts.append((peer, desc))
-        return self.real.write(peer, desc)
-
-    def land(self) -> int:
-        """The given-up attempts' bytes arrive now (a real Mooncake write each)."""
-        return sum(self.real.write(peer, desc) for peer, desc in self.ghosts)
-
-    def __getattr__(self, name):  # register, registered, ...: the real transport's
-        return getattr(self.real, name)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.support.fake_rank import FakeRank, outcome
-from tests.transfer.test_safety import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
+from tests.support.pair import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now, regions, wait_until
 
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, rank_name
 from vllm_dcp2d.transfer import bootstrap as bs

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import zmq
 
-from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, RegisterConsumer, Reply, TransferOutcome, TransferRequest,
                                            decode, encode)

@@ -24,65 +24,21 @@ from tests.support.bad_peers import BadPeer, closed_session
 from tests.support.stranger import result, spawn
 from tests.support.stranger import run as stranger
 from tests.support.wiretap import Answer, Wiretap
-from tests.transfer.test_safety import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions, wait_until
+from tests.support.pair import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions, wait_until
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer import directory, handshake, http_bootstrap
-from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
+from vllm_dcp2d.transfer.auth import Auth
 from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, HttpTableQuery
-from vllm_dcp2d.plan import Memory
-from vllm_dcp2d.transfer.messages import (RegisterConsumer, ReleaseTransfer, TransferOutcome, TransferRequest, decode,
+from vllm_dcp2d.transfer.messages import (ReleaseTransfer, TransferOutcome, decode,
                                            encode, prompt_digest)
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from tests.support.transfer import PD, CountingHmac, query_ranks, wait_fetch
+from tests.support.one_rank import DIGEST, PROMPT, SECRET, Decode, Prefill, attempt
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.multiproc, pytest.mark.timeout(180)]
-
-PROMPT = list(range(TOKENS))
-DIGEST = prompt_digest(PROMPT)
-SECRET = b"k" * 32
-
-
-class Prefill:
-    """One prefill instance of one CP rank: bootstrap with a registration token, a Sender."""
-
-    def __init__(self, stack, auth: Auth = NO_AUTH, token: str = "t0k3n", transport=None, **kw):
-        rng = np.random.default_rng(5)
-        self.src = rng.integers(1, 255, (L, 8, PAGE_BYTES), dtype=np.uint8)
-        self.transport = MooncakeTransport()
-        stack.callback(self.transport.close)
-        self.transport.register(self.src.ctypes.data, self.src.nbytes)
-        self.boot = stack.enter_context(BootstrapServer(token=token, auth=auth))
-        self.sender = Sender(transport(self.transport) if transport else self.transport, regions(self.src), FP,
-                             engine_id="P", cp_rank=0, cp_size=1, bootstrap=self.boot.address, token=token,
-                             auth=auth, **kw)
-        stack.callback(self.sender.close)
-
-    def add(self, key: str = "x", digest: str = DIGEST) -> None:
-        self.sender.add_request(key, SRC_IDS, TOKENS, digest)
-
-
-class Decode:
-    def __init__(self, stack, auth: Auth = NO_AUTH, **kw):
-        self.dst = np.zeros((L, 8, PAGE_BYTES), np.uint8)
-        self.transport = MooncakeTransport()
-        stack.callback(self.transport.close)
-        kw = {"timeout_s": 20.0, "cancel_grace_s": 0.5} | kw
-        self.recv = Receiver(self.transport, regions(self.dst), FP, engine_id="D", auth=auth,
-                             buffers=[(self.dst.ctypes.data, self.dst.nbytes)], **kw)
-        stack.callback(self.recv.close)
-
-    def fetch(self, bootstrap: str, key: str = "x", digest: str = DIGEST, timeout_s: float = 20.0):
-        self.recv.start(key, bootstrap, DST_IDS, num_tokens=TOKENS, prompt_digest=digest, remote_engine_id="P")
-        return wait_fetch(self.recv, key, timeout_s)
-
-    def expected(self, src) -> np.ndarray:
-        want = np.zeros_like(self.dst)
-        want[:, DST_IDS] = src[:, SRC_IDS]
-        return want
-
 
 @pytest.fixture
 def stack():
@@ -621,26 +577,6 @@ def test_junk_behind_the_magic_bytes_costs_a_rank_a_head_hash(stack, monkeypatch
     assert sent > 2 and max(counting.hashed) < 1 << 20, sorted(counting.hashed)[-3:]
 
 
-def _attempt(p: Prefill, key: str, tokens: int, digest: str, wait_s: float, attempt: int) -> tuple[bytes, float]:
-    """One attempt on a fresh link registered as a session of this host: the raw answer
-    and how long it took (the stranger's view of a refusal)."""
-    kv = np.zeros((L, 8, PAGE_BYTES), np.uint8)
-    sock = sockets.socket(zmq.DEALER)
-    try:
-        sock.connect(p.sender.address)
-        sock.send(encode(RegisterConsumer.of("D", "127.0.0.1:9", Memory([kv.ctypes.data], [kv.nbytes]))))
-        req = TransferRequest.build(regions=regions(kv), block_ids=DST_IDS, transfer_key=key, attempt_id=attempt,
-                                    engine_id="D", consumer_rank=0, consumer_size=1, dcp_size=1, dcp_rank=0,
-                                    num_tokens=tokens, first_page=0, num_blocks=8, fingerprint=FP, wait_s=wait_s,
-                                    prompt_digest=digest)
-        t0 = time.monotonic()
-        sock.send(encode(req))
-        assert sock.poll(10_000), "no answer"
-        return sock.recv(), time.monotonic() - t0
-    finally:
-        sock.close()
-
-
 def test_every_mismatch_gets_the_unknown_keys_answer_at_its_time(stack):
     """Round 3, finding 5: a refusal said "length mismatch" or "prompt mismatch", so sweeping
     num_tokens found a request's exact length. Without a secret, an unknown key, another
@@ -650,7 +586,7 @@ def test_every_mismatch_gets_the_unknown_keys_answer_at_its_time(stack):
     p = Prefill(stack, claim_s=3.0)
     p.add("k", DIGEST)
     for wait_s in (0.0, 0.6):
-        answers = [_attempt(p, key, tokens, digest, wait_s, i) for i, (key, tokens, digest) in enumerate([
+        answers = [attempt(p, key, tokens, digest, wait_s, i) for i, (key, tokens, digest) in enumerate([
             ("q", TOKENS, DIGEST), ("k", TOKENS + 1, DIGEST), ("k", TOKENS, prompt_digest(PROMPT[::-1])),
             ("k", TOKENS - 16, "0" * 32)])]
         outcomes = [decode(a, TransferOutcome) for a, _ in answers]
@@ -668,7 +604,7 @@ def test_without_a_secret_a_key_alone_opens_nothing(stack):
     digest is refused (the connector never sends one: ``test_messages_digest``)."""
     p = Prefill(stack, claim_s=60.0)
     p.sender.add_request("e", SRC_IDS, TOKENS, "")
-    got, _ = _attempt(p, "e", TOKENS, "", 0.0, 1)
+    got, _ = attempt(p, "e", TOKENS, "", 0.0, 1)
     assert "must name its prompt's digest (prompt_digest) when the instances share no auth secret" in \
         decode(got, TransferOutcome).reason
     sock = sockets.socket(zmq.DEALER)

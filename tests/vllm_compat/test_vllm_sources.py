@@ -374,3 +374,79 @@ def test_vllm_passes_the_kv_cache_where_the_layer_split_hook_reads_it(version):
                 arg = node.args[KV_CACHE_ARG[kind]] if len(node.args) > KV_CACHE_ARG[kind] else None
                 found.append((node.lineno, getattr(arg, "id", ast.dump(arg) if arg else None)))
         assert found and all(name == "kv_cache" for _, name in found), (version, file, found)
+
+
+DSA_ATTENTION = "vllm.models.deepseek_v32.attention:DeepseekV32Attention"
+
+
+@pytest.mark.timeout(600)
+def test_the_dsa_architectures_kv_writes_reach_the_connector_on_cuda(child):
+    """Issue 51: on CUDA vLLM's registry loads DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
+    (GLM-5.x) and DeepseekV32MTPModel from ``vllm/models/deepseek_v32/nvidia``, whose attention
+    (DeepseekV32Attention) overrides ``MLAAttention.forward`` and writes both caches inside
+    ``fused_norm_rope``, outside the op vLLM's ``maybe_transfer_kv_layer`` wraps. Every
+    attention class of that package must be one whose KV writes a connector hears: vLLM's
+    own ``forward``, or hooked by the plugin (``vllm_compat/dsa.py``, patch
+    ``dsa_fused_kv_write``). A new DSA attention class, or the hook's target gone, fails here."""
+    version, got = child
+    assert set(got["dsa"]) == {"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV32MTPModel"}
+    for arch, seen in got["dsa"].items():
+        assert seen["class"].startswith("vllm.models.deepseek_v32.nvidia."), (version, arch, seen["class"])
+        assert DSA_ATTENTION in seen["attention"] and DSA_ATTENTION in seen["fused"], (version, arch, seen)
+        unheard = {cls: why for cls, why in seen["attention"].items() if why is not None}
+        assert not unheard, (version, arch, unheard)
+    assert got["status_gpu"]["dsa_fused_kv_write"] is None, got["status_gpu"]["dsa_fused_kv_write"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_hooked_method_runs_after_both_caches_of_a_dsa_layer_are_written(version):
+    """The hook fires where ``dsa.METHOD`` returns, so everything that writes a DSA layer's
+    caches must run before that: in this version's ``DeepseekV32Attention.forward`` every call
+    that writes them (``fused_norm_rope``: the latent and the indexer's keys;
+    ``update_kv_cache``: HiSparse) precedes the call of ``dsa.METHOD``, after which only
+    ``o_proj`` runs; inside it the only cache writes are the PCP ones (``do_kv_cache_update``,
+    ``sparse_attn_indexer`` without ``skip_k_cache_insert``), before it returns. And vLLM's
+    own attention op takes the connector call in the order the hook does
+    (``eager_break_during_capture`` outside ``maybe_transfer_kv_layer``)."""
+    from vllm_dcp2d.vllm_compat import dsa
+
+    root = _need(version) / "vllm"
+    tree = ast.parse((root / "models" / "deepseek_v32" / "attention.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepseekV32Attention")
+    fns = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+
+    def calls(fn):
+        out = []
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call):
+                f = node.func
+                out.append((node.lineno, f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)))
+        return sorted(out)
+
+    forward = calls(fns["forward"])
+    at = [line for line, name in forward if name == dsa.METHOD]
+    writes = [line for line, name in forward if name in ("fused_norm_rope", "update_kv_cache", "do_kv_cache_update")]
+    assert len(at) == 1 and writes and max(writes) < at[0], (version, at, writes)
+    assert {name for line, name in forward if line > at[0]} <= {"o_proj"}, (version, forward)
+    inner = {name for _, name in calls(fns[dsa.METHOD])}
+    assert [getattr(d, "id", None) for d in fns[dsa.METHOD].decorator_list] == ["eager_break_during_capture"]
+    assert "update_kv_cache" not in inner and "fused_norm_rope" not in inner, (version, inner)
+    mla = ast.parse((root / "model_executor" / "layers" / "attention" / "mla_attention.py").read_text())
+    op = next(n for n in ast.walk(mla) if isinstance(n, ast.FunctionDef) and n.name == "unified_mla_attention_with_output")
+    assert [getattr(d, "id", None) for d in op.decorator_list] == ["eager_break_during_capture",
+                                                                   "maybe_transfer_kv_layer"], (version, op.lineno)
+
+
+@pytest.mark.timeout(600)
+def test_layers_without_an_indexer_with_vllms_own_settings(child):
+    """vLLM 0.34's ``compute_skip_topk_layers`` (``indexer_types`` "shared", ``index_topk_freq``)
+    decides which layers build an indexer; with those layers' caches as vLLM's own specs,
+    customized by the backends (Hopper and Blackwell alignments) and allocated by 0.34's
+    allocator, each layer moves its own planes byte for byte between two layouts, and the
+    regions say which layers hold the indexer's keys."""
+    version, got = child
+    if version not in V2:
+        pytest.skip(f"vLLM {version} has no compute_skip_topk_layers (its DSA layers compute the same inline)")
+    want = {"indexer_types": [0, 1, 3], "index_topk_freq=2": [0, 1, 3, 5]}
+    for name, indexer in want.items():
+        assert got["skip_topk"][name] == {"indexer": indexer, "with_indexer": [indexer] * 4}, (name, got["skip_topk"])

@@ -20,6 +20,20 @@ sender writes what is left and answers. With the sequential flow (decode asked
 only after the prefill answered) nobody waits yet, so the whole request is
 sent from ``request_finished`` on, on the sender's threads, overlapping the
 next requests' compute.
+
+The draft's KV is read after it is written (``hand_over``). A speculative draft (MTP,
+EAGLE) writes its layers' KV for the prompt after the target's forward and sampling, in
+the same step. On the GPU that is queued work, and a request reaches ``request_finished``
+once the engine core saw its sampled token: on vLLM 0.32/0.33 (V1 runner) the output's
+copy event is recorded after the drafter's kernels were queued
+(``gpu_model_runner.sample_tokens`` proposes before ``AsyncGPUModelRunnerOutput``), but on
+0.34 (Model Runner V2) ``AsyncOutput`` records it before the drafter runs
+(``v1/worker/gpu/model_runner.py``, "so that it can overlap with speculator proposal"), so
+the engine core may finish the request while the draft's KV writes still run. The hand-over
+happens a step later in the same worker, after all of that step's kernels were queued on
+the same stream: a CUDA event recorded there completes only after the draft's writes, and a
+request goes to the sender (which reads its blocks from other threads, over Mooncake) only
+once it has. The same on every version; on CPU everything ran before the hand-over.
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ import secrets
 import time
 
 from vllm_dcp2d.config import ConfigError, DCP2DConfig
-from vllm_dcp2d.connector.metadata import DCP2DMetadata
+from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.layout import cp_layer_range, send_shard
 from vllm_dcp2d.prefill import layer_split
@@ -38,7 +52,7 @@ from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.vllm_compat import connector_api as compat
-from vllm_dcp2d.vllm_compat import instance
+from vllm_dcp2d.vllm_compat import dsa, instance
 from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
 
 log = logging.getLogger(__name__)
@@ -72,6 +86,10 @@ class ProducerWorker:
         # transfer key -> (when its blocks went to the sender, seconds since request_finished)
         self._handed: dict[str, tuple[float, float | None]] = {}
         self._finished: set[str] = set()  # request ids finished without the sender
+        self._fused: list[str] = []  # layers whose fused KV write dsa.hook_fused_writes hooked
+        self._on_gpu = False  # the KV is on a GPU: writes are queued work (module doc)
+        # requests handed over, with the CUDA event after their last KV write, not yet sent
+        self._unwritten: list[tuple[object, str, SendSpec]] = []
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -104,6 +122,26 @@ class ProducerWorker:
         log.info("DCP2D layer-split storage: TP rank %d stores layers [%d, %d) plus one transient slot for the "
                  "other %d (%d layer slots instead of %d)", self.tp_rank, r.start, r.stop, len(others),
                  len(owned) + 1, num_layers)
+
+    def watch_kv_writes(self, kv_caches: dict) -> None:
+        """Where this rank learns that KV is written. Per layer: layer pipelining sends each
+        layer from ``save_kv_layer``; make it fire after the KV writes of DSA layers too, which
+        vLLM's CUDA model writes in a fused kernel outside any connector call
+        (``vllm_compat/dsa.py``); layers whose writes no connector call follows are sent after
+        the prompt completes, logged once (TP rank 0). Per request: with KV on a GPU, a
+        finished request goes to the sender after a CUDA event (module doc)."""
+        self._on_gpu = next(iter(kv_caches.values())).is_cuda
+        self._fused, unseen, refused = dsa.hook_fused_writes(self.vllm_config, list(kv_caches))
+        if self.tp_rank != 0:
+            return
+        if self._fused:
+            log.info("DCP2D layer pipelining: %d DSA layers write their KV inside a fused kernel; save_kv_layer "
+                     "follows it on each (vllm_compat/dsa.py)", len(self._fused))
+        if unseen:
+            name, why = next(iter(unseen.items()))
+            log.warning("DCP2D layer pipelining is off for %d layers (%s, ...: %s%s): no connector call follows "
+                        "their KV write, so a fetch that waits for a request gets them after its prompt completes",
+                        len(unseen), name, why, f"; {refused}" if refused else "")
 
     def token(self) -> str:
         """The instance's registration token, drawn by TP rank 0. A collective: every
@@ -164,11 +202,23 @@ class ProducerWorker:
             else:
                 self._sending[key] = req_id
                 self.sender.abort(key)
+        # After every kernel of the step that finished them: the draft's KV writes included
+        # (module doc, "The draft's KV"); None on CPU.
+        event = compat.stream_event(self._on_gpu) if meta.ready and self.sender is not None else None
         for req_id, spec in meta.ready.items():
             if self.sender is None:
                 self._finished.add(req_id)
                 continue
             self._sending[spec.transfer_key] = req_id
+            self._unwritten.append((event, req_id, spec))
+        self._send_written()
+
+    def _send_written(self) -> None:
+        """Give the sender the handed-over requests whose KV writes are done (their event
+        completed; events complete in the order they were recorded, on one stream). Called
+        every step, so a request waits at most one step past its writes."""
+        while self._unwritten and (self._unwritten[0][0] is None or self._unwritten[0][0].query()):
+            _, req_id, spec = self._unwritten.pop(0)
             now = time.monotonic()
             handover = now - spec.finished_at
             # CLOCK_MONOTONIC is one clock for the engine core and its workers on one host
@@ -223,6 +273,8 @@ class ProducerWorker:
     def count_stats(self) -> None:
         if self.layer_split is not None:
             self.stats.count("prefix_broadcast_bytes", self.layer_split.take_bytes())
+        if self.sender is not None:
+            self.stats.count("refused_registrations", self.sender.consumers.take_refused())
 
     def threads(self) -> tuple:
         """What runs threads of this role (each has ``.failed``)."""
@@ -233,6 +285,8 @@ class ProducerWorker:
         return tuple(p for p in (self.sender, self.http_bootstrap, self.bootstrap) if p is not None)
 
     def unhook(self) -> None:
+        dsa.unhook_fused_writes(self.vllm_config, self._fused)
+        self._fused = []
         if self.layer_split is not None:
             unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
             self.layer_split = None

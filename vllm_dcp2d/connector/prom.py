@@ -119,6 +119,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("vllm:dcp2d_unauthenticated_messages", "counter", False, "both", "unauthenticated",
            "Side-channel frames dropped unread: unsealed, forged, replayed or stale with `auth_secret_file` "
            "set, or sealed without it (docs/security.md)."),
+    Metric("vllm:dcp2d_refused_registrations", "counter", False, "prefill", "refused_registrations",
+           "Decode links whose Mooncake session a prefill rank refused (docs/security.md, claim 2: without a "
+           "secret, a session not on the host the link comes from; or the prefill's own): every request on such a "
+           "link fails before any write."),
     Metric("vllm:dcp2d_corrupt_fetches", "counter", False, "decode", "corrupt",
            "Fetches whose KV did not match the checksum its prefill rank sent (`verify_kv`): failed, "
            "their blocks never used or cached."),

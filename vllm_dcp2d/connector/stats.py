@@ -30,7 +30,7 @@ from vllm_dcp2d.vllm_compat.connector_api import KVConnectorStats
 __all__ = ["DCP2DStats", "path_key", "parse_path_key", "StatsFile", "MAX_OBSERVATIONS", "LEVELS"]
 
 _COUNTERS = ("failed", "expired", "quarantined", "lifted", "prefix_broadcast_bytes", "stalls", "retries",
-             "unauthenticated", "corrupt", "handshake_failures", "handshake_refusals")
+             "unauthenticated", "corrupt", "handshake_failures", "handshake_refusals", "refused_registrations")
 _PATH_FIELDS = ("transfers", "bytes", "replicated_bytes", "descriptors", "seconds")
 # Per-request stage durations (issue 29): a decode rank's, one observation per fetch; a prefill
 # rank's, one per request it held blocks for.
@@ -86,6 +86,9 @@ class DCP2DStats(KVConnectorStats):
                  progress (``transfer/transport.py``), retried or not.
     retries:     batches re-sent on a fresh Mooncake engine after a stall.
     unauthenticated: side-channel frames dropped unread (``auth.py``).
+    refused_registrations: prefill, decode links whose Mooncake session was refused
+                 (``transfer/consumers.py``: not on the link's host without a secret, or the
+                 prefill's own): their requests fail, nothing is written.
     corrupt:     fetches whose KV failed its checksum (``verify_kv``; counted in ``failed`` too).
     handshake_failures: Mooncake sessions that did not answer their handshake within
                  ``handshake_timeout_s`` (``transfer/handshake.py``); each is refused for a while.

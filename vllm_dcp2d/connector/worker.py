@@ -97,6 +97,7 @@ class WorkerSide:
         token = ""
         if self.producer is not None:
             self.producer.start_layer_split(kv_caches, layer_ids, self.num_blocks, num_layers)
+            self.producer.watch_kv_writes(kv_caches)
             token = self.producer.token()
         # The send staging gathers through numpy: host memory only. The checksum reads the KV
         # as tensors where they are (the same code on a CPU and a GPU).

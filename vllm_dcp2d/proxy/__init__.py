@@ -23,7 +23,7 @@ chunk). Any pair's error is the answer (no partial one) and cancels the others,
 as does the client going away.
 
 **Routing** (``routing``). A decode call goes to the decodes of the smallest DCP
-size that fit the request with room (``capacity``: what each decode says on its
+size that fit the request with room (``fit``: what each decode says on its
 ``/metrics``), or back to the decode that served the prompt's prefix or the
 client's session (``affinity``); a request no decode admits gets 400. Among
 equals, and for prefill calls, the instance with the fewest calls in flight
@@ -75,7 +75,7 @@ Prometheus metrics (``metrics.METRICS``; docs/metrics.md, "Proxy"), ``GET
 Modules: ``app`` (HTTP handlers, retries), ``errors`` (upstream failures as the
 client's answers), ``hops`` (each hop's body),
 ``batch`` (split and merge), ``streams`` (where streamed bytes go),
-``routing`` (which instance), ``capacity`` (what a decode holds, what a request
+``routing`` (which instance), ``fit`` (what a decode holds, what a request
 needs), ``affinity`` (prefix and session memory), ``upstreams`` (balancer,
 health), ``metrics``, ``cli``.
 """

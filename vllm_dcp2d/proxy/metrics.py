@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .capacity import free_tokens
+from .fit import free_tokens
 
 PREFIX = "vllm_dcp2d_proxy_"
 # 1 ms .. 10 min: a tiny model's decode step up to a stalled transfer's retries

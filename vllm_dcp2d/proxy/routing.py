@@ -3,14 +3,14 @@ affinity, load (no I/O; ``app`` calls it, ``upstreams`` keeps what it reads).
 
 **Decode groups.** Decodes with the same DCP size form a group (learnt from each
 instance: ``capacity.DecodeInfo``). A request goes to the group of the smallest DCP
-size that fits it with room (``capacity``: admitted there, a free sequence slot,
+size that fits it with room (``fit``: admitted there, a free sequence slot,
 its KV under ``kv_fraction`` of the free KV): a DCP=1 step is the cheapest (no
 all-gather, no merge), a larger DCP size holds longer requests. Within the group,
 the decode with the fewest calls in flight, ties round-robin (``upstreams.Pool``).
 If no decode of that group has room, a larger group that has (``fallback``); if
 none has, the fitting decode with the most free KV (``full``: vLLM queues it
 there). A request whose whole answer fits no decode goes to the decodes of the
-longest ``max_model_len`` that admit it (``capacity``: vLLM clamps its
+longest ``max_model_len`` that admit it (``fit``: vLLM clamps its
 ``max_tokens`` there, as a colocated instance of that length would). A request no
 decode admits: with the client's token ids, ``TooLong`` before the prefill computes
 anything (the client's 400, naming the longest context served); once the prefill
@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .affinity import Affinity, Keys, Place, PrefixHasher, session_key
-from .capacity import Need, free_tokens
+from .fit import Need, free_tokens
 from .upstreams import NoHealthyUpstream, Pool, Upstream
 
 DEFAULT_PAGE = 16  # affinity page before any decode said its page size (vLLM's default block size)

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .capacity import MAX_METRICS_BYTES, DecodeInfo, parse_metrics
+from .fit import MAX_METRICS_BYTES, DecodeInfo, parse_metrics
 
 log = logging.getLogger("vllm_dcp2d.proxy")
 

@@ -19,7 +19,9 @@ registration is taken only if
   from an instance that holds the secret.
 
 ``Consumers`` keeps them by connection (ZMQ routing identity), bounded per source and in
-all (``Quota``: a source past its cap replaces its own least recently used one); an entry
+all (``Quota``: a source past its cap replaces its own least recently used one; when all are
+taken, the source holding the most gives up its least recently used one to a source that
+holds fewer, so idle floods from many addresses cannot keep a new decode out); an entry
 unused for ``IDLE_S`` is dropped (the decode registers again every
 ``fetch.REGISTER_EVERY_S`` while it fetches). Refusals are kept, so that the requests of
 that connection fail naming why, in a bounded table of their own (``MAX_REFUSED``, oldest
@@ -30,6 +32,7 @@ thread only.
 from __future__ import annotations
 
 import ipaddress
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,7 +43,7 @@ from vllm_dcp2d.transfer.quota import Quota
 
 __all__ = ["Registration", "Consumers", "source_of", "IDLE_S"]
 
-IDLE_S = 300.0       # a registration nothing used for this long is dropped
+IDLE_S = 120.0       # a registration nothing used for this long is dropped (a fetching decode refreshes it every 60 s)
 PER_SOURCE = 256     # connections one source may have registered (a host runs a few decode ranks)
 TOTAL = 4096
 PER_SOURCE_BYTES = 16 << 20  # what its registrations hold (memory ranges: 16 B each)
@@ -84,7 +87,8 @@ class Consumers:
         self._refusals: OrderedDict[bytes, Registration] = OrderedDict()  # link -> its refusal, oldest first
         self._trusted: set[bytes] = set()  # links of this process's own receiver (``trust``)
         self._quota = Quota("registered connections", PER_SOURCE, TOTAL, PER_SOURCE_BYTES, TOTAL_BYTES)
-        self.refused = 0  # registrations refused since start (``take_refused`` resets)
+        self._refused = 0  # registrations refused since ``take_refused`` (read from another thread)
+        self._count = threading.Lock()
 
     def register(self, link: bytes, msg: RegisterConsumer, peer: str) -> Registration:
         """Take ``msg`` from connection ``link`` (whose address is ``peer``): the new
@@ -98,7 +102,8 @@ class Consumers:
             while why and self._evict(source):  # room from its own least recently used
                 why = self._quota.take(source, size)
         if why:
-            self.refused += 1
+            with self._count:
+                self._refused += 1
             reg = Registration(msg.session, None, source, f"{self.name} refused the registration of Mooncake "
                                                           f"session {msg.session!r}: {why}")
             self._refusals[link] = reg
@@ -132,7 +137,9 @@ class Consumers:
             self._drop(link)
 
     def take_refused(self) -> int:
-        n, self.refused = self.refused, 0
+        """Registrations refused since the last call (any thread)."""
+        with self._count:
+            n, self._refused = self._refused, 0
         return n
 
     def __len__(self) -> int:
@@ -154,8 +161,18 @@ class Consumers:
             self._quota.give(hit[0].source, hit[0].nbytes)
 
     def _evict(self, source: str) -> bool:
-        """Drop ``source``'s least recently used registration; False if it has none (the
-        registrations of other sources are theirs: a flood cannot push them out)."""
+        """Make room for one of ``source``'s: drop its own least recently used registration
+        if it is at its cap, else the least recently used one of the source holding the most,
+        if that holds more than ``source`` does. False if nothing may be dropped."""
+        mine = self._quota.held(source)[0]
+        if mine < self._quota.per_source:
+            counts: dict[str, int] = {}
+            for reg, _ in self._by_link.values():
+                counts[reg.source] = counts.get(reg.source, 0) + 1
+            biggest = max(counts, key=counts.get, default=None)
+            if biggest is None or counts[biggest] <= mine + 1:
+                return False
+            source = biggest
         for link, (reg, _) in self._by_link.items():
             if reg.source == source:
                 self._drop(link)

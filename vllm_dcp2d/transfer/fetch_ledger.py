@@ -173,9 +173,10 @@ class FetchLedger:
                 lifted = self.settle(where, f"its fence passed ({fence_s:.0f}s after the fetch's deadline)") or lifted
         return lifted
 
-    def quarantined_blocks(self, bootstrap: str) -> int:
-        """Blocks kept quarantined by attempts of fetches from ``bootstrap`` (each fetch once)."""
-        fetches = {id(f): f for f, _ in self._unsettled.values() if f.bootstrap == bootstrap}
+    def quarantined_blocks(self, bootstrap: str | None = None) -> int:
+        """Blocks kept quarantined by attempts of fetches from ``bootstrap`` (None: any; each
+        fetch once)."""
+        fetches = {id(f): f for f, _ in self._unsettled.values() if bootstrap in (None, f.bootstrap)}
         return sum(f.blocks for f in fetches.values())
 
     def busy(self, addr: str) -> bool:

@@ -23,6 +23,7 @@ as one when the protocol moves.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from dataclasses import dataclass, fields
 
 import msgpack
@@ -266,8 +267,15 @@ class RegisterConsumer(_Message):
 
     def validate(self) -> None:
         host, _, port = self.session.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise MessageError(f"session must be 'host:port' with a port in [1, 65535], got {self.session!r}")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or port != str(int(port)):
+            raise MessageError(f"session must be 'host:port' with a port in [1, 65535] written without leading "
+                               f"zeros, got {self.session!r}")
+        try:  # one spelling per session: an address in its canonical form, so sessions compare as strings
+            ip = ipaddress.ip_address(self.host())
+        except ValueError:
+            ip = None
+        if ip is not None and str(ip) != self.host():
+            raise MessageError(f"session {self.session!r}: write its address as {str(ip)!r}")
         if self.memory_addr.size != self.memory_bytes.size:
             raise MessageError(f"memory_addr has {self.memory_addr.size} ranges, memory_bytes "
                                f"{self.memory_bytes.size}")
@@ -313,9 +321,12 @@ class TransferRequest(_Message):
     prompt_digest: ``prompt_digest`` of the prompt the consumer expects; the producer
                    refuses a request whose prompt differs, before any write.
     verify:        ask for the checksum of what is written (``TransferOutcome.checksum``).
-    not_after_ns:  the fence (docs/connector.md, "Block lifetime"): wall-clock ns (``time.time_ns``,
+    not_after_ns:  the fence (docs/security.md, "The fence"): wall-clock ns (``time.time_ns``,
                    the consumer's clock) after which the producer starts no write of this
                    attempt; 0 = the producer's own bound (arrival + its longest wait + its expiry).
+    budget_ns:     the same deadline as the time left when it was sent (0: none); the producer
+                   stops at whichever of the two comes first by its own clock, so a clock that
+                   lags the consumer's moves its fence only as far as the message was late.
     head_count, head_runs: int64 ``[R]``: the consumer's ``KVRegions.head_count/head_runs``
                    (where its heads sit in a page; default 1 each). Each head count is at most
                    the rank's ``head_end - head_start``, each run count at most the page's tokens.
@@ -346,6 +357,7 @@ class TransferRequest(_Message):
     prompt_digest: str = ""
     verify: bool = False
     not_after_ns: int = 0
+    budget_ns: int = 0
     head_count: np.ndarray | None = None
     head_runs: np.ndarray | None = None
 
@@ -353,7 +365,7 @@ class TransferRequest(_Message):
               "consumer_rank": Int(0, 1 << 16), "consumer_size": Int(1, 1 << 16),
               "dcp_size": Int(1, 1 << 12), "dcp_rank": Int(0, 1 << 12), "block_ids": Ids(MAX_IDS, hi=MAX_COUNT),
               "num_tokens": Int(0, MAX_COUNT), "first_page": Int(0, MAX_COUNT), "num_blocks": Int(1, MAX_IDS),
-              "not_after_ns": Int(0, MAX_ADDR), "layer_ids": Ids(1 << 16, hi=1 << 16, min_n=1),
+              "not_after_ns": Int(0, MAX_ADDR), "budget_ns": Int(0, MAX_ADDR), "layer_ids": Ids(1 << 16, hi=1 << 16, min_n=1),
               "base": Ids(1 << 20, min_n=1), "page_stride": Ids(64, lo=1, min_n=1),
               "page_bytes": Ids(64, lo=1, min_n=1), "fingerprint": Nested(Fingerprint),
               "wait_s": Float(3600.0), "group_sizes": Ids(MAX_GROUPS, hi=MAX_IDS, min_n=1),

@@ -8,12 +8,15 @@ every legitimate fetch was then refused "busy"). A ``Quota`` caps what each sour
 holds and what all hold, and keeps the last ``reserve`` of both for sources that hold
 little, so a few sources flooding it cannot fill it for the others.
 
-No lock: each owner calls it under its own (``SendLedger``'s, or the sender's I/O thread).
+``Quota`` has no lock: each owner calls it under its own (``SendLedger``'s, or the sender's
+I/O thread). ``Strikes`` counts failures per source in a window.
 """
 
 from __future__ import annotations
 
-__all__ = ["Quota"]
+import threading
+
+__all__ = ["Quota", "Strikes"]
 
 
 class Quota:
@@ -79,3 +82,31 @@ class Quota:
         """``(items, bytes)`` ``source`` holds."""
         n, b = self._held.get(source, (0, 0))
         return n, b
+
+
+class Strikes:
+    """Failures per source in a sliding window (thread-safe): a source with ``limit`` of them
+    in the last ``window_s`` is refused what costs the rank to try (a new Mooncake session's
+    handshake probe: a review named 1,000 silent sessions from one host, each probe holding a
+    writer for its bound). Remembers at most ``max_sources`` sources, the oldest forgotten."""
+
+    def __init__(self, what: str, limit: int = 8, window_s: float = 10.0, max_sources: int = 4096):
+        self.what, self.limit, self.window_s, self.max_sources = what, limit, window_s, max_sources
+        self._lock = threading.Lock()
+        self._times: dict[str, list[float]] = {}  # source -> failure times, oldest first
+
+    def strike(self, source: str, now: float) -> None:
+        with self._lock:
+            times = self._times.pop(source, [])
+            self._times[source] = ([t for t in times if now - t < self.window_s] + [now])[-self.limit:]
+            while len(self._times) > self.max_sources:
+                del self._times[next(iter(self._times))]
+
+    def refuses(self, source: str, now: float) -> str:
+        """Why ``source`` is refused now ("" if it is not)."""
+        with self._lock:
+            times = [t for t in self._times.get(source, ()) if now - t < self.window_s]
+        if len(times) < self.limit:
+            return ""
+        return (f"{self.what}: this source ({source}) had {len(times)} in the last {self.window_s:g} s; refused "
+                f"for another {self.window_s - (now - times[0]):.1f} s")

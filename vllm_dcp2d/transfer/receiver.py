@@ -85,7 +85,8 @@ class Receiver:
                  prefill rank starts a write after the deadline (``TransferRequest.not_after_ns``),
                  and one started before it has ended by then (docs/connector.md, "Block lifetime").
     max_quarantined_blocks: blocks one prefill instance may keep quarantined here; past it
-                 its fetches are refused (0: a quarter of this rank's blocks).
+                 its fetches are refused (0: a quarter of this rank's blocks, at least 64); all
+                 instances together may keep twice that.
     on_output:  called with no arguments, on this object's thread, right after a
                 fetch ended or a quarantine lifted (what ``poll``/``poll_lifted`` return
                 next); must not block (the worker rings the step bell: ``step_bell``).
@@ -245,11 +246,17 @@ class Receiver:
                 self._fail(fetch, FetchError(fetch.transfer_key, None, f"{type(e).__name__}: {e}"))
 
     def _begin(self, f: Fetch):
-        held = self.ledger.quarantined_blocks(f.bootstrap)
+        held, total = self.ledger.quarantined_blocks(f.bootstrap), self.ledger.quarantined_blocks()
+        why = ""
         if held >= self.max_quarantined_blocks:
             why = (f"the prefill instance at {f.bootstrap} keeps {held} blocks of this decode rank quarantined (at "
                    f"most {self.max_quarantined_blocks}): its fetches are refused until its ranks settle, at the "
                    f"latest {self.fence_s:.0f}s after each fetch's deadline")
+        elif total >= 2 * self.max_quarantined_blocks:  # many instances (or one under many addresses)
+            why = (f"{total} blocks of this decode rank are quarantined (at most {2 * self.max_quarantined_blocks} "
+                   f"for all prefill instances together): fetches are refused until some settle, at the latest "
+                   f"{self.fence_s:.0f}s after each fetch's deadline")
+        if why:
             self._announce(self.ledger.finish(f, FetchError(f.transfer_key, None, why), track=False))
             return
         if not self.ledger.begin(f):
@@ -289,8 +296,10 @@ class Receiver:
         fp = self.fingerprint
         f.senders = tuple(int(r) for r in senders_for(table.layers, table.heads, fp.num_layers, fp.num_kv_heads,
                                                       self.heads))
-        # The fence: the fetch's deadline on the wall clock, which the prefill ranks read.
-        not_after = time.time_ns() + int(max(0.0, f.deadline - time.monotonic()) * 1e9)
+        # The fence: the fetch's deadline on the wall clock and as the time left, which the
+        # prefill ranks read.
+        budget = int(max(0.0, f.deadline - time.monotonic()) * 1e9)
+        not_after = time.time_ns() + budget
         me = RegisterConsumer.of(self.engine_id, self.transport.session_id, self.memory)
         for cp_rank in f.senders:
             addr = table.addresses[cp_rank]
@@ -302,7 +311,7 @@ class Receiver:
                 dcp_rank=self.dcp_rank, block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
                 num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s,
                 head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,
-                verify=self.verify, not_after_ns=not_after)
+                verify=self.verify, not_after_ns=not_after, budget_ns=budget)
             try:
                 rank = self._dir.rank(addr, table, cp_rank)
                 sent = rank.register(me) and rank.send(msg)  # in order on the link: registered first

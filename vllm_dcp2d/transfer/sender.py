@@ -54,9 +54,10 @@ from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageEr
                                            clip, decode, max_bytes)
 from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
 from vllm_dcp2d.transfer.checksum import KVBytes, checksum
+from vllm_dcp2d.transfer.quota import Strikes
 from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Request, SendLedger
 from vllm_dcp2d.transfer.staging import StagingPool, write
-from vllm_dcp2d.transfer.transport import MooncakeTransport, TransportError
+from vllm_dcp2d.transfer.transport import HandshakeError, MooncakeTransport, TransportError
 from vllm_dcp2d.transfer.writers import Writers
 from vllm_dcp2d.layout import cdiv, cp_layer_range
 
@@ -116,6 +117,7 @@ class Sender:
         self._failed_why = ""
         self.ledger = SendLedger(f"cp rank {cp_rank}", reveal=auth.enabled)
         self.consumers = Consumers(f"cp rank {cp_rank}", transport.sessions, auth.enabled)  # the I/O thread's
+        self._handshakes = Strikes("Mooncake sessions that failed their handshake")  # per source
         self._writers = Writers(f"cp rank {cp_rank}", after=self._flush)
         self._stop = threading.Event()
         self._sock = sockets.socket(zmq.ROUTER)
@@ -155,7 +157,7 @@ class Sender:
         ids, pages = self._blocks(block_ids, num_tokens)
         for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s, self.claim_s,
                                  prompt_digest):
-            self._writers.submit(a.session, partial(self._answer, a))
+            self._writers.submit(a.session, partial(self._answer, a), a.source)
         self._flush()
 
     def layer_ready(self, transfer_key: str, layer: int, block_ids, num_tokens: int, event=None,
@@ -179,7 +181,7 @@ class Sender:
         ids, _ = self._blocks(block_ids, num_tokens)
         for a, epoch in waiting:
             self._writers.submit(a.session, partial(self._write_layer, a, layer, ids, int(num_tokens), event,
-                                                        epoch, prompt_digest))
+                                                        epoch, prompt_digest), a.source)
 
     def restart(self, transfer_key: str) -> int:
         """vLLM preempted ``transfer_key`` after its prompt completed (its blocks are
@@ -332,16 +334,19 @@ class Sender:
         except MessageError as e:
             return self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
         wait_s = min(req.wait_s, self.max_wait_s)
-        # The fence: no write of it starts after the decode's deadline (or, if it names none,
-        # after this rank would have expired it anyway).
-        not_after = req.not_after_ns or time.time_ns() + int((wait_s + self.expiry_s) * 1e9)
+        # The fence: no write of it starts after the decode's deadline, on the wall clock or
+        # counted from now, whichever comes first (or, if it names none, after this rank would
+        # have expired it anyway).
+        now_ns = time.time_ns()
+        not_after = min(req.not_after_ns or now_ns + int((wait_s + self.expiry_s) * 1e9),
+                        now_ns + req.budget_ns if req.budget_ns else 1 << 63)
         a = Attempt(identity, req, time.monotonic() + wait_s, len(payload), wait_s, source=reg.source,
                     session=reg.session, memory=reg.memory, not_after_ns=not_after)
         how = self.ledger.arrive(a)
         if how == "busy":
             return self._send(identity, self._failed(req, self.ledger.busy_reason(a)))
         if how == "serve":
-            self._writers.submit(a.session, partial(self._answer, a))
+            self._writers.submit(a.session, partial(self._answer, a), a.source)
         elif how == "unknown":
             self._send(identity, self._failed(req, self.ledger.unknown_reason(req.transfer_key)))
         elif how == "mismatch":
@@ -362,6 +367,10 @@ class Sender:
         if not req.prompt_digest and not self.auth.enabled:
             return (f"cp rank {self.cp_rank}: a transfer request must name its prompt's digest (prompt_digest) "
                     f"when the instances share no auth secret")
+        if not self.transport.opened(reg.session):  # a new session costs a handshake probe: bounded per source
+            why = self._handshakes.refuses(reg.source, time.monotonic())
+            if why:
+                return f"cp rank {self.cp_rank}: {why}"
         return ""
 
     def _reject(self, identity: bytes, payload: bytes, reason: str) -> None:
@@ -377,7 +386,9 @@ class Sender:
 
     # ---- workers: plan + write ----
 
-    def _reason(self, e: Exception) -> str:
+    def _reason(self, e: Exception, a: Attempt) -> str:
+        if isinstance(e, HandshakeError):  # its source pays: past Strikes.limit, its new sessions are refused
+            self._handshakes.strike(a.source, time.monotonic())
         if isinstance(e, ValueError):
             return f"cannot plan on cp rank {self.cp_rank}: {e}"
         if isinstance(e, TransportError):
@@ -437,7 +448,7 @@ class Sender:
             try:
                 self._plan_write(a, block_ids, [layer], cdiv(num_tokens, self.fingerprint.page_size))
             except Exception as e:
-                error = self._reason(e)
+                error = self._reason(e, a)
             finally:
                 self.ledger.end_layer(a, token, layer, epoch, error)
 
@@ -456,7 +467,7 @@ class Sender:
                     if a.req.verify:
                         a.checksum = self._checksum(a, state)
             except Exception as e:
-                error = self._reason(e)
+                error = self._reason(e, a)
             finally:
                 self.ledger.end_answer(a, state, error)
 

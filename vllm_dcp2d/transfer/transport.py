@@ -247,6 +247,11 @@ class MooncakeTransport:
         with self._lock:
             return dict(self._regs)
 
+    def opened(self, peer: str) -> bool:
+        """Whether the current engine has opened ``peer`` (its handshake is behind it)."""
+        with self._lock:
+            return peer in self._use.opened
+
     def sessions(self) -> set[str]:
         """This transport's own sessions: its engine's and those of the retired engines
         still alive (a peer must never get us to write into our own memory)."""

@@ -6,12 +6,15 @@ decode, two such writes held the whole pool and another decode's fetch never
 started. Here each peer (a decode rank's Mooncake session) gets its own thread,
 started when a job for it arrives and ended when its queue is empty, so a peer's
 writes run in order and only that peer's jobs wait behind them. At most
-``max_threads`` run at once; a peer past that waits for the first thread to free.
+``max_threads`` run at once; a peer past that waits for the first thread to free. One
+source (``quota.py``: the address the decode's links come from) runs at most
+``max_per_source`` of them: a review named 1,000 silent sessions from one host, each
+holding a writer for its handshake's bound, and another decode's fetch waited 28 s.
 
 Public API
 ----------
-``Writers(name, max_threads=MAX_THREADS, after=None)``
-    ``.submit(peer: str, job: Callable[[], None])``  run ``job`` after ``peer``'s earlier jobs.
+``Writers(name, max_threads=MAX_THREADS, after=None, max_per_source=MAX_PER_SOURCE)``
+    ``.submit(peer: str, job: Callable[[], None], source="")``  run ``job`` after ``peer``'s earlier jobs.
     ``.close(timeout_s)``                              stop taking jobs; join the threads.
     ``.alive() -> bool``                               whether a thread still runs.
     ``.failed -> str``                                 why a thread died ("" while all run).
@@ -29,32 +32,59 @@ __all__ = ["Writers", "MAX_THREADS"]
 
 log = logging.getLogger(__name__)
 MAX_THREADS = 64  # writer threads of one prefill rank at once (one per decode rank writing)
+MAX_PER_SOURCE = 16  # ... of them for the peers of one source
 
 
 class Writers:
     """Jobs by peer, each peer's in order on its own thread (see the module doc)."""
 
-    def __init__(self, name: str, max_threads: int = MAX_THREADS, after: Callable[[], None] | None = None):
-        self.name, self.max_threads, self.after = name, max_threads, after
+    def __init__(self, name: str, max_threads: int = MAX_THREADS, after: Callable[[], None] | None = None,
+                 max_per_source: int = MAX_PER_SOURCE):
+        self.name, self.max_threads, self.after, self.max_per_source = name, max_threads, after, max_per_source
         self.failed = ""
         self._lock = threading.Lock()
         self._queues: dict[str, deque] = {}   # peer -> jobs not started
         self._running: set[str] = set()       # peers with a thread
+        self._source: dict[str, str] = {}     # peer -> its source, while it has jobs or a thread
+        self._per_source: dict[str, int] = {}  # source -> its peers with a thread
         self._threads: set[threading.Thread] = set()
         self._closed = False
 
-    def submit(self, peer: str, job: Callable[[], None]) -> None:
+    def submit(self, peer: str, job: Callable[[], None], source: str = "") -> None:
         with self._lock:
             if self._closed:
                 return
             self._queues.setdefault(peer, deque()).append(job)
-            if peer in self._running or len(self._running) >= self.max_threads:
+            self._source.setdefault(peer, source)
+            if peer in self._running or not self._may_run(peer):
                 return  # its thread takes it, or the first thread to free does
             self._start(peer)
 
+    def _may_run(self, peer: str) -> bool:
+        """Under ``_lock``: a thread is free for ``peer``, and its source may have one more."""
+        return (len(self._running) < self.max_threads
+                and self._per_source.get(self._source[peer], 0) < self.max_per_source)
+
+    def _run_as(self, peer: str) -> None:
+        """Under ``_lock``: ``peer`` takes a thread."""
+        self._running.add(peer)
+        src = self._source[peer]
+        self._per_source[src] = self._per_source.get(src, 0) + 1
+
+    def _done(self, peer: str) -> None:
+        """Under ``_lock``: ``peer`` has no jobs left and gives its thread up."""
+        self._queues.pop(peer, None)
+        self._running.discard(peer)
+        src = self._source.pop(peer)
+        left = self._per_source[src] - 1
+        if left:
+            self._per_source[src] = left
+        else:
+            del self._per_source[src]
+
     def _start(self, peer: str) -> None:
         """Under ``_lock``: a thread for ``peer``."""
-        self._running.add(peer)
+        self._run_as(peer)
         t = threading.Thread(target=self._run, args=(peer,), name=f"dcp2d-write-{self.name}", daemon=True)
         self._threads.add(t)
         t.start()
@@ -66,11 +96,10 @@ class Writers:
             q = self._queues.get(peer)
             if q and not self._closed:
                 return peer, q.popleft()
-            self._queues.pop(peer, None)
-            self._running.discard(peer)
+            self._done(peer)
             for other, jobs in self._queues.items():
-                if jobs and other not in self._running and not self._closed:
-                    self._running.add(other)
+                if jobs and other not in self._running and not self._closed and self._may_run(other):
+                    self._run_as(other)
                     return other, jobs.popleft()
             self._threads.discard(threading.current_thread())
             return None, None

@@ -48,7 +48,7 @@ __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnec
            "scheduled_tokens", "finished_normally", "tp_rank_size", "dcp_rank_size", "kv_replicated",
            "layer_index", "kv_regions", "page_layout", "kv_layout", "kv_element_order", "kv_scales",
            "model_config_id",
-           "check_interleave", "record_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
+           "check_interleave", "record_event", "stream_event", "group_sharded", "layer_groups", "is_draft_layer", "kv_layer_ids",
            "scheduled_context", "tp_cp_group",
            "layer_split_applies", "quarantine_blocks", "lift_quarantine", "sleep_between_shm_polls",
            "preempted", "single_host", "kv_cache_registers", "num_kv_heads", "tp_broadcast", "prompt_inputs"]
@@ -279,7 +279,14 @@ def layer_index(layer_name: str) -> int:
 def record_event(kv_layer: torch.Tensor):
     """A CUDA event recorded now on the current stream if ``kv_layer`` is on a GPU
     (the sender waits on it before reading the layer), else None."""
-    if not kv_layer.is_cuda:
+    return stream_event(kv_layer.is_cuda)
+
+
+def stream_event(on_gpu: bool):
+    """A CUDA event recorded now on the current stream (the model runner's: vLLM 0.32-0.34
+    run the forward, the sampler and the drafter on it) where the KV is on a GPU, else None:
+    it completes once every kernel queued before it did."""
+    if not on_gpu:
         return None
     event = torch.cuda.Event()
     event.record()
@@ -301,15 +308,21 @@ def page_layout(t: torch.Tensor, num_blocks: int, name: str = "KV cache") -> str
 
 def kv_layout(vllm_config, kv_caches: dict[str, torch.Tensor], num_blocks: int,
               layer_ids: dict[str, int] | None = None) -> str:
-    """The fingerprint's ``layout``: "format:content" of each cache (plane) of the layer
-    of the first cache, " + " between planes ("N64,C656:fp8_ds_mla:... + N64,C132:idx_k..."
-    for sparse MLA; one plane, as before, for every other model). ``kv_regions`` checks
-    that every layer has these planes in these formats."""
-    first = next(iter(kv_caches))
+    """The fingerprint's ``layout``: "format:content" of each kind of cache (plane) the
+    layers hold, " + " between them ("N64,C656:fp8_ds_mla:... + N64,C132:idx_k..." for
+    sparse MLA; one plane, as before, for every other model), and where layers hold
+    different planes (a DSA model whose "shared" layers have no indexer cache) " @ layers "
+    and a digest of which layer holds which (``page_format.planes_digest``). ``kv_regions``
+    checks that every cache of a kind has that kind's format."""
     planes = page_format.layer_planes(kv_caches, layer_ids, layer_index)
-    lid = layer_ids[first] if layer_ids else layer_index(first)
-    return " + ".join(f"{page_layout(kv_caches[n], num_blocks, n)}:{kv_element_order(vllm_config, n, kv_caches[n])}"
-                      for n in planes[lid])
+    one = {}  # kind -> a cache of that kind
+    for names in planes.values():
+        for n in names:
+            one.setdefault(page_format.plane_kind(n), n)
+    text = " + ".join(f"{page_layout(kv_caches[n], num_blocks, n)}:{kv_element_order(vllm_config, n, kv_caches[n])}"
+                      for n in (one[k] for k in page_format.plane_kinds(planes)))
+    digest = page_format.planes_digest(kv_caches, layer_ids, layer_index)
+    return text if digest is None else f"{text} @ layers {digest}"
 
 
 # ---- 2. kv_element_order (vLLM 0.32.0) ----

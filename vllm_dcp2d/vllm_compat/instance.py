@@ -68,7 +68,7 @@ def spec_patches_act(vllm_config) -> bool:
 
 def serving_info(vllm_config) -> dict[str, str]:
     """What a front needs to know to route a request here, as Prometheus label values
-    (``connector/prom.py``, ``vllm:dcp2d_instance_info``; the proxy reads it, ``proxy/capacity.py``):
+    (``connector/prom.py``, ``vllm:dcp2d_instance_info``; the proxy reads it, ``proxy/fit.py``):
     ``dcp_size``; ``block_size`` (tokens per page on one rank); ``max_model_len`` (the longest
     prompt + output vLLM admits here); ``kv_cache_tokens`` (the KV capacity in tokens over the
     whole DCP group, vLLM's "KV cache size" line); ``max_num_seqs`` (requests running at once).

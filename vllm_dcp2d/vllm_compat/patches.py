@@ -271,6 +271,19 @@ PATCHES: list[Patch] = [
            "0.34.0": (Target("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
                              ("self", "hidden_states", "input_batch", "grammar_output")),)},
           f"{_COMPAT}.spec_decode:install_agreement", "a speculative draft with DCP > 1", _draft_under_dcp),
+    Patch("dsa_fused_kv_write",
+          "save_kv_layer after each DSA layer's KV write (layer pipelining): on CUDA, DeepseekV32ForCausalLM, "
+          "GlmMoeDsaForCausalLM and DeepseekV32MTPModel write both caches of a layer inside fused_norm_rope and "
+          "reach no connector call (vllm_compat/dsa.py); each such layer's _sparse_indexer_and_attn gets vLLM's own "
+          "maybe_transfer_kv_layer under its eager_break_during_capture",
+          {v: (Target("vllm.models.deepseek_v32.attention:DeepseekV32Attention._sparse_indexer_and_attn",
+                      ("self", "positions", "q_c", "q_nope", "q_pe", "index_q_fp8", "index_k", "index_weights_out",
+                       "kv_c", "k_pe", "ql_nope", "mqa_q", "output")),
+               Target("vllm.compilation.breakable_cudagraph:eager_break_during_capture", ("fn",)),
+               Target("vllm.model_executor.layers.attention.kv_transfer_utils:maybe_transfer_kv_layer", ("func",)))
+           for v in SUPPORTED},
+          None, "nothing (without it a DSA prefill sends each layer after the prompt completed, logged at start-up)",
+          _never),
     Patch("shm_poll_sleep",
           "vLLM's shared-memory queue readers sleep cpu_poll_sleep_us between polls instead of spinning "
           "(on a small CPU host the spin starved the connector's threads)",

@@ -1,4 +1,4 @@
-"""What a decode says about itself (``proxy/capacity.py``) and how the health poller reads it
+"""What a decode says about itself (``proxy/fit.py``) and how the health poller reads it
 (``upstreams.HealthChecker.learn``): the parse, hostile answers, the size bound, free KV."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.proxy.capacity import MAX_METRICS_BYTES, DecodeInfo, free_tokens, parse_metrics
+from vllm_dcp2d.proxy.fit import MAX_METRICS_BYTES, DecodeInfo, free_tokens, parse_metrics
 from vllm_dcp2d.proxy.upstreams import HealthChecker, Pool
 
 INFO = ('vllm:dcp2d_instance_info{model_name="m",engine="0",dcp_size="2",block_size="32",max_model_len="2048",'
