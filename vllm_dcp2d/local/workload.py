@@ -89,11 +89,12 @@ class Stream:
 
 
 def stream(url: str, model: str, ids: list[int], max_tokens: int, timeout_s: float,
-           hang_up_after: int | None = None) -> Stream:
+           hang_up_after: int | None = None, extra: dict | None = None) -> Stream:
     """POST a streamed greedy completion of ``ids`` to ``url`` (``/v1/completions``) and time
-    it; with ``hang_up_after``, close the connection after that many chunks."""
+    it; with ``hang_up_after``, close the connection after that many chunks. ``extra``: more
+    fields of the request (a session's ``user``)."""
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     s = Stream(time.monotonic())
