@@ -38,8 +38,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_dcp2d.capacity import Memory, capacity
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.reshard.capacity import Memory, capacity
+from vllm_dcp2d.reshard.layout import cdiv
 from vllm_dcp2d.local.servers import free_port, proxy_server, read_stats, running, vllm_server, wait_all
 from vllm_dcp2d.local.tiny_models import build_tiny_model
 from vllm_dcp2d.local.workload import (Sampler, hist_delta, host_cpu, pct, prompt_ids, references, scrape,

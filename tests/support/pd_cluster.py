@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 
-from vllm_dcp2d.plan import plan_request
-from vllm_dcp2d.layout import cdiv
-from vllm_dcp2d.report import synthetic_request
+from vllm_dcp2d.reshard.plan import plan_request
+from vllm_dcp2d.reshard.layout import cdiv
+from vllm_dcp2d.reshard.report import synthetic_request
 from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats, running,
                                         vllm_server)
 

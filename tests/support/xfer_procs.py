@@ -39,7 +39,7 @@ def full_kv(num_layers: int, num_blocks: int, seed: int = 1234) -> np.ndarray:
 
 def regions(buf: np.ndarray, layer_ids):
     """KVRegions of ``buf`` (uint8 ``[len(layer_ids), blocks, STRIDE]``): K and V planes."""
-    from vllm_dcp2d.plan import KVRegions
+    from vllm_dcp2d.reshard.regions import KVRegions
     layer_base = buf.ctypes.data + np.arange(len(layer_ids), dtype=np.int64) * buf.shape[1] * STRIDE
     return KVRegions(np.asarray(layer_ids), np.stack([layer_base, layer_base + V_OFF], axis=1),
                      np.array([STRIDE, STRIDE]), np.array([K_BYTES, V_BYTES]))
@@ -66,7 +66,7 @@ class PrefillRank:
         from vllm_dcp2d.transfer.bootstrap import BootstrapServer
         from vllm_dcp2d.transfer.sender import Sender
         from vllm_dcp2d.transfer.transport import MooncakeTransport
-        from vllm_dcp2d.layout import cp_layer_range
+        from vllm_dcp2d.reshard.layout import cp_layer_range
 
         layers = cp_layer_range(num_layers, cp_size, cp_rank)
         self.kv = np.ascontiguousarray(full_kv(num_layers, num_blocks)[layers.start:layers.stop])

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.support.bad_peers import BadPeer, closed_session
-from vllm_dcp2d.plan import Descriptors
+from vllm_dcp2d.reshard.plan import Descriptors
 from vllm_dcp2d.transfer import handshake
 from vllm_dcp2d.transfer.handshake import HandshakeFailed, Sessions, probe
 from vllm_dcp2d.transfer.transport import HandshakeError, MooncakeTransport, TransferError

@@ -29,7 +29,7 @@ from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.codec import fields_to_wire
 from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, CancelTransfer, MessageError, QueryRanks, RankTable, RegisterConsumer,
                                            Reply, TransferOutcome, TransferRequest, decode, encode)
-from vllm_dcp2d.plan import Memory
+from vllm_dcp2d.reshard.regions import Memory
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from tests.support.transfer import PD, wait_fetch, writes_in_flight

@@ -15,7 +15,7 @@ import zmq
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, RegisterConsumer, Reply, TransferOutcome, TransferRequest,
                                            decode, encode)
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.reshard.layout import cdiv
 
 from tests.support.xfer_procs import PAGE_BYTES, DecodeRank, PrefillRank, Proc, expect_fetch, fingerprint, full_kv
 from tests.support.transfer import PD
@@ -204,7 +204,7 @@ def _registered_request(address: str, memory, req):
 def _fake_regions():
     from tests.support.xfer_procs import regions
 
-    from vllm_dcp2d.plan import Memory
+    from vllm_dcp2d.reshard.regions import Memory
     return regions(_FAKE_KV, range(L)), Memory([_FAKE_KV.ctypes.data], [_FAKE_KV.nbytes])
 
 

@@ -72,7 +72,7 @@ from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
 from vllm_dcp2d.connector.timeline import DecodeTimeline
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.reshard.layout import cdiv
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
 log = logging.getLogger(__name__)

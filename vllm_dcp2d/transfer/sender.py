@@ -52,14 +52,15 @@ from vllm_dcp2d.transfer.consumers import Consumers, Registration, source_of
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageError, RegisterConsumer, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
                                            clip, decode, max_bytes)
-from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
+from vllm_dcp2d.reshard.plan import block_tables, plan_path
+from vllm_dcp2d.reshard.regions import KVRegions, Memory
 from vllm_dcp2d.transfer.checksum import KVBytes, checksum
 from vllm_dcp2d.transfer.quota import Strikes
 from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Request, SendLedger
 from vllm_dcp2d.transfer.staging import StagingPool, write
 from vllm_dcp2d.transfer.transport import HandshakeError, MooncakeTransport, TransportError
 from vllm_dcp2d.transfer.writers import Writers
-from vllm_dcp2d.layout import cdiv, cp_layer_range
+from vllm_dcp2d.reshard.layout import cdiv, cp_layer_range
 
 __all__ = ["Sender"]
 

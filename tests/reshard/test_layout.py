@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_dcp2d.layout import (
+from vllm_dcp2d.reshard.layout import (
     cp_layer_owner,
     cp_layer_range,
     dcp_local_slot,
@@ -81,7 +81,7 @@ def test_invalid_input_names_the_value(call, match):
 
 # ---- KV heads over TP (issue 37, item 0) ----
 
-from vllm_dcp2d.layout import askers, head_replicas, kv_head_range, send_shard  # noqa: E402
+from vllm_dcp2d.reshard.layout import askers, head_replicas, kv_head_range, send_shard  # noqa: E402
 
 _SHAPES = st.sampled_from([(k, t) for k in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8, 16) if k % t == 0 or t % k == 0])
 

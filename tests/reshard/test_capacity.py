@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_dcp2d.capacity import Draft, Memory, capacity, parse_bytes, seed_table1
-from vllm_dcp2d.layout import cdiv, dcp_page_owner
+from vllm_dcp2d.reshard.capacity import Draft, Memory, capacity, parse_bytes, seed_table1
+from vllm_dcp2d.reshard.layout import cdiv, dcp_page_owner
 from tests.support.cli import run
 
 
