@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_dcp2d.reshard.capacity import Draft, Memory, capacity, parse_bytes, seed_table1
-from vllm_dcp2d.reshard.layout import cdiv, dcp_page_owner
+from vllm_dcp2d.reshard.layout import cdiv
+from tests.support.dcp_pages import dcp_page_owner
 from tests.support.cli import run
 
 
@@ -133,7 +134,7 @@ def test_pages_fill_the_budget_and_requests_fill_the_pages(geo, budget, dcp, dra
 @given(geo=geometry, dcp=st.integers(1, 64), seed=st.integers(0, 2**32 - 1))
 def test_a_request_takes_on_rank_0_what_the_dcp_layout_gives_it(geo, dcp, seed):
     """The per-request page count the planner uses is the busiest rank's under the page
-    interleave the transfer writes (``layout.dcp_page_owner``)."""
+    interleave the transfer writes (``tests/support/dcp_pages.py``)."""
     tokens = np.random.default_rng(seed).integers(1, 50_000)
     owners = dcp_page_owner(np.arange(cdiv(int(tokens), geo["page_size"])), dcp)
     busiest = int(np.bincount(owners, minlength=dcp).max())

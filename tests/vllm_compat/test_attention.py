@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
-from vllm_dcp2d.reshard.layout import cdiv, dcp_local_slot, dcp_page_owner  # noqa: E402
+from tests.support.dcp_pages import dcp_local_slot, dcp_page_owner  # noqa: E402
+from vllm_dcp2d.reshard.layout import cdiv  # noqa: E402
 from vllm_dcp2d.vllm_compat import attention as compat  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -29,9 +29,6 @@ __all__ = [
     "cp_layer_range",
     "cp_layer_owner",
     "local_layer_count",
-    "dcp_page_owner",
-    "dcp_local_slot",
-    "filter_kv_indices_for_dcp_rank",
     "dcp_pages_for_rank",
     "kv_head_range",
     "head_replicas",
@@ -101,47 +98,6 @@ def cp_layer_owner(layer: int, num_layers: int, cp_size: int) -> int:
 def local_layer_count(num_layers: int, cp_size: int, cp_rank: int) -> int:
     """KV layer slots rank ``cp_rank`` allocates: owned layers + 1 transient slot."""
     return len(cp_layer_range(num_layers, cp_size, cp_rank)) + 1
-
-
-def _as_index_array(name: str, pages) -> np.ndarray:
-    arr = np.asarray(pages)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"{name} must be >= 0, got min {arr.min()}")
-    return arr
-
-
-def dcp_page_owner(pages, dcp_size: int):
-    """DCP rank holding page(s) ``pages``: ``pages % dcp_size`` (scalar or array)."""
-    dcp_size = check_size("dcp_size", dcp_size)
-    arr = _as_index_array("pages", pages)
-    out = arr % dcp_size
-    return int(out) if np.ndim(pages) == 0 else out
-
-
-def dcp_local_slot(pages, dcp_size: int):
-    """Local slot of page(s) ``pages`` on its owner: ``pages // dcp_size``."""
-    dcp_size = check_size("dcp_size", dcp_size)
-    arr = _as_index_array("pages", pages)
-    out = arr // dcp_size
-    return int(out) if np.ndim(pages) == 0 else out
-
-
-def filter_kv_indices_for_dcp_rank(kv_indices, dcp_size: int, dcp_rank: int) -> np.ndarray:
-    """Keep the pages DCP rank ``dcp_rank`` owns and map them to its local slots
-    (design §6.2): ``kv_indices[kv_indices % N == d] // N``.
-
-    kv_indices: int array ``[n]`` of global logical page indices.
-    Returns an int array ``[m]``, ``m ~= n / dcp_size``; with ``dcp_size == 1``
-    the input unchanged.
-    """
-    dcp_size = check_size("dcp_size", dcp_size)
-    dcp_rank = check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
-    arr = _as_index_array("kv_indices", kv_indices)
-    if dcp_size == 1:
-        return arr
-    return arr[arr % dcp_size == dcp_rank] // dcp_size
 
 
 def dcp_pages_for_rank(num_pages: int, dcp_size: int, dcp_rank: int, first_page: int = 0) -> np.ndarray:
