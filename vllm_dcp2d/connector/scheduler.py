@@ -270,10 +270,6 @@ class SchedulerSide:
         left: an idle engine would keep the blocks until the next request arrived."""
         return bool(self._quarantined or self._releases)
 
-    def quarantined_blocks(self) -> int:
-        """Blocks out of use now (a block quarantined by two ranks counts twice)."""
-        return sum(len(b) for b in self._quarantined.values())
-
     # -- both --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
