@@ -112,8 +112,8 @@ def tokens(out: dict) -> list[int]:
 
 
 def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto", routers: bool = True,
-        pipelined: bool = True) -> dict:
-    """Start the cluster, measure every way at every length, stop it; returns ``{"rows": [(length,
+        pipelined: bool = True, proxy_args: tuple[str, ...] = ()) -> dict:
+    """Start the cluster (``proxy_args``: more flags for both proxies), measure every way at every length, stop it; returns ``{"rows": [(length,
     {way: [seconds]})], "stages": [(length, {stage: [seconds]})], "inside": [(length, PD mean,
     {proxy histogram: mean})]}`` (``report`` prints them)."""
     model = long_model(work / "model", max(16384, MAX_LEN))
@@ -128,12 +128,12 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto", ro
     # prefill instance (TP=2, DCP=1) is DCP's
     colocated_dcp = vllm_server("colocated-dcp2", model, free_port(), work, role="", tp=2, dcp=2, extra_config={},
                                 **common)
-    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work)
+    proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, args=proxy_args)
     procs = [prefill, decode, colocated_dcp, proxy]
     ways = {COLOCATED_DCP: colocated_dcp.url, "PD": proxy.url}
     if pipelined:
         procs.append(proxy_server(free_port(), [prefill.url], [decode.url], work, name="proxy-pipelined",
-                                  pipelined=True))
+                                  pipelined=True, args=proxy_args))
         ways["PD pipelined"] = procs[-1].url
     for mode in ("nixl", "mooncake") if routers else ():
         procs.append(router_server(free_port(), [prefill], [decode], work, mode, f"router-{mode}"))
@@ -152,22 +152,27 @@ def run(work: Path, lengths: list[int], n: int, kv_cache_dtype: str = "auto", ro
                 if i == 1:
                     sums = proxy_sums(proxy.url)
                 ids = prompt(length, 1000 * length + i)
-                dt_c, ref = timed(prefill.url + "/v1/completions", body(model, ids))
-                dt = {}
-                for name, url in ways.items():
-                    dt[name], out = timed(url + "/v1/completions", body(model, ids))
-                    assert tokens(out) == tokens(ref), (length, i, name, tokens(out), tokens(ref))
-                dt_pre, pre = timed(prefill.url + "/v1/completions",
-                                    prefill_body(body(model, ids), f"bench-{length}-{i}"))
-                dt_dec, out = timed(decode.url + "/v1/completions", decode_body(body(model, ids),
-                                                                                pre["kv_transfer_params"]))
-                assert tokens(out) == tokens(ref), (length, i, "by hand", tokens(out), tokens(ref))
+                dt, out = {}, {}
+                # each round starts at another way: an engine that just ran (its workers still
+                # spinning on the 2 cores) must not always slow the same next way
+                order = ["colocated", *ways, "PD by hand"]
+                for name in order[i % len(order):] + order[:i % len(order)]:
+                    if name == "PD by hand":
+                        dt_pre, pre = timed(prefill.url + "/v1/completions",
+                                            prefill_body(body(model, ids), f"bench-{length}-{i}"))
+                        dt_dec, out[name] = timed(decode.url + "/v1/completions",
+                                                  decode_body(body(model, ids), pre["kv_transfer_params"]))
+                        dt[name] = dt_pre + dt_dec
+                    else:
+                        url = prefill.url if name == "colocated" else ways[name]
+                        dt[name], out[name] = timed(url + "/v1/completions", body(model, ids))
+                for name in order:
+                    assert tokens(out[name]) == tokens(out["colocated"]), (length, i, name, tokens(out[name]),
+                                                                           tokens(out["colocated"]))
                 if i == 0:
                     continue
-                e2e["colocated"].append(dt_c)
                 for name, v in dt.items():
                     e2e[name].append(v)
-                e2e["PD by hand"].append(dt_pre + dt_dec)
                 hops["prefill hop"].append(dt_pre)
                 hops["decode hop"].append(dt_dec)
                 keys.append(pre["kv_transfer_params"]["remote_request_id"])
@@ -253,6 +258,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="both instances' --kv-cache-dtype (e.g. fp8)")
     ap.add_argument("--no-routers", action="store_true", help="skip the two vllm-router ways")
     ap.add_argument("--no-pipelined", action="store_true", help="skip the pipelined proxy")
+    ap.add_argument("--proxy-args", default="", help="more flags for the proxies, e.g. '--routing least-loaded'")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     if a.out_tokens < 1 or min(lengths) < 1:
@@ -260,7 +266,8 @@ def main() -> None:
     OUT_TOKENS = a.out_tokens
     MAX_LEN = max(MAX_LEN, -(-(max(lengths) + OUT_TOKENS) // PAGE) * PAGE + PAGE)
     with tempfile.TemporaryDirectory() as d:
-        report(run(Path(a.work or d), lengths, a.requests, a.kv_cache_dtype, not a.no_routers, not a.no_pipelined),
+        report(run(Path(a.work or d), lengths, a.requests, a.kv_cache_dtype, not a.no_routers, not a.no_pipelined,
+                   tuple(a.proxy_args.split())),
                a.requests)
 
 

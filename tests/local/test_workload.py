@@ -138,6 +138,7 @@ def test_session_stats_counts_a_sessions_processes():
                 break
             time.sleep(0.05)
         assert st["processes"] == 1 and st["threads"] == 1 and st["fds"] >= 3 and st["rss_bytes"] > 0
+        assert st["rss_bytes/sleep"] == st["rss_bytes"]  # per process name
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.wait(10)

@@ -234,3 +234,66 @@ def test_client_hang_up_mid_stream_aborts_decode(caplog, decode_ends):
     errors = [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert errors == [], errors
     assert any("client disconnected mid-stream" in r.getMessage() for r in caplog.records)
+
+
+def closing_idle_connections(idle_s: float, seen: list):
+    """A prefill that, like uvicorn at its keep-alive timeout, drops a connection that was idle
+    ``idle_s`` when a request arrives on it: the close crossing a reused connection's request,
+    made deterministic. ``seen`` gets, per request, whether it came on a reused connection."""
+    last_done: dict[int, float] = {}
+
+    async def prefill(request):
+        conn, now = id(request.transport), asyncio.get_running_loop().time()
+        reused = conn in last_done
+        seen.append(reused)
+        if reused and now - last_done[conn] >= idle_s:
+            request.transport.close()
+            raise ConnectionResetError("closed at its keep-alive timeout")
+        await request.read()
+        last_done[conn] = asyncio.get_running_loop().time()
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+
+    async def decode(request):
+        await request.read()
+        return web.json_response({"choices": [{"text": "decoded"}]})
+
+    return upstream_apps(prefill, decode)
+
+
+async def two_requests_apart(gap_s: float, upstream_idle_s: float, keepalive_s: float | None):
+    seen: list = []
+    p_app, d_app = closing_idle_connections(upstream_idle_s, seen)
+    async with TestServer(p_app) as p, TestServer(d_app) as d:
+        proxy = Proxy([str(p.make_url(""))], [str(d.make_url(""))], timeout_s=5, health_interval_s=0,
+                      **({} if keepalive_s is None else {"keepalive_s": keepalive_s}))
+        if keepalive_s is None:  # what the proxy did before: aiohttp's own keep-alive (15 s)
+            proxy.keepalive_s = 15.0
+        statuses = []
+        async with TestServer(proxy.app()) as px, aiohttp.ClientSession() as s:
+            for i in range(2):
+                if i:
+                    await asyncio.sleep(gap_s)
+                async with s.post(px.make_url("/v1/completions"), json={"prompt": "hi", "max_tokens": 2}) as resp:
+                    statuses.append((resp.status, await resp.text()))
+        return statuses, seen
+
+
+@pytest.mark.timeout(30)
+def test_an_upstream_connection_is_not_reused_past_the_proxys_keep_alive():
+    """An upstream closes idle connections after 0.4 s; the proxy's keep-alive (0.2 s) is below
+    it, so a request 0.6 s after the last one opens a new connection and is answered. With
+    aiohttp's default (15 s, the proxy before) it went on the closing connection: 502."""
+    statuses, reused = asyncio.run(two_requests_apart(0.6, 0.4, 0.2))
+    assert [s for s, _ in statuses] == [200, 200] and reused == [False, False], (statuses, reused)
+    statuses, reused = asyncio.run(two_requests_apart(0.6, 0.4, None))
+    assert reused == [False, True] and statuses[1][0] == 502, (statuses, reused)
+    assert "Server disconnected" in statuses[1][1]
+
+
+def test_the_default_keep_alive_is_below_vllms():
+    from vllm_dcp2d.proxy.app import KEEPALIVE_S
+
+    vllm_envs = pytest.importorskip("vllm.envs")
+    assert KEEPALIVE_S < vllm_envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, (KEEPALIVE_S, vllm_envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+    with pytest.raises(ValueError, match="keep-alive must be > 0 seconds, got 0"):
+        Proxy(["http://p"], ["http://d"], keepalive_s=0)

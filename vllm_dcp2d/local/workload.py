@@ -178,12 +178,15 @@ def hist_delta(before: dict[str, float], after: dict[str, float], name: str, q: 
 
 def session_stats(sid: int) -> dict[str, float]:
     """Live processes of session ``sid`` (a server and its engine core, workers): their
-    count, RSS bytes, threads, open file descriptors and CPU seconds, summed."""
+    count, RSS bytes, threads, open file descriptors and CPU seconds, summed; and RSS bytes
+    per process name (``rss_bytes/<comm>``, e.g. ``rss_bytes/VLLM::EngineCor``), so a
+    growth can be told to its process."""
     tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
     out = {"processes": 0, "rss_bytes": 0, "threads": 0, "fds": 0, "cpu_s": 0.0}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             raw = stat.read_text()
+            comm = raw[raw.index("(") + 1:raw.rindex(")")]
             f = raw[raw.rindex(")") + 2:].split()  # from "state": sid [3], utime/stime [11]/[12], threads [17], rss [21]
             if int(f[3]) != sid:
                 continue
@@ -194,6 +197,7 @@ def session_stats(sid: int) -> dict[str, float]:
         out["cpu_s"] += (int(f[11]) + int(f[12])) / tick
         out["threads"] += int(f[17])
         out["rss_bytes"] += int(f[21]) * page
+        out["rss_bytes/" + comm] = out.get("rss_bytes/" + comm, 0) + int(f[21]) * page
         out["fds"] += fds
     return out
 

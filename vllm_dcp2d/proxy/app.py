@@ -25,21 +25,33 @@ log = logging.getLogger("vllm_dcp2d.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
+# Seconds an idle upstream connection may be reused. vLLM's API server (uvicorn) closes a
+# connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default); aiohttp's own default
+# (15 s) reuses connections the server is closing, and a request sent as the close crosses
+# it fails with "Server disconnected" (the cliff bench lost 2 of 36 prefill calls so, after
+# a 5 s lull). Below the server's timeout, the proxy closes first.
+KEEPALIVE_S = 2.0
+
 
 class Proxy:
     """Routes requests over ``Pool``s of prefill and decode instances; one
     ``aiohttp.ClientSession`` for all upstream calls. ``health_interval_s <= 0``
     turns health checks off. ``batch_concurrency``: PD pairs in flight at once for
     the prompts of one batched request (``batch``). ``policy``: how ``routing.Router``
-    picks (None: least outstanding calls only, as before decode groups and affinity)."""
+    picks (None: least outstanding calls only, as before decode groups and affinity).
+    ``keepalive_s``: how long an idle upstream connection is reused; keep it below the
+    upstreams' own keep-alive (``KEEPALIVE_S``)."""
 
     def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0, pipelined: bool = False,
                  health_interval_s: float = 2.0, health_timeout_s: float = 5.0, batch_concurrency: int = 8,
-                 policy: Policy | None = Policy()):
+                 policy: Policy | None = Policy(), keepalive_s: float = KEEPALIVE_S):
         if timeout_s <= 0:
             raise ValueError(f"upstream timeout must be > 0 seconds, got {timeout_s}")
         if batch_concurrency < 1:
             raise ValueError(f"batch concurrency must be >= 1 PD pair per request, got {batch_concurrency}")
+        if keepalive_s <= 0:
+            raise ValueError(f"upstream keep-alive must be > 0 seconds, got {keepalive_s}")
+        self.keepalive_s = keepalive_s
         self.batch_concurrency = batch_concurrency
         self.prefill_pool, self.decode_pool = Pool("prefill", prefill), Pool("decode", decode)
         self.prefill, self.decode = self.prefill_pool.urls, self.decode_pool.urls
@@ -53,7 +65,8 @@ class Proxy:
         self._bootstraps: dict[str, dict] = {}  # prefill URL -> its remote_bootstrap_addr, remote_engine_id
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.timeout)
+        self.session = aiohttp.ClientSession(timeout=self.timeout,
+                                             connector=aiohttp.TCPConnector(keepalive_timeout=self.keepalive_s))
         await self.health.start(self.session)
 
     async def stop(self, app: web.Application) -> None:

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import web
 
-from .app import Proxy
+from .app import KEEPALIVE_S, Proxy
 from .routing import Policy
 
 log = logging.getLogger("vllm_dcp2d.proxy")
@@ -29,6 +29,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds between /health polls of each upstream; 0 turns health checks off")
     p.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
                    help="seconds a /health poll may take before the upstream counts as unhealthy")
+    p.add_argument("--keepalive", type=float, default=KEEPALIVE_S, metavar="S",
+                   help="seconds an idle upstream connection is reused; below the upstreams' own keep-alive "
+                        "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) so the proxy never sends on a connection the "
+                        "upstream is closing (default: %(default)s)")
     p.add_argument("--batch-concurrency", type=int, default=8, metavar="N",
                    help="PD pairs in flight at once for the prompts of one batched /v1/completions request")
     r = p.add_argument_group("routing", "which decode serves a request (vllm_dcp2d/proxy/routing.py); each decode "
@@ -57,7 +61,7 @@ def main(argv: list[str]) -> int:
         policy = None if args.routing == "least-loaded" else Policy(
             args.kv_fraction, args.affinity_entries, args.affinity_match, args.affinity_slack)
         proxy = Proxy(args.prefill, args.decode, args.timeout, args.pipelined, args.health_interval,
-                      args.health_timeout, args.batch_concurrency, policy)
+                      args.health_timeout, args.batch_concurrency, policy, args.keepalive)
     except ValueError as e:
         raise SystemExit(f"vllm-dcp2d proxy: {e}")
     log.info("proxy on http://%s:%d: prefill %s, decode %s, health checks %s, routing %s", args.host, args.port,
