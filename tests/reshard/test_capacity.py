@@ -162,6 +162,9 @@ def test_monotone_and_scaling(geo, budget, dcp, draft, more, weights):
         # the draft's pool grows with DCP: a rank holds fewer target tokens, the group still more (but
         # fewer requests of one page, which DCP does not split: hypothesis found it)
         assert base.tokens_per_rank <= one.tokens_per_rank
-        assert base.tokens_per_group >= one.tokens_per_group
+        # in real numbers the group holds at least DCP=1's tokens (dcp*B/(b + dcp*d) >= B/(b + d));
+        # whole pages lose under one page per rank, so at most dcp pages fewer where the draft's
+        # bytes dwarf the target's (hypothesis found 180,224 against 180,272 at dcp 11, page 16)
+        assert base.tokens_per_group >= one.tokens_per_group - dcp * geo["page_size"]
     if draft is not None:
         assert base.tokens_per_group <= cap(dr=None).tokens_per_group
