@@ -36,10 +36,11 @@ def pytest_sessionstart(session):
     """Unlink the vLLM CPU-communicator files earlier engines left in /dev/shm (RAM):
     vLLM never unlinks them, and a machine that runs this suite again and again fills
     /dev/shm until engines fail to start. ``local/servers.py`` removes what this run's servers
-    leave; this removes what older runs left. Only files no process holds (local/shm.py)."""
+    leave; this removes what older runs left (tests/support/shm.py). Only files no process
+    holds."""
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
         return
-    from vllm_dcp2d.local.shm import remove_stale_vllm_shm
+    from tests.support.shm import remove_stale_vllm_shm
 
     removed = remove_stale_vllm_shm()
     if removed:

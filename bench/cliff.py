@@ -38,8 +38,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_dcp2d.capacity import Memory, capacity
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.reshard.capacity import Memory, capacity
+from vllm_dcp2d.reshard.layout import cdiv
 from vllm_dcp2d.local.servers import free_port, proxy_server, read_stats, running, vllm_server, wait_all
 from vllm_dcp2d.local.tiny_models import build_tiny_model
 from vllm_dcp2d.local.workload import (Sampler, hist_delta, host_cpu, pct, prompt_ids, references, scrape,
@@ -57,10 +57,17 @@ def max_len_for(tokens: int) -> int:
     return cdiv(tokens, PAGE) * PAGE
 
 
-def kv_bytes_for(fit: int, tokens: int) -> int:
+def kv_bytes_for(fit: int, tokens: int, dcps: tuple[int, ...] = (1,)) -> int:
     """The KV budget per decode rank that holds ``fit`` requests of ``tokens`` (prompt and output)
-    at DCP=1, plus the block vLLM keeps back (its null block)."""
-    return (fit * cdiv(tokens, PAGE) + 1) * PAGE * LAYERS * TOKEN_LAYER_BYTES
+    at DCP=1 and ``N x fit`` at every DCP size N of ``dcps``, plus the block vLLM keeps back (its
+    null block). A DCP=N rank holds ``ceil(pages / N)`` of a request's pages, so a budget of
+    ``fit`` requests' pages alone would hold fewer than ``N x fit`` there (5, not 6, at DCP=2 for
+    71-page requests): the point at twice DCP=1's capacity would sit on DCP=2's own edge, and
+    whether the last request started at once depended on timing (TTFT p99 ratios 0.19 and 0.89 in
+    two runs). DCP=1 still holds ``fit`` while ``fit x (N - 1) < pages``."""
+    pages = cdiv(tokens, PAGE)
+    per_request = max(n * cdiv(pages, n) for n in (1, *dcps))
+    return (fit * per_request + 1) * PAGE * LAYERS * TOKEN_LAYER_BYTES
 
 
 def planner_fits(kv_bytes: int, dcp: int, tokens: int) -> int:
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(a.prompt_tokens if "long" in workloads else 0,
                   a.base + a.step * (a.turns - 1) if "agent" in workloads else 0) + a.out_tokens
     max_len = max_len_for(longest)
-    kv = kv_bytes_for(a.fit, longest)
+    kv = kv_bytes_for(a.fit, longest, tuple(dcps))
     work = Path(a.work or tempfile.mkdtemp(prefix="dcp2d-cliff-"))
     model = build_tiny_model("llama-mqa", work / "model", dtype="float32")
     seqs = 4 * max(conc) * max(1, a.turns)

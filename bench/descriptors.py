@@ -35,7 +35,8 @@ CASES = [  # (label, descriptors, bytes each)
 def main() -> None:
     from vllm_dcp2d.transfer import staging
     from vllm_dcp2d.transfer.transport import MooncakeTransport
-    from vllm_dcp2d.plan import Descriptors, Memory
+    from vllm_dcp2d.reshard.plan import Descriptors
+    from vllm_dcp2d.reshard.regions import Memory
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)

@@ -81,7 +81,7 @@ def pd_figures(work: Path, requests: int) -> dict[str, float]:
 def cliff_figures(work: Path, fit: int) -> dict[str, float]:
     a = SimpleNamespace(prompt_tokens=2000, out_tokens=160, waves=1, timeout=600.0, base=0, step=0, turns=1)
     max_len = cliff.max_len_for(2000 + 160)
-    kv = cliff.kv_bytes_for(fit, 2000 + 160)
+    kv = cliff.kv_bytes_for(fit, 2000 + 160, (2,))
     model = build_tiny_model("llama-mqa", work / "model", dtype="float32")
     prefill = cliff.prefill_server(work, model, max_len, 4 * fit)
     decodes = {d: cliff.decode_server(work, model, d, kv, max_len, 4 * fit, work / f"stats-{d}.jsonl") for d in (1, 2)}

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300, help="writes to a known session")
     args = ap.parse_args()
 
-    from vllm_dcp2d.plan import Descriptors
+    from vllm_dcp2d.reshard.plan import Descriptors
     from vllm_dcp2d.transfer.transport import MooncakeTransport
 
     try:

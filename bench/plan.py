@@ -13,8 +13,8 @@ import argparse
 import statistics
 import time
 
-from vllm_dcp2d.plan import plan_request
-from vllm_dcp2d.report import synthetic_request
+from vllm_dcp2d.reshard.plan import plan_request
+from vllm_dcp2d.reshard.report import synthetic_request
 
 
 def bench(tokens: int, repeat: int, layers=78, cp=8, dcp=4, page=64, bptl=576):

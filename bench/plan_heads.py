@@ -19,7 +19,7 @@ import argparse
 import json
 import time
 
-from vllm_dcp2d.report_heads import check_dcp, head_matrix
+from vllm_dcp2d.reshard.report_heads import check_dcp, head_matrix
 
 MODELS = {"gqa-2h": dict(num_layers=4, num_kv_heads=2, token_head_bytes=2 * 32 * 4),   # tiny llama, fp32
           "llama8b": dict(num_layers=32, num_kv_heads=8, token_head_bytes=2 * 128 * 2)}  # bf16

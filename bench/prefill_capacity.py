@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_dcp2d.layout import local_layer_count
+from vllm_dcp2d.reshard.layout import local_layer_count
 
 # (label, layers, cp_size). Layer counts of known models; the byte figures all
 # use --bytes, so only the seed row's token counts describe its real model.

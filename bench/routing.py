@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support (tests/README.md, "Imports")
 
 from tests.support.pd_cluster import LAYERS, PAGE, PAGE_BYTES, expected_bytes, pd_cluster  # noqa: E402
-from vllm_dcp2d.layout import cdiv  # noqa: E402
+from vllm_dcp2d.reshard.layout import cdiv  # noqa: E402
 from vllm_dcp2d.local.servers import fetch_records, free_port, proxy_server, read_stats, router_server, running  # noqa: E402
 from vllm_dcp2d.local.workload import host_cpu, pct, prompt_ids, session_prompt, stream  # noqa: E402
 

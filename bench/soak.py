@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/support/ (tests/README.md)
 from tests.support.faults import FaultCluster, FaultConfig  # noqa: E402
-from vllm_dcp2d.layout import cdiv  # noqa: E402
+from vllm_dcp2d.reshard.layout import cdiv  # noqa: E402
 from vllm_dcp2d.local.workload import Sampler, host_cpu, references, session_prompt, stream  # noqa: E402
 
 os.environ.setdefault("MC_FORCE_TCP", "1")

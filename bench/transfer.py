@@ -33,7 +33,7 @@ def prefill_kv(layers: int, blocks: int, page_bytes: int) -> np.ndarray:
 
 
 def kv_regions(buf: np.ndarray, layer_ids):
-    from vllm_dcp2d.plan import KVRegions
+    from vllm_dcp2d.reshard.regions import KVRegions
     base = buf.ctypes.data + np.arange(buf.shape[0], dtype=np.int64) * buf.shape[1] * buf.shape[2]
     return KVRegions.uniform(list(layer_ids), base, buf.shape[2])
 
@@ -54,7 +54,7 @@ class Prefill:
         from vllm_dcp2d.transfer.bootstrap import BootstrapServer
         from vllm_dcp2d.transfer.sender import Sender
         from vllm_dcp2d.transfer.transport import MooncakeTransport
-        from vllm_dcp2d.layout import cp_layer_range
+        from vllm_dcp2d.reshard.layout import cp_layer_range
 
         self.a = a
 
@@ -238,7 +238,7 @@ def main():
         rows["2D reshard, slowest path's writes"] = (nbytes, desc, writes)
 
         # 2) one contiguous Mooncake write of the same bytes, process to process.
-        from vllm_dcp2d.plan import Descriptors
+        from vllm_dcp2d.reshard.plan import Descriptors
         from vllm_dcp2d.transfer.transport import MooncakeTransport
         src_buf = rng.integers(0, 256, total, dtype=np.uint8)
         digest = hashlib.sha256(src_buf).hexdigest()

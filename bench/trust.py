@@ -45,7 +45,7 @@ def stats(xs: list[float]) -> str:
 
 def messages() -> list:
     from vllm_dcp2d.transfer.messages import Fingerprint, QueryRanks, TransferOutcome, TransferRequest
-    from vllm_dcp2d.plan import KVRegions
+    from vllm_dcp2d.reshard.regions import KVRegions
 
     fp = Fingerprint("glm", 78, 64, "fp8_e4m3", 36864, "N64,C576:kv_c|k_pe", "sha256:x@main")
     regions = KVRegions.uniform(np.arange(78), (1 << 30) + np.arange(78) * (1 << 24), 36864)
@@ -139,7 +139,7 @@ def part4(reps: int) -> None:
     registration (decode + the host and own-session checks + the quota), and what a
     TransferRequest pays besides decoding (the registration lookup, ``check_inside``, the
     per-source quota in ``SendLedger.arrive``), for the GLM-5.2 requests of ``messages()``."""
-    from vllm_dcp2d.plan import Memory
+    from vllm_dcp2d.reshard.regions import Memory
     from vllm_dcp2d.transfer.consumers import Consumers
     from vllm_dcp2d.transfer.messages import RegisterConsumer, decode, encode
     from vllm_dcp2d.transfer.send_ledger import Attempt, SendLedger
@@ -185,7 +185,8 @@ def _timed(fn) -> float:
 def part2(reps: int) -> None:
     from vllm_dcp2d.transfer.checksum import checksum, path_ranges
     from vllm_dcp2d.transfer.transport import MooncakeTransport
-    from vllm_dcp2d.plan import KVRegions, Memory, plan_path
+    from vllm_dcp2d.reshard.plan import plan_path
+    from vllm_dcp2d.reshard.regions import KVRegions, Memory
 
     print()
     print("| model | tokens | path bytes | descriptors | write p50 / p99 / max ms | prefill checksum p50 / p99 / max ms "
@@ -259,7 +260,8 @@ def part3(reps: int, device: str) -> None:
     import torch
 
     from vllm_dcp2d.transfer.checksum import KVBytes, checksum, path_ranges
-    from vllm_dcp2d.plan import KVRegions, plan_path
+    from vllm_dcp2d.reshard.plan import plan_path
+    from vllm_dcp2d.reshard.regions import KVRegions
 
     host = device == "cpu"
     print()

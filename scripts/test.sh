@@ -4,7 +4,7 @@
 #   bash scripts/test.sh                      the whole suite (what CI runs)
 #   bash scripts/test.sh -m quick             the inner loop: every test that starts no vLLM engine
 #   bash scripts/test.sh --hypothesis-seed=2  the whole suite, another draw
-#   bash scripts/test.sh tests/test_plan.py   those files only
+#   bash scripts/test.sh tests/reshard/test_plan.py   those files only
 #   bash scripts/test.sh tests/transfer       one folder (tests/README.md: which folder tests what)
 #
 # The whole suite runs as two pytest sessions at once: the engine files (-m "not quick":

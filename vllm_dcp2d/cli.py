@@ -33,7 +33,7 @@ _DELEGATED = {"proxy": "vllm_dcp2d.proxy", "demo": "vllm_dcp2d.demo", "compat": 
 def _plan(argv: list[str]) -> int:
     if "--capacity" in argv:
         return _plan_capacity([a for a in argv if a != "--capacity"])
-    from vllm_dcp2d.report import format_matrix, reshard_matrix
+    from vllm_dcp2d.reshard.report import format_matrix, reshard_matrix
 
     ap = argparse.ArgumentParser(prog="vllm-dcp2d plan",
                                  description="Print the 2D reshard matrix of one request.")
@@ -89,7 +89,7 @@ def _plan(argv: list[str]) -> int:
 
 
 def _plan_heads(ap, args, argv: list[str]) -> int:
-    from vllm_dcp2d.report_heads import format_head_matrix, head_matrix
+    from vllm_dcp2d.reshard.report_heads import format_head_matrix, head_matrix
 
     given = {a.split("=")[0] for a in argv}
     try:
@@ -103,8 +103,8 @@ def _plan_heads(ap, args, argv: list[str]) -> int:
 
 
 def _plan_capacity(argv: list[str]) -> int:
-    from vllm_dcp2d import capacity as cap
-    from vllm_dcp2d.report import layer_pattern
+    from vllm_dcp2d.reshard import capacity as cap
+    from vllm_dcp2d.reshard.report import layer_pattern
 
     ap = argparse.ArgumentParser(prog="vllm-dcp2d plan --capacity",
                                  description="KV tokens per decode rank and DCP group, and the requests of a length "

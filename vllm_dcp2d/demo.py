@@ -80,7 +80,7 @@ def _print_paths(records: list[dict], tokens: int) -> None:
 def main(argv: list[str]) -> int:
     import tempfile
 
-    from vllm_dcp2d.report import format_matrix, matrix_from_records
+    from vllm_dcp2d.reshard.report import format_matrix, matrix_from_records
 
     args = parse(argv)
     if args.decode_tp % args.decode_dcp:

@@ -58,9 +58,9 @@ def check_mooncake(device: str = "cuda") -> str:
     import numpy as np
     import torch
 
-    from vllm_dcp2d.plan import plan_request
+    from vllm_dcp2d.reshard.plan import plan_request
     from vllm_dcp2d.transfer.transport import MooncakeTransport
-    from vllm_dcp2d.layout import cp_layer_range
+    from vllm_dcp2d.reshard.layout import cp_layer_range
     from vllm_dcp2d.vllm_compat.connector_api import kv_regions, layer_index, page_layout
     from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, allocate_sparse_mla, kv_cache_layouts, logical_pages
 

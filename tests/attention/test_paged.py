@@ -12,7 +12,7 @@ from vllm_dcp2d.attention import flash, gather
 from vllm_dcp2d.attention.dcp import dcp_merge
 from vllm_dcp2d.attention.gather import gather_pages, plain_layout
 from vllm_dcp2d.attention.paged import attention_lse, paged_attention_lse, varlen_attention_lse
-from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
+from tests.support.dcp_pages import dcp_local_slot, dcp_page_owner
 
 
 class StackGroup:

@@ -102,16 +102,16 @@ def test_a_rank_that_cannot_open_the_segment_makes_every_rank_keep_its_transport
 @pytest.mark.timeout(120)
 def test_a_segment_left_by_a_rank_killed_in_set_up_is_removed_once_unheld():
     """The one way a segment outlives its group: rank 0 killed between making it and
-    unlinking it. ``local/shm.py`` removes it once no process maps it (the suite does at
-    start), and leaves a segment a live rank holds."""
+    unlinking it. The suite's sweep at start (``tests/support/shm.py``) removes it once no
+    process maps it, and leaves a segment a live rank holds."""
     import glob
     import multiprocessing
     import time
 
+    from tests.support.shm import remove_stale_vllm_shm
     from tests.support.shm_gather_ranks import stuck_in_set_up
 
     from vllm_dcp2d.attention.shm_gather import PREFIX
-    from vllm_dcp2d.local.shm import remove_stale_vllm_shm
 
     proc = multiprocessing.get_context("spawn").Process(target=stuck_in_set_up, daemon=True)
     proc.start()

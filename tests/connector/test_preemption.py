@@ -131,7 +131,7 @@ class Decode:
     the producer's page format, into a buffer of its own."""
 
     def __init__(self, stack, sender, port: int):
-        from vllm_dcp2d.plan import KVRegions
+        from vllm_dcp2d.reshard.regions import KVRegions
         from vllm_dcp2d.transfer.receiver import Receiver
         from vllm_dcp2d.transfer.transport import MooncakeTransport
 

@@ -28,12 +28,12 @@ import time
 import pytest
 
 from tests.support.pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
-                         complete, expected_bytes, ids, pd_cluster, prompts, stalled, tokens)
+                         complete, expected_bytes, ids, kv_capacity, pd_cluster, prompts, stalled, tokens)
 
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
-from vllm_dcp2d.local.servers import fetch_records, kv_cache_usage, kv_capacity, post_json, read_stats
+from vllm_dcp2d.local.servers import fetch_records, kv_cache_usage, post_json, read_stats
 from tests.support.netns import Hosts, unavailable
 from tests.support.shared import fixtures
 

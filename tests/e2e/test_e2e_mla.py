@@ -36,11 +36,11 @@ import json
 import urllib.request
 
 import pytest
-from tests.support.pd_cluster import stalled
+from tests.support.pd_cluster import kv_capacity, stalled
 
-from vllm_dcp2d.layout import cdiv, cp_layer_range
-from vllm_dcp2d.local.servers import (fetch_records, free_port, kv_capacity, post_json, proxy_server, read_stats,
-                                        running, vllm_server)
+from vllm_dcp2d.reshard.layout import cdiv, cp_layer_range
+from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats, running,
+                                        vllm_server)
 from tests.support.shared import fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]

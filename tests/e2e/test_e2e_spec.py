@@ -24,7 +24,7 @@ import json
 import pytest
 from tests.support.pd_cluster import stalled
 
-from vllm_dcp2d.layout import cdiv, cp_layer_range
+from vllm_dcp2d.reshard.layout import cdiv, cp_layer_range
 from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats, vllm_server,
                                         wait_all)
 from tests.support.shared import SharedCluster

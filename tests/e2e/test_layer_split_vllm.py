@@ -75,7 +75,7 @@ def _engine(model: str, mode: str, tmp: Path, dtype: str) -> Engine:
 
 
 def _check(model: str, layers: int, tmp: Path, dtype: str) -> None:
-    from vllm_dcp2d.layout import cp_layer_owner
+    from vllm_dcp2d.reshard.layout import cp_layer_owner
 
     (split, cap), (full, full_cap), (plain, plain_cap) = run_engines(
         *(_engine(model, mode, tmp, dtype) for mode in ("on", "off", "plain")))

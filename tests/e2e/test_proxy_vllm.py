@@ -174,8 +174,8 @@ def reference(c, prompt: list[int]) -> dict:
 def test_vllm_router(cluster, mode):
     """vLLM's router in front, unchanged: the connector speaks both of its PD protocols, and
     the instances join a router that has no list of them (``router_discovery_address``)."""
-    from vllm_dcp2d.plan import plan_request
-    from vllm_dcp2d.report import synthetic_request
+    from vllm_dcp2d.reshard.plan import plan_request
+    from vllm_dcp2d.reshard.report import synthetic_request
 
     c = cluster
     url = c["routers"][mode].url

@@ -15,7 +15,7 @@ import torch
 from tests.support.prefill_group import run_group
 from tests.support.spec_model import POISON, forward, make_weights, prompts_for, reference_greedy
 from tests.support.spec_workers import pools, spec_decode
-from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
+from tests.support.dcp_pages import dcp_local_slot, dcp_page_owner
 from tests.support.tiny_cp_model import TinyConfig
 from vllm_dcp2d.spec_decode import dcp_disabled
 

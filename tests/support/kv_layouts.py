@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_dcp2d import page_format
-from vllm_dcp2d.layout import cp_layer_range
-from vllm_dcp2d.plan import plan_request
+from vllm_dcp2d.reshard import page_format
+from vllm_dcp2d.reshard.layout import cp_layer_range
+from vllm_dcp2d.reshard.plan import plan_request
 from vllm_dcp2d.transfer.messages import Fingerprint
 from vllm_dcp2d.vllm_compat import connector_api as compat
 from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, logical_pages

@@ -12,7 +12,7 @@ import zmq
 
 from tests.support.pair import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions
 from tests.support.transfer import wait_fetch
-from vllm_dcp2d.plan import Memory
+from vllm_dcp2d.reshard.regions import Memory
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.reshard.regions import KVRegions
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer, register_rank
 from vllm_dcp2d.transfer.messages import Fingerprint, RegisterRank, TransferRequest
 from vllm_dcp2d.transfer.receiver import Receiver

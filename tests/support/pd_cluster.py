@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
-from vllm_dcp2d.plan import plan_request
-from vllm_dcp2d.layout import cdiv
-from vllm_dcp2d.report import synthetic_request
-from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats, running,
-                                        vllm_server)
+from vllm_dcp2d.reshard.plan import plan_request
+from vllm_dcp2d.reshard.layout import cdiv
+from vllm_dcp2d.reshard.report import synthetic_request
+from vllm_dcp2d.local.servers import (Process, fetch_records, free_port, post_json, proxy_server, read_stats,
+                                        running, vllm_server)
 
 PAGE = 32
 LAYERS = 4                # tiny llama-mqa
@@ -140,6 +141,15 @@ def pd_cluster(work, place=loopback, decode_kv_bytes: int = DECODE_KV_BYTES):
                           args=("--health-interval", "0.5"))
     with running([prefill, decode, decode1, proxy, proxy1, proxyp, proxyr], 900) as procs:
         yield {"model": model, "stats": stats, **procs}
+
+
+def kv_capacity(server: Process) -> int:
+    """A ``vllm serve`` instance's KV capacity in tokens, from vLLM's "KV cache size"
+    start-up line (with DCP, the whole group's)."""
+    cap = re.findall(r"KV cache size: ([\d,]+) tokens", server.log_path.read_text(errors="replace"))
+    if not cap:
+        raise AssertionError(f"no KV capacity line in {server.log_path}")
+    return int(cap[0].replace(",", ""))
 
 
 def stalled(recs: list[dict]) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.reshard.regions import KVRegions
 from vllm_dcp2d.transfer.messages import Fingerprint
 
 L, PAGE_BYTES, SRC_BLOCKS, DST_BLOCKS = 4, 256, 7, 8

@@ -64,7 +64,7 @@ def _entry(rank, world_size, init_method, target, args, out_dir, gloo_timeout_s)
     torch.set_num_threads(1)  # ranks share 2 cores; intra-op threads only add contention
     import torch.distributed as dist
 
-    from vllm_dcp2d.prefill.dist import cp_group_from, init_cp_group
+    from vllm_dcp2d.prefill.dist import cp_group_from
 
     def write(result):
         tmp = os.path.join(out_dir, f".rank{rank}.tmp")
@@ -76,7 +76,8 @@ def _entry(rank, world_size, init_method, target, args, out_dir, gloo_timeout_s)
         # Rendezvous with a generous timeout (spawned ranks start seconds apart
         # on a loaded machine); the scenario then runs on a group whose every
         # collective is bounded by the short gloo_timeout_s.
-        init_cp_group(rank, world_size, init_method, backend="gloo", timeout_s=max(60.0, gloo_timeout_s))
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=max(60.0, gloo_timeout_s)))
         dist.barrier()
         cp = cp_group_from(dist.new_group(backend="gloo", timeout=timedelta(seconds=gloo_timeout_s)))
         module, name = target.split(":")

@@ -32,7 +32,7 @@ from vllm_dcp2d.attention.dcp import dcp_merge
 from vllm_dcp2d.attention.merge import merge_lse
 from vllm_dcp2d.attention.gather import plain_layout
 from vllm_dcp2d.attention.paged import paged_attention_lse, varlen_attention_lse
-from vllm_dcp2d.layout import dcp_local_slot, dcp_page_owner
+from tests.support.dcp_pages import dcp_local_slot, dcp_page_owner
 from tests.support.tiny_cp_model import TinyConfig, init_weights
 from vllm_dcp2d.spec_decode.draft import effective_dcp
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tests.support.spec_model import PagedPool, forward, make_weights, prompts_for
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.reshard.layout import cdiv
 from tests.support.tiny_cp_model import consensus_prefix_lens
 from tests.support.tiny_cp_model import TinyConfig
 from vllm_dcp2d.spec_decode import TorchGroup, agree_sampled, dcp_disabled

@@ -48,7 +48,7 @@ from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.messages import (PROTOCOL_VERSION, Fingerprint, MessageError, QueryRanks, RankTable,
                                            RegisterConsumer, RegisterRank, ReleaseTransfer, Reply, TransferOutcome,
                                            TransferRequest, decode, encode)
-from vllm_dcp2d.plan import KVRegions, Memory
+from vllm_dcp2d.reshard.regions import KVRegions, Memory
 
 WAIT_S = 5.0
 SOURCE = ""  # where its side-channel connections come from (``--source``; "": where routing says)

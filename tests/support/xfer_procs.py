@@ -15,6 +15,7 @@ import os
 import traceback
 
 import numpy as np
+from tests.support.logs import attach
 from tests.support.transfer import PD, wait_fetch
 
 STRIDE = 1024                  # bytes per block row of one layer
@@ -39,7 +40,7 @@ def full_kv(num_layers: int, num_blocks: int, seed: int = 1234) -> np.ndarray:
 
 def regions(buf: np.ndarray, layer_ids):
     """KVRegions of ``buf`` (uint8 ``[len(layer_ids), blocks, STRIDE]``): K and V planes."""
-    from vllm_dcp2d.plan import KVRegions
+    from vllm_dcp2d.reshard.regions import KVRegions
     layer_base = buf.ctypes.data + np.arange(len(layer_ids), dtype=np.int64) * buf.shape[1] * STRIDE
     return KVRegions(np.asarray(layer_ids), np.stack([layer_base, layer_base + V_OFF], axis=1),
                      np.array([STRIDE, STRIDE]), np.array([K_BYTES, V_BYTES]))
@@ -60,13 +61,31 @@ def expect_fetch(before: np.ndarray, full: np.ndarray, src_ids, dst_ids, dcp_siz
     return out
 
 
+class FailedWrites:
+    """A rank's transport, keeping the error of each write that raised (Mooncake's return
+    code among it): the reason the sender then answers that attempt with."""
+
+    def __init__(self, real):
+        self.real, self.errors = real, []
+
+    def write(self, peer, desc, stalls=None, not_after_ns=0):
+        try:
+            return self.real.write(peer, desc, stalls, not_after_ns)
+        except Exception as e:
+            self.errors.append(str(e))
+            raise
+
+    def __getattr__(self, name):  # register, registered, opened, sessions, ...: the real transport's
+        return getattr(self.real, name)
+
+
 class PrefillRank:
     def __init__(self, cp_rank: int, cp_size: int, num_layers: int, num_blocks: int, bootstrap: str | None,
                  fp: dict):
         from vllm_dcp2d.transfer.bootstrap import BootstrapServer
         from vllm_dcp2d.transfer.sender import Sender
         from vllm_dcp2d.transfer.transport import MooncakeTransport
-        from vllm_dcp2d.layout import cp_layer_range
+        from vllm_dcp2d.reshard.layout import cp_layer_range
 
         layers = cp_layer_range(num_layers, cp_size, cp_rank)
         self.kv = np.ascontiguousarray(full_kv(num_layers, num_blocks)[layers.start:layers.stop])
@@ -74,7 +93,11 @@ class PrefillRank:
         self.bootstrap = bootstrap or self.server.address
         self.transport = MooncakeTransport()
         self.transport.register(self.kv.ctypes.data, self.kv.nbytes)
-        self.sender = Sender(self.transport, regions(self.kv, list(layers)), fingerprint(**fp),
+        # what this rank refused, rejected or failed, as it logs it (from its start: the first
+        # of each kind always comes, tests/support/logs.py), and the writes that failed
+        self.warned = attach("vllm_dcp2d.transfer.sender").messages
+        self.writes = FailedWrites(self.transport)
+        self.sender = Sender(self.writes, regions(self.kv, list(layers)), fingerprint(**fp),
                              engine_id="prefill", cp_rank=cp_rank, cp_size=cp_size, bootstrap=self.bootstrap,
                              expiry_s=60.0)
 
@@ -91,7 +114,7 @@ class PrefillRank:
         return self.sender.pop_finished()
 
     def stats(self):
-        return {"errors": list(self.sender.errors), "malformed": self.sender.malformed}
+        return {"warned": list(self.warned), "failed_writes": list(self.writes.errors)}
 
     def registered(self):
         return self.transport.registered()

@@ -18,7 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.plan import KVRegions, Memory, plan_path
+from vllm_dcp2d.reshard.plan import plan_path
+from vllm_dcp2d.reshard.regions import KVRegions, Memory
 from vllm_dcp2d.transfer import checksum as cs
 from vllm_dcp2d.transfer.checksum import GROUP_BYTES, KVBytes, checksum, path_ranges
 

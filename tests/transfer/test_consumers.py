@@ -22,7 +22,7 @@ from tests.support.stranger import run as stranger
 from tests.support.transfer import wait_fetch
 from tests.support.pair import SRC_IDS, TOKENS
 from tests.support.one_rank import DIGEST, SECRET, Decode, Prefill
-from vllm_dcp2d.plan import Memory
+from vllm_dcp2d.reshard.regions import Memory
 from vllm_dcp2d.transfer import consumers, sockets
 from vllm_dcp2d.transfer.auth import Auth
 from vllm_dcp2d.transfer.consumers import Consumers

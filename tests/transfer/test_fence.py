@@ -22,7 +22,7 @@ import zmq
 from tests.support.fake_rank import FakeRank, outcome
 from tests.support.transfer import PD, wait_fetch
 from tests.support.pair import DST_IDS, FP, L, SRC_IDS, TOKENS, Side, regions, wait_until
-from vllm_dcp2d.plan import Memory
+from vllm_dcp2d.reshard.regions import Memory
 from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.messages import RegisterConsumer, TransferOutcome, TransferRequest, decode, encode
@@ -137,7 +137,7 @@ def test_a_write_already_past_its_fence_is_not_retried(stack):
     """The transport's side: a batch and each retry of it start only before the fence; a
     write asked for after it raises, naming the fence, and moves nothing."""
     s = Side(stack)
-    from vllm_dcp2d.plan import Descriptors
+    from vllm_dcp2d.reshard.plan import Descriptors
     desc = Descriptors(np.array([s.src.ctypes.data]), np.array([s.dst.ctypes.data]), np.array([256]))
     with pytest.raises(Exception, match="deadline passed, so no write of it starts any more"):
         s.gate.transport.write(s.recv.transport.session_id, desc, [], time.time_ns() - 1)

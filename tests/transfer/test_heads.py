@@ -18,7 +18,7 @@ from vllm_dcp2d.transfer.messages import Fingerprint, prompt_digest
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.reshard.regions import KVRegions
 from tests.support.transfer import wait_fetch
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]

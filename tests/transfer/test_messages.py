@@ -12,7 +12,7 @@ from vllm_dcp2d.transfer import messages as m
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, QueryRanks, RankTable,
                                            RegisterConsumer, RegisterRank, ReleaseTransfer, Reply, TransferOutcome, TransferRequest,
                                            decode, encode)
-from vllm_dcp2d.plan import KVRegions, Memory
+from vllm_dcp2d.reshard.regions import KVRegions, Memory
 
 pytestmark = pytest.mark.timeout(120)
 FP = Fingerprint("glm-5.2@abc", 8, 64, "float8_e4m3fn", 36864, "cpu:[blocks,heads,block,2*head]",

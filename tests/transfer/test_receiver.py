@@ -8,7 +8,7 @@ from tests.support.fake_rank import FakeRank
 
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer, register_rank
 from vllm_dcp2d.transfer.messages import CancelTransfer, Fingerprint, RegisterRank
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.reshard.regions import KVRegions
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from tests.support.transfer import PD, wait_fetch

@@ -16,7 +16,7 @@ from tests.support.pipelined import (DST_BLOCKS, DST_IDS, FP, L, NUM_PAGES, NUM_
                                      SRC_IDS, expected_layer, regions)
 
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
-from vllm_dcp2d.plan import plan_path
+from vllm_dcp2d.reshard.plan import plan_path
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport

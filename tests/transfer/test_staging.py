@@ -19,8 +19,9 @@ from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.staging import MIN_GAIN, MIN_UNIT, Slot, stage
 from vllm_dcp2d.transfer.transport import MooncakeTransport
-from vllm_dcp2d.layout import cdiv
-from vllm_dcp2d.plan import Descriptors, KVRegions, Memory, plan_path
+from vllm_dcp2d.reshard.layout import cdiv
+from vllm_dcp2d.reshard.plan import Descriptors, plan_path
+from vllm_dcp2d.reshard.regions import KVRegions, Memory
 from tests.support.transfer import PD, wait_fetch
 
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_dcp2d.plan import Descriptors
+from vllm_dcp2d.reshard.plan import Descriptors
 from vllm_dcp2d.connector.stats import DCP2DStats
 from vllm_dcp2d.transfer.transport import HandshakeError, MooncakeTransport, TransferError, TransportError
 

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
-from vllm_dcp2d.layout import cdiv, dcp_local_slot, dcp_page_owner  # noqa: E402
+from tests.support.dcp_pages import dcp_local_slot, dcp_page_owner  # noqa: E402
+from vllm_dcp2d.reshard.layout import cdiv  # noqa: E402
 from vllm_dcp2d.vllm_compat import attention as compat  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -111,7 +112,7 @@ def test_cpu_kv_layout_reads_back_what_vllm_wrote(dtype, block_size, head_size, 
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_dcp2d.attention.gather import gather_pages
-    from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
+    from vllm_dcp2d.reshard.page_format import FP8_DTYPES, kv_dtype_name
 
     fp8 = FP8_DTYPES.get(kv_dtype_name(cache_dtype, dtype))
     isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
@@ -170,7 +171,7 @@ def test_dcp_forward_equals_attention_over_what_vllm_wrote(cache_dtype, n, reqs,
     from vllm import _custom_ops as ops
 
     from vllm_dcp2d.attention.gather import gather_pages
-    from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
+    from vllm_dcp2d.reshard.page_format import FP8_DTYPES, kv_dtype_name
     from vllm_dcp2d.vllm_compat import cpu_attn
 
     bs, d, h, isa, scale = 32, 32, 2, "vec", 0.3

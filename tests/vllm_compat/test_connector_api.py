@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_dcp2d.plan import plan_path  # noqa: E402
+from vllm_dcp2d.reshard.plan import plan_path  # noqa: E402
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile  # noqa: E402
 from vllm_dcp2d.vllm_compat import connector_api as compat  # noqa: E402
 

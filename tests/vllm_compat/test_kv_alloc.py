@@ -1,7 +1,7 @@
 """Every KV page layout vLLM 0.32 allocates, CPU and GPU, built on CPU with vLLM's own allocator.
 
 vLLM 0.32 gives every attention backend a ``[B, H, N, C]`` view per layer in one
-of the six ``KVCacheLayout``\\ s (``page_format.py``); a GPU backend
+of the six ``KVCacheLayout``\\ s (``reshard/page_format.py``); a GPU backend
 differs from a CPU one only in which layouts it accepts, its block sizes and what
 it packs into ``C``. So the tensors here come from the GPU model runner's own code
 (``vllm_compat/kv_alloc.py``: ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``) on a CPU device:
@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm_dcp2d.config import ConfigError  # noqa: E402
 from vllm_dcp2d.transfer.messages import FingerprintMismatch  # noqa: E402
 from vllm_dcp2d.vllm_compat import connector_api as compat  # noqa: E402
-from vllm_dcp2d import page_format  # noqa: E402
+from vllm_dcp2d.reshard import page_format  # noqa: E402
 from tests.support.kv_layouts import allocate, fingerprint, stream, transfer_exact  # noqa: E402
 
 LAYOUTS = list(KVCacheLayout)

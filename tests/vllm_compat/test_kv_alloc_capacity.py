@@ -1,4 +1,4 @@
-"""The capacity planner (``capacity.py``) against vLLM's own planning of the same instance
+"""The capacity planner (``reshard/capacity.py``) against vLLM's own planning of the same instance
 (``kv_alloc.instance_kv_capacity``: vLLM 0.32's ``VllmConfig``, ``get_kv_cache_configs`` and
 ``get_kv_cache_capacity``, no engine started): the demo's decode, tiny ``llama-mqa`` fp32 at
 TP=2, with the KV specs its workers report (4 ``FullAttentionSpec`` layers, one KV head of 32
@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
-from vllm_dcp2d.capacity import Draft, Memory, capacity  # noqa: E402
+from vllm_dcp2d.reshard.capacity import Draft, Memory, capacity  # noqa: E402
 from vllm_dcp2d.local.tiny_models import build_tiny_model  # noqa: E402
 from vllm_dcp2d.vllm_compat.kv_alloc import instance_kv_capacity  # noqa: E402
 

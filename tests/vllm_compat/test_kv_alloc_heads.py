@@ -25,8 +25,8 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from vllm_dcp2d.transfer.messages import Fingerprint, FingerprintMismatch  # noqa: E402
-from vllm_dcp2d.layout import kv_head_range, send_shard  # noqa: E402
-from vllm_dcp2d.plan import plan_request  # noqa: E402
+from vllm_dcp2d.reshard.layout import kv_head_range, send_shard  # noqa: E402
+from vllm_dcp2d.reshard.plan import plan_request  # noqa: E402
 from vllm_dcp2d.vllm_compat import connector_api as compat  # noqa: E402
 from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, logical_pages  # noqa: E402
 

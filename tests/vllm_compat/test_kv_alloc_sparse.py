@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from tests.support.kv_layouts import fingerprint, transfer_exact  # noqa: E402
-from vllm_dcp2d import page_format  # noqa: E402
+from vllm_dcp2d.reshard import page_format  # noqa: E402
 from vllm_dcp2d.transfer.messages import FingerprintMismatch  # noqa: E402
 from vllm_dcp2d.vllm_compat import connector_api as compat  # noqa: E402
 from vllm_dcp2d.vllm_compat.kv_alloc import allocate_kv, allocate_sparse_mla, sparse_mla_specs  # noqa: E402

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_dcp2d.config import ConfigError
-from vllm_dcp2d.layout import cp_layer_range
+from vllm_dcp2d.reshard.layout import cp_layer_range
 from vllm_dcp2d.vllm_compat.startup import draft_backend, mla_backend, resolve_interleave
 from vllm_dcp2d.vllm_compat.kv_cache import StoragePlan, split_tensors, storage_plan
 

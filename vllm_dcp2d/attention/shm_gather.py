@@ -31,7 +31,8 @@ timeout, as vLLM's own shared-memory set-up is). Files: rank 0 creates the
 segment under a fresh random name and unlinks it as soon as every rank has opened it
 (or failed to), so nothing is left in ``/dev/shm`` while the group runs, nor
 after a crash; only a rank 0 killed inside set-up can leave one
-(``vllm_dcp2d_gather-*``, removed by ``local/shm.py`` once no process holds it).
+(``vllm_dcp2d_gather-*``, unlinked by ``local/shm.remove_unheld`` once no process holds it:
+the servers of ``local/servers.py`` as they stop, the test suite at start).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import time
 from vllm_dcp2d.config import ConfigError, DCP2DConfig
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
-from vllm_dcp2d.layout import cp_layer_range, send_shard
+from vllm_dcp2d.reshard.layout import cp_layer_range, send_shard
 from vllm_dcp2d.prefill import layer_split
 from vllm_dcp2d.transfer.auth import Auth
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer

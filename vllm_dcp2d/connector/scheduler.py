@@ -72,7 +72,7 @@ from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
 from vllm_dcp2d.connector.timeline import DecodeTimeline
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.reshard.layout import cdiv
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
 log = logging.getLogger(__name__)
@@ -269,10 +269,6 @@ class SchedulerSide:
         travel in the step's metadata), so the engine must keep stepping with no request
         left: an idle engine would keep the blocks until the next request arrived."""
         return bool(self._quarantined or self._releases)
-
-    def quarantined_blocks(self) -> int:
-        """Blocks out of use now (a block quarantined by two ranks counts twice)."""
-        return sum(len(b) for b in self._quarantined.values())
 
     # -- both --------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from vllm_dcp2d.connector.params import bootstrap_addr
 from vllm_dcp2d.connector.producer import ProducerWorker
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
-from vllm_dcp2d.layout import kv_head_range
+from vllm_dcp2d.reshard.layout import kv_head_range
 from vllm_dcp2d.transfer.auth import Auth, exposed, load_secret
 from vllm_dcp2d.transfer.checksum import KVBytes
 from vllm_dcp2d.transfer.transport import MooncakeTransport, unpinned

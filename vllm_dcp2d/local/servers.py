@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -286,15 +285,6 @@ def router_server(port: int, prefill: list[Process], decode: list[Process], log_
     for d in decode:
         cmd += ["--decode", d.url]
     return Process(name, cmd, port, log_dir / f"{name}.log", host=host)
-
-
-def kv_capacity(server: Process) -> int:
-    """A ``vllm serve`` instance's KV capacity in tokens, from vLLM's "KV cache size"
-    start-up line (with DCP, the whole group's)."""
-    cap = re.findall(r"KV cache size: ([\d,]+) tokens", server.log_path.read_text(errors="replace"))
-    if not cap:
-        raise AssertionError(f"no KV capacity line in {server.log_path}")
-    return int(cap[0].replace(",", ""))
 
 
 def post_json(url: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict]:

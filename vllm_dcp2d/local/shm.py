@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["held_by_session", "wait_session_gone", "held_anywhere", "remove_unheld", "remove_stale_vllm_shm"]
+__all__ = ["held_by_session", "wait_session_gone", "held_anywhere", "remove_unheld"]
 
 SHM = Path("/dev/shm")
 
@@ -85,17 +85,3 @@ def remove_unheld(paths: set[Path]) -> int:
         except FileNotFoundError:
             pass
     return removed
-
-
-def remove_stale_vllm_shm() -> int:
-    """Unlink every vLLM CPU-communicator file (``vllm_dist_*-cpushm*``) and every segment
-    of the plugin's DCP all-gather (``attention/shm_gather.py``, ``vllm_dcp2d_gather-*``)
-    that no process holds.
-
-    vLLM's names carry a fresh uuid per engine, so an unheld one can never be opened
-    again: it is garbage from an engine that stopped earlier (this suite's or not). The
-    plugin unlinks its segment once the group is set up; one is left only by a rank 0
-    killed during set-up, and its ranks hold it until they exit."""
-    from vllm_dcp2d.attention.shm_gather import PREFIX
-
-    return remove_unheld(set(SHM.glob("vllm_dist_*-cpushm*")) | set(SHM.glob(f"{PREFIX}*")))

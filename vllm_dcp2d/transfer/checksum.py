@@ -59,7 +59,8 @@ import numpy as np
 import torch
 
 from vllm_dcp2d.transfer.hostmem import bytes_at
-from vllm_dcp2d.plan import Descriptors, KVRegions, Memory, plan_path
+from vllm_dcp2d.reshard.plan import Descriptors, plan_path
+from vllm_dcp2d.reshard.regions import KVRegions, Memory
 
 __all__ = ["checksum", "path_ranges", "KVBytes", "ALGORITHM", "BLOCK", "GROUP_BYTES", "LANES", "P", "CHUNK_BYTES"]
 

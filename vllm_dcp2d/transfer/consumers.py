@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from vllm_dcp2d.regions import Memory
+from vllm_dcp2d.reshard.regions import Memory
 from vllm_dcp2d.transfer.messages import RegisterConsumer
 from vllm_dcp2d.transfer.quota import Quota
 

@@ -19,8 +19,8 @@ import time
 
 import zmq
 
-from vllm_dcp2d.layout import askers
-from vllm_dcp2d.plan import ShardError, senders_for
+from vllm_dcp2d.reshard.layout import askers
+from vllm_dcp2d.reshard.head_split import ShardError, senders_for
 from vllm_dcp2d.transfer.auth import Auth, rank_name
 from vllm_dcp2d.transfer.bootstrap import RankTableQuery, TableQuery
 from vllm_dcp2d.transfer.fetch import Rank

@@ -14,7 +14,7 @@ import ctypes
 
 import numpy as np
 
-from vllm_dcp2d.plan import Memory
+from vllm_dcp2d.reshard.regions import Memory
 
 __all__ = ["bytes_at", "gather"]
 

@@ -31,8 +31,9 @@ import numpy as np
 
 from vllm_dcp2d.transfer.codec import (MAX_ADDR, Bool, Float, FingerprintMismatch, Ids, Int, MessageError, Nested,
                                         Str, StrList, fields_from_wire, fields_to_wire, schema_bound)
-from vllm_dcp2d.layout import cp_layer_range, per_head_layout
-from vllm_dcp2d.plan import KVRegions, Memory, block_tables, region_ends
+from vllm_dcp2d.reshard.layout import cp_layer_range, per_head_layout
+from vllm_dcp2d.reshard.plan import block_tables
+from vllm_dcp2d.reshard.regions import KVRegions, Memory, region_ends
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MessageError", "FingerprintMismatch", "Fingerprint",
@@ -171,7 +172,7 @@ class Fingerprint(_Message):
     page_size:    tokens per transfer page (vLLM block_size).
     kv_dtype:     KV cache element type, e.g. "bfloat16", "fp8_e4m3" (``page_format.kv_dtype_name``).
     page_bytes:   bytes of one page of one layer (all regions together).
-    layout:       page format (``vllm_dcp2d.page_format``): the page's axes in memory
+    layout:       page format (``vllm_dcp2d.reshard.page_format``): the page's axes in memory
                   order without the block count or device, then what the backend
                   packs per head and token, e.g. "N16,H8,C512:k|v", "N64,C1152:kv_c|k_pe".
     model_config: hash of the model's config plus its revision, e.g. "sha256:1f2e...@main".

@@ -52,7 +52,9 @@ from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError, Rank, drain, l
 from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
                                            RegisterConsumer, Reply, TransferOutcome, TransferRequest)
-from vllm_dcp2d.plan import KVRegions, Memory, block_tables, blocks_within, senders_for
+from vllm_dcp2d.reshard.head_split import senders_for
+from vllm_dcp2d.reshard.plan import block_tables
+from vllm_dcp2d.reshard.regions import KVRegions, Memory, blocks_within
 from vllm_dcp2d.transfer.transport import STALL_S, MooncakeTransport, TransportError
 
 __all__ = ["Receiver", "Fetch", "FetchError"]
@@ -71,7 +73,7 @@ class Receiver:
                  the blocks each region has inside it, travel with every request.
     dcp_size, dcp_rank: this rank's DCP topology, sent with every request.
     heads:       the KV heads this rank holds (default: all of ``fingerprint.num_kv_heads``);
-                 it fetches from the CP ranks that hold them (``plan.senders_for``).
+                 it fetches from the CP ranks that hold them (``head_split.senders_for``).
     auth:        seals and opens every frame (``auth.py``).
     verify:      ask every prefill rank for a checksum of what it wrote and check this
                  rank's KV against it before a fetch ends ok (``checksum.py``).

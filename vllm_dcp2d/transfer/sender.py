@@ -30,8 +30,8 @@ attempt, with the reason in the answer. A thread that dies anyway sets
 ``failed``, which the owner turns into an engine error (never a hang).
 
 The owner's calls: ``add_request``, ``layer_ready``, ``restart``, ``abort`` /
-``drop``, ``waiting``, ``pop_finished``, ``failed``, ``close``; ``errors`` keeps the
-last 100 failure reasons and ``malformed`` counts the messages rejected.
+``drop``, ``waiting``, ``pop_finished``, ``failed``, ``close``. What a rank refuses, rejects
+or fails goes back to the peer as the answer's reason and into the log (``PeerLog``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from functools import partial
 
 import numpy as np
@@ -52,14 +51,15 @@ from vllm_dcp2d.transfer.consumers import Consumers, Registration, source_of
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, MessageError, RegisterConsumer, RegisterRank,
                                            ReleaseTransfer, Reply, TransferOutcome, TransferRequest, attempt_of,
                                            clip, decode, max_bytes)
-from vllm_dcp2d.plan import KVRegions, Memory, block_tables, plan_path
+from vllm_dcp2d.reshard.plan import block_tables, plan_path
+from vllm_dcp2d.reshard.regions import KVRegions, Memory
 from vllm_dcp2d.transfer.checksum import KVBytes, checksum
 from vllm_dcp2d.transfer.quota import Strikes
 from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Request, SendLedger
 from vllm_dcp2d.transfer.staging import StagingPool, write
 from vllm_dcp2d.transfer.transport import HandshakeError, MooncakeTransport, TransportError
 from vllm_dcp2d.transfer.writers import Writers
-from vllm_dcp2d.layout import cdiv, cp_layer_range
+from vllm_dcp2d.reshard.layout import cdiv, cp_layer_range
 
 __all__ = ["Sender"]
 
@@ -112,8 +112,6 @@ class Sender:
         self._staging = (StagingPool(transport, staging_bytes // num_workers, num_workers)
                          if staging_bytes > 0 else None)
         self.expiry_s, self.claim_s = expiry_s, claim_s
-        self.errors: deque[str] = deque(maxlen=100)
-        self.malformed = 0
         self._failed_why = ""
         self.ledger = SendLedger(f"cp rank {cp_rank}", reveal=auth.enabled)
         self.consumers = Consumers(f"cp rank {cp_rank}", transport.sessions, auth.enabled)  # the I/O thread's
@@ -302,12 +300,10 @@ class Sender:
         try:
             req = decode(payload, (RegisterConsumer, TransferRequest, CancelTransfer, ReleaseTransfer))
         except MessageError as e:
-            self.malformed += 1
             return self._reject(identity, payload, f"cp rank {self.cp_rank} rejected message: {e}")
         if isinstance(req, RegisterConsumer):
             reg = self.consumers.register(identity, req, peer)
             if reg.refused:
-                self.errors.append(clip(reg.refused, 400))
                 self._peers.warn("register", "%s", reg.refused)
             return None
         if isinstance(req, CancelTransfer):
@@ -376,7 +372,6 @@ class Sender:
     def _reject(self, identity: bytes, payload: bytes, reason: str) -> None:
         """Answer a message this rank could not take: for its attempt if the attempt
         id can be read (the consumer fails only that fetch), else a ``Reply``."""
-        self.errors.append(clip(reason, 400))
         self._peers.warn("rejected", "%s", reason)
         which = attempt_of(payload)
         if which is None:
@@ -511,7 +506,6 @@ class Sender:
 
     def _failed(self, req: TransferRequest | CancelTransfer, reason: str, num_pages: int = 0,
                 settled: bool = True) -> TransferOutcome:
-        self.errors.append(clip(reason, 400))
         self._peers.warn("failed", "%s", reason)
         return self._outcome_failed(req, reason, num_pages, settled)
 

@@ -52,7 +52,8 @@ import numpy as np
 
 from vllm_dcp2d.transfer.hostmem import gather
 from vllm_dcp2d.transfer.transport import RETIRED_KEPT, STALL_S
-from vllm_dcp2d.plan import Descriptors, Memory
+from vllm_dcp2d.reshard.plan import Descriptors
+from vllm_dcp2d.reshard.regions import Memory
 
 __all__ = ["Staged", "stage", "Slot", "StagingPool", "write"]
 

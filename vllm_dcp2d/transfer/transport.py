@@ -28,7 +28,7 @@ import os
 import threading
 import time
 
-from vllm_dcp2d.plan import Descriptors
+from vllm_dcp2d.reshard.plan import Descriptors
 from vllm_dcp2d.transfer.handshake import BACKOFF_S, HANDSHAKE_TIMEOUT_S, Sessions
 
 __all__ = ["TransportError", "TransferError", "HandshakeError", "MooncakeTransport", "unpinned"]

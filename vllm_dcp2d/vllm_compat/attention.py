@@ -255,7 +255,7 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int,
     """
     from vllm import _custom_ops as ops
 
-    from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
+    from vllm_dcp2d.reshard.page_format import FP8_DTYPES, kv_dtype_name
 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise NotImplementedError(f"DCP on CPU reads float KV caches only, got {dtype}")

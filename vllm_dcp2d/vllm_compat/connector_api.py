@@ -7,7 +7,7 @@ refuses an instance that needs a patch that does not fit the installed vLLM,
 3-argument constructor, its stats and Prometheus bases), the scheduler's
 ``KVCacheBlocks`` / ``KVCacheManager`` / ``SchedulerOutput``, request statuses,
 parallel state and the KV cache tensor layouts of the CPU and GPU backends
-(``page_format.py``).
+(``reshard/page_format.py``).
 
 Two pieces reach past the connector API; each is fenced below:
 
@@ -38,8 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.request import RequestStatus
 
-from vllm_dcp2d import page_format
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.reshard import page_format
+from vllm_dcp2d.reshard.regions import KVRegions
 from vllm_dcp2d.vllm_compat.instance import kv_replicated, num_kv_heads
 
 __all__ = ["KVConnectorBase_V1", "SupportsHMA", "KVConnectorMetadata", "KVConnectorWorkerMetadata", "KVConnectorRole",

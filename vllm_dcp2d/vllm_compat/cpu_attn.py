@@ -38,7 +38,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm_dcp2d.attention.dcp import dcp_merge
 from vllm_dcp2d.attention.gather import gather_pages
 from vllm_dcp2d.attention.paged import paged_attention_lse, varlen_attention_lse
-from vllm_dcp2d.page_format import FP8_DTYPES, kv_dtype_name
+from vllm_dcp2d.reshard.page_format import FP8_DTYPES, kv_dtype_name
 from vllm_dcp2d.vllm_compat.attention import cpu_kv_layout, local_context_lens
 
 __all__ = ["DCPCPUAttentionBackend", "DCPCPUAttentionImpl"]

@@ -8,8 +8,8 @@ to vLLM, and the transfer system only compares it.
 
 from __future__ import annotations
 
-from vllm_dcp2d import page_format
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.reshard import page_format
+from vllm_dcp2d.reshard.regions import KVRegions
 from vllm_dcp2d.transfer.messages import Fingerprint
 from vllm_dcp2d.vllm_compat import connector_api as compat
 

@@ -50,7 +50,7 @@ def cp_size(vllm_config) -> tuple[int, str]:
         return cfg.cp_size, f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}"
     # imported here: vllm_compat's import chain runs in setup's bare interpreter (cli_metadata),
     # where numpy, which layout needs, is not installed yet
-    from vllm_dcp2d.layout import default_cp_size
+    from vllm_dcp2d.reshard.layout import default_cp_size
 
     return default_cp_size(num_kv_heads(vllm_config), tp)
 

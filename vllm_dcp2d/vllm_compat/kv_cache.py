@@ -39,7 +39,7 @@ import dataclasses
 import logging
 
 from vllm_dcp2d.config import ConfigError, parse_extra_config
-from vllm_dcp2d.layout import StoragePlan
+from vllm_dcp2d.reshard.layout import StoragePlan
 from vllm_dcp2d.vllm_compat.instance import cp_size, is_dcp2d, kv_replicated
 
 log = logging.getLogger(__name__)

@@ -3,9 +3,8 @@ descriptors one prefill rank writes to one decode DCP rank (design §6).
 
 Pure numpy over integer addresses: no vLLM, no torch, no I/O, so it is
 tested on fake addresses exactly like the bytes it will move. Its inputs,
-each side's :class:`~vllm_dcp2d.regions.KVRegions`, are in ``regions.py``
-(regions and KV cache groups are defined there); they are named here too, for
-the plan's callers.
+each side's :class:`~vllm_dcp2d.reshard.regions.KVRegions`, are in ``regions.py``
+(regions and KV cache groups are defined there); callers import them from there.
 
 Terms
 -----
@@ -29,12 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_dcp2d.head_split import PageSlice, ShardError, head_slices, page_slice, senders_for
-from vllm_dcp2d.layout import _check_rank, _check_size, cdiv, cp_layer_range, dcp_pages_for_rank
-from vllm_dcp2d.regions import KVRegions, Memory, blocks_within, region_ends
+from vllm_dcp2d.reshard.head_split import head_slices
+from vllm_dcp2d.reshard.layout import cdiv, check_rank, check_size, cp_layer_range, dcp_pages_for_rank
+from vllm_dcp2d.reshard.regions import KVRegions
 
-__all__ = ["KVRegions", "Descriptors", "PageSlice", "page_slice", "head_slices", "plan_path", "plan_request",
-           "block_tables", "Memory", "region_ends", "blocks_within", "senders_for", "ShardError"]
+__all__ = ["Descriptors", "plan_path", "plan_request", "block_tables"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ class Descriptors:
 
     def batches(self, max_entries: int):
         """Consecutive slices of at most ``max_entries`` descriptors."""
-        max_entries = _check_size("max_entries", max_entries)
+        max_entries = check_size("max_entries", max_entries)
         for s in range(0, len(self), max_entries):
             yield Descriptors(self.src[s:s + max_entries], self.dst[s:s + max_entries],
                               self.length[s:s + max_entries])
@@ -129,8 +127,8 @@ def plan_path(src: KVRegions, src_block_ids, layers, dst: KVRegions, dst_block_i
     Python loop per page or layer. With equal heads the descriptors are those of
     whole pages.
     """
-    dcp_size = _check_size("dcp_size", dcp_size)
-    dcp_rank = _check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
+    dcp_size = check_size("dcp_size", dcp_size)
+    dcp_rank = check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
     pieces = None
     if src_heads is not None and dst_heads is not None and src_heads != dst_heads:
         pieces = head_slices(src, dst, src_heads, dst_heads)

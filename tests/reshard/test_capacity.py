@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_dcp2d.capacity import Draft, Memory, capacity, parse_bytes, seed_table1
-from vllm_dcp2d.layout import cdiv, dcp_page_owner
+from vllm_dcp2d.reshard.capacity import Draft, Memory, capacity, parse_bytes, seed_table1
+from vllm_dcp2d.reshard.layout import cdiv
+from tests.support.dcp_pages import dcp_page_owner
 from tests.support.cli import run
 
 
@@ -133,7 +134,7 @@ def test_pages_fill_the_budget_and_requests_fill_the_pages(geo, budget, dcp, dra
 @given(geo=geometry, dcp=st.integers(1, 64), seed=st.integers(0, 2**32 - 1))
 def test_a_request_takes_on_rank_0_what_the_dcp_layout_gives_it(geo, dcp, seed):
     """The per-request page count the planner uses is the busiest rank's under the page
-    interleave the transfer writes (``layout.dcp_page_owner``)."""
+    interleave the transfer writes (``tests/support/dcp_pages.py``)."""
     tokens = np.random.default_rng(seed).integers(1, 50_000)
     owners = dcp_page_owner(np.arange(cdiv(int(tokens), geo["page_size"])), dcp)
     busiest = int(np.bincount(owners, minlength=dcp).max())
@@ -161,6 +162,9 @@ def test_monotone_and_scaling(geo, budget, dcp, draft, more, weights):
         # the draft's pool grows with DCP: a rank holds fewer target tokens, the group still more (but
         # fewer requests of one page, which DCP does not split: hypothesis found it)
         assert base.tokens_per_rank <= one.tokens_per_rank
-        assert base.tokens_per_group >= one.tokens_per_group
+        # in real numbers the group holds at least DCP=1's tokens (dcp*B/(b + dcp*d) >= B/(b + d));
+        # whole pages lose under one page per rank, so at most dcp pages fewer where the draft's
+        # bytes dwarf the target's (hypothesis found 180,224 against 180,272 at dcp 11, page 16)
+        assert base.tokens_per_group >= one.tokens_per_group - dcp * geo["page_size"]
     if draft is not None:
         assert base.tokens_per_group <= cap(dr=None).tokens_per_group

@@ -42,7 +42,8 @@ import re
 import numpy as np
 import torch
 
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.config import ConfigError
+from vllm_dcp2d.reshard.regions import KVRegions
 
 __all__ = ["kv_regions", "page_format", "kv_content", "kv_dtype_name", "order_digest", "plane_key", "layer_planes",
            "plane_kind", "plane_kinds", "planes_digest",
@@ -242,7 +243,6 @@ def kv_content(backend: str, t: torch.Tensor, cache_dtype: str, cpu_order=None) 
 
     cpu_order: for CPU_ATTN, a callable returning its ISA and element-order digest.
     """
-    from vllm_dcp2d.config import ConfigError
 
     if backend in SPARSE_MLA_BACKENDS:
         return _sparse_mla_content(backend, cache_dtype)
@@ -274,7 +274,6 @@ def _sparse_mla_content(backend: str, cache_dtype: str) -> str:
     (vLLM serves "fp8", "fp8_e4m3" and "fp8_ds_mla" all as fp8_ds_mla), 656 B per token:
     512 B fp8 ``kv_c``, its 4 float32 tile scales, 128 B bf16 ``k_pe``: the scales travel
     in the page."""
-    from vllm_dcp2d.config import ConfigError
 
     if cache_dtype in ("auto", "bfloat16", "float16"):
         return "kv_c|k_pe"
@@ -290,7 +289,6 @@ def kv_dtype_name(cache_dtype: str, dtype: torch.dtype) -> str:
     "fp8_e5m2"; vLLM's "fp8" is e4m3), "fp8_ds_mla" for sparse MLA's packed rows.
     Raises ``ConfigError`` for any other ``--kv-cache-dtype`` (its scales or format
     live outside the page)."""
-    from vllm_dcp2d.config import ConfigError
 
     plain = str(dtype).removeprefix("torch.")
     if cache_dtype in ("auto", plain):

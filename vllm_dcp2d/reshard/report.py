@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dcp2d.plan import Descriptors, KVRegions, plan_request
-from vllm_dcp2d.layout import _check_size, cdiv, cp_layer_range
+from vllm_dcp2d.reshard.layout import cdiv, check_size, cp_layer_range
+from vllm_dcp2d.reshard.plan import Descriptors, plan_request
+from vllm_dcp2d.reshard.regions import KVRegions
 
 __all__ = ["synthetic_request", "reshard_matrix", "format_matrix", "matrix_from_records", "layer_pattern"]
 
@@ -38,7 +39,7 @@ def synthetic_request(num_layers: int, cp_size: int, dcp_size: int, tokens: int,
         raise ValueError(f"need tokens >= 0, page_size >= 1, page_bytes >= 1, 0 <= draft_layers <= num_layers; "
                          f"got {tokens}, {page_size}, {planes.tolist() if planes.size > 1 else int(planes[0])}, "
                          f"{draft_layers} of {num_layers}")
-    cp_size, dcp_size = _check_size("cp_size", cp_size), _check_size("dcp_size", dcp_size)
+    cp_size, dcp_size = check_size("cp_size", cp_size), check_size("dcp_size", dcp_size)
     held = (np.ones((num_layers, planes.size), dtype=bool) if plane_layers is None
             else np.asarray(plane_layers, dtype=bool))
     if held.shape != (num_layers, planes.size):

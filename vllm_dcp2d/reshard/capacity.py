@@ -7,8 +7,8 @@ experts, the activation peak and the CUDA graphs is the KV budget (or vLLM's
 ``page_size`` tokens of every target layer, ``page_size * token_bytes`` bytes on one rank
 (``token_bytes``: a token's bytes over every target layer and cache on that rank: sparse MLA's
 latent and, in the layers that have one, the indexer's keys). With DCP=N a rank holds every
-N-th page of a sequence (``layout.dcp_page_owner``), so the group holds N times the tokens a
-rank holds; a request of T tokens takes
+N-th page of a sequence (page ``p`` on rank ``p % N``: ``layout.dcp_pages_for_rank``), so the
+group holds N times the tokens a rank holds; a request of T tokens takes
 ``cdiv(T, N * page_size)`` pages of each rank (rank 0 holds the most), which is vLLM's own
 ``cdiv(cdiv(T, N), block_size)``.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from vllm_dcp2d.layout import cdiv
+from vllm_dcp2d.reshard.layout import cdiv
 
 __all__ = ["Memory", "Draft", "Capacity", "capacity", "parse_bytes", "format_capacity", "SEED",
            "seed_table1", "format_seed_table1"]

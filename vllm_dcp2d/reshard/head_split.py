@@ -5,7 +5,7 @@ vLLM shards a model's KV heads over TP ranks (``layout.kv_head_range``); a prefi
 rank's pages hold heads ``H(r)``, a decode rank's ``H(d)``, and when the two differ path
 ``(r, d)`` moves only ``H(r) & H(d)`` of each page, straight to that head's place in the
 decode's page. Where heads sit in a page is the page format's business: a region's page
-(``plan.KVRegions``) is ``head_runs`` dense runs, each of ``head_count`` heads, so
+(``regions.KVRegions``) is ``head_runs`` dense runs, each of ``head_count`` heads, so
 
 * heads outside the tokens (vLLM's CPU page ``[H, N, C]``, GPU ``LBHNC``/HND): a head
   range is one contiguous run of a page;
@@ -17,8 +17,7 @@ Which prefill ranks a decode rank fetches from (``senders_for``): every rank who
 intersect its own, together covering each (layer, head) it holds exactly once.
 
 Pure numpy over byte offsets: no vLLM, no torch, no I/O; ``regions`` are
-``plan.KVRegions`` (read by attribute, so this module does not import ``plan``;
-``plan`` re-exports ``ShardError`` and ``senders_for``).
+``regions.KVRegions``, read by attribute (this module imports nothing of the package).
 """
 
 from __future__ import annotations

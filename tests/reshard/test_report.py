@@ -8,9 +8,9 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from vllm_dcp2d import demo
-from vllm_dcp2d.plan import plan_request
-from vllm_dcp2d.layout import cdiv, cp_layer_range
-from vllm_dcp2d.report import format_matrix, matrix_from_records, reshard_matrix, synthetic_request
+from vllm_dcp2d.reshard.plan import plan_request
+from vllm_dcp2d.reshard.layout import cdiv, cp_layer_range
+from vllm_dcp2d.reshard.report import format_matrix, matrix_from_records, reshard_matrix, synthetic_request
 
 
 def records(layers: int, cp: int, dcp: int, tokens: int, page: int, per_token_layer: int,

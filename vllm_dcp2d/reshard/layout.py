@@ -29,9 +29,6 @@ __all__ = [
     "cp_layer_range",
     "cp_layer_owner",
     "local_layer_count",
-    "dcp_page_owner",
-    "dcp_local_slot",
-    "filter_kv_indices_for_dcp_rank",
     "dcp_pages_for_rank",
     "kv_head_range",
     "head_replicas",
@@ -40,10 +37,14 @@ __all__ = [
     "per_head_layout",
     "default_cp_size",
     "cdiv",
+    "check_size",
+    "check_rank",
 ]
 
 
-def _check_size(name: str, value: int) -> int:
+def check_size(name: str, value: int) -> int:
+    """``value`` as an int if it is an int >= 1 (a group size, a count); else ValueError naming
+    ``name`` and the value."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < 1:
@@ -51,7 +52,9 @@ def _check_size(name: str, value: int) -> int:
     return int(value)
 
 
-def _check_rank(name: str, value: int, size: int, size_name: str) -> int:
+def check_rank(name: str, value: int, size: int, size_name: str) -> int:
+    """``value`` as an int if it is an int in ``[0, size)`` (a rank of a group of ``size``); else
+    ValueError naming ``name``, the value and the group's size as ``size_name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if not 0 <= value < size:
@@ -71,8 +74,8 @@ def cp_layer_range(num_layers: int, cp_size: int, cp_rank: int) -> range:
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 0:
         raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
-    cp_size = _check_size("cp_size", cp_size)
-    cp_rank = _check_rank("cp_rank", cp_rank, cp_size, "cp_size")
+    cp_size = check_size("cp_size", cp_size)
+    cp_rank = check_rank("cp_rank", cp_rank, cp_size, "cp_size")
     base, extra = divmod(int(num_layers), cp_size)
     start = cp_rank * base + min(cp_rank, extra)
     return range(start, start + base + (1 if cp_rank < extra else 0))
@@ -80,7 +83,7 @@ def cp_layer_range(num_layers: int, cp_size: int, cp_rank: int) -> range:
 
 def cp_layer_owner(layer: int, num_layers: int, cp_size: int) -> int:
     """The CP rank whose ``cp_layer_range`` contains ``layer``."""
-    cp_size = _check_size("cp_size", cp_size)
+    cp_size = check_size("cp_size", cp_size)
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 0:
         raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
@@ -97,52 +100,11 @@ def local_layer_count(num_layers: int, cp_size: int, cp_rank: int) -> int:
     return len(cp_layer_range(num_layers, cp_size, cp_rank)) + 1
 
 
-def _as_index_array(name: str, pages) -> np.ndarray:
-    arr = np.asarray(pages)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"{name} must be >= 0, got min {arr.min()}")
-    return arr
-
-
-def dcp_page_owner(pages, dcp_size: int):
-    """DCP rank holding page(s) ``pages``: ``pages % dcp_size`` (scalar or array)."""
-    dcp_size = _check_size("dcp_size", dcp_size)
-    arr = _as_index_array("pages", pages)
-    out = arr % dcp_size
-    return int(out) if np.ndim(pages) == 0 else out
-
-
-def dcp_local_slot(pages, dcp_size: int):
-    """Local slot of page(s) ``pages`` on its owner: ``pages // dcp_size``."""
-    dcp_size = _check_size("dcp_size", dcp_size)
-    arr = _as_index_array("pages", pages)
-    out = arr // dcp_size
-    return int(out) if np.ndim(pages) == 0 else out
-
-
-def filter_kv_indices_for_dcp_rank(kv_indices, dcp_size: int, dcp_rank: int) -> np.ndarray:
-    """Keep the pages DCP rank ``dcp_rank`` owns and map them to its local slots
-    (design §6.2): ``kv_indices[kv_indices % N == d] // N``.
-
-    kv_indices: int array ``[n]`` of global logical page indices.
-    Returns an int array ``[m]``, ``m ~= n / dcp_size``; with ``dcp_size == 1``
-    the input unchanged.
-    """
-    dcp_size = _check_size("dcp_size", dcp_size)
-    dcp_rank = _check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
-    arr = _as_index_array("kv_indices", kv_indices)
-    if dcp_size == 1:
-        return arr
-    return arr[arr % dcp_size == dcp_rank] // dcp_size
-
-
 def dcp_pages_for_rank(num_pages: int, dcp_size: int, dcp_rank: int, first_page: int = 0) -> np.ndarray:
     """Sequence pages ``i`` in ``[first_page, num_pages)`` with ``i % dcp_size == dcp_rank``,
     ascending, as an int64 array."""
-    dcp_size = _check_size("dcp_size", dcp_size)
-    dcp_rank = _check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
+    dcp_size = check_size("dcp_size", dcp_size)
+    dcp_rank = check_rank("dcp_rank", dcp_rank, dcp_size, "dcp_size")
     if num_pages < 0 or first_page < 0:
         raise ValueError(f"num_pages and first_page must be >= 0, got {num_pages}, {first_page}")
     start = first_page + (dcp_rank - first_page) % dcp_size
@@ -150,7 +112,7 @@ def dcp_pages_for_rank(num_pages: int, dcp_size: int, dcp_rank: int, first_page:
 
 
 def _check_heads(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
-    num_kv_heads, tp_size = _check_size("num_kv_heads", num_kv_heads), _check_size("tp_size", tp_size)
+    num_kv_heads, tp_size = check_size("num_kv_heads", num_kv_heads), check_size("tp_size", tp_size)
     if num_kv_heads % tp_size and tp_size % num_kv_heads:
         raise ValueError(f"num_kv_heads={num_kv_heads} and tp_size={tp_size}: one must divide the other "
                          f"(vLLM splits KV heads over TP ranks or replicates them)")
@@ -167,7 +129,7 @@ def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
     """The KV heads TP rank ``tp_rank`` holds, as vLLM's ``QKVParallelLinear`` splits them:
     8 heads on TP=4 -> rank 1 holds ``range(2, 4)``; 2 heads on TP=4 -> rank 1 holds ``range(0, 1)``."""
     num_kv_heads, tp_size = _check_heads(num_kv_heads, tp_size)
-    tp_rank = _check_rank("tp_rank", tp_rank, tp_size, "tp_size")
+    tp_rank = check_rank("tp_rank", tp_rank, tp_size, "tp_size")
     if num_kv_heads >= tp_size:
         per = num_kv_heads // tp_size
         return range(tp_rank * per, (tp_rank + 1) * per)
@@ -185,7 +147,7 @@ def send_shard(num_layers: int, num_kv_heads: int, tp_size: int, tp_rank: int,
     send nothing. ``cp_size`` 0 = every replica. Raises ValueError for a ``cp_size``
     above the replicas, naming both."""
     replicas = head_replicas(num_kv_heads, tp_size)
-    cp_size = replicas if cp_size == 0 else _check_size("cp_size", cp_size)
+    cp_size = replicas if cp_size == 0 else check_size("cp_size", cp_size)
     if cp_size > replicas:
         raise ValueError(f"cp_size={cp_size}: the model's {num_kv_heads} KV heads over tensor_parallel_size={tp_size} "
                          f"leave {replicas} rank(s) holding each head to split the layers among; expected 1.."

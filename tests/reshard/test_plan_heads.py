@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.head_split import head_slices, page_slice
-from vllm_dcp2d.layout import cdiv, kv_head_range, send_shard
-from vllm_dcp2d.plan import KVRegions, ShardError, plan_path, plan_request, senders_for
+from vllm_dcp2d.reshard.head_split import head_slices, page_slice
+from vllm_dcp2d.reshard.layout import cdiv, kv_head_range, send_shard
+from vllm_dcp2d.reshard.head_split import ShardError, senders_for
+from vllm_dcp2d.reshard.plan import plan_path, plan_request
+from vllm_dcp2d.reshard.regions import KVRegions
 
 ARENA = 1 << 32  # arena k owns fake addresses [k * ARENA, (k + 1) * ARENA)
 

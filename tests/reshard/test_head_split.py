@@ -15,9 +15,9 @@ import torch
 from vllm_dcp2d.cli import main as cli
 from vllm_dcp2d.transfer.messages import (Fingerprint, FingerprintMismatch, MessageError, TransferRequest, decode,
                                            encode)
-from vllm_dcp2d.layout import default_cp_size, per_head_layout
-from vllm_dcp2d.page_format import kv_regions, page_format
-from vllm_dcp2d.plan import KVRegions
+from vllm_dcp2d.reshard.layout import default_cp_size, per_head_layout
+from vllm_dcp2d.reshard.page_format import kv_regions, page_format
+from vllm_dcp2d.reshard.regions import KVRegions
 
 B = 6  # blocks
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dcp2d.layout import _check_size, cdiv, kv_head_range, send_shard
-from vllm_dcp2d.plan import KVRegions, plan_request
+from vllm_dcp2d.reshard.layout import cdiv, check_size, kv_head_range, send_shard
+from vllm_dcp2d.reshard.plan import plan_request
+from vllm_dcp2d.reshard.regions import KVRegions
 
 __all__ = ["head_matrix", "format_head_matrix", "check_dcp"]
 
@@ -55,7 +56,7 @@ def head_matrix(num_layers: int, num_kv_heads: int, prefill_tp: int, decode_tp: 
         raise ValueError(f"layout must be 'hnd' or 'nhd', got {layout!r}")
     for name, v in (("num_layers", num_layers), ("tokens", tokens + 1), ("page_size", page_size),
                     ("token_head_bytes", token_head_bytes)):
-        _check_size(name, v)
+        check_size(name, v)
     check_dcp(num_kv_heads, decode_tp, dcp_size)
     pages = cdiv(tokens, page_size)
     local = cdiv(pages, dcp_size)

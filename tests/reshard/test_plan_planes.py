@@ -16,9 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.layout import cdiv, cp_layer_range
-from vllm_dcp2d.plan import KVRegions, plan_request
-from vllm_dcp2d.regions import Memory, blocks_within, region_ends
+from vllm_dcp2d.reshard.layout import cdiv, cp_layer_range
+from vllm_dcp2d.reshard.plan import plan_request
+from vllm_dcp2d.reshard.regions import KVRegions
+from vllm_dcp2d.reshard.regions import Memory, blocks_within, region_ends
 
 SPACE = 1 << 24  # each rank's fake address space
 

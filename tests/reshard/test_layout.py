@@ -5,15 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_dcp2d.layout import (
-    cp_layer_owner,
-    cp_layer_range,
-    dcp_local_slot,
-    dcp_page_owner,
-    dcp_pages_for_rank,
-    filter_kv_indices_for_dcp_rank,
-    local_layer_count,
-)
+from tests.support.dcp_pages import dcp_local_slot, dcp_page_owner
+from vllm_dcp2d.reshard.layout import cp_layer_owner, cp_layer_range, dcp_pages_for_rank, local_layer_count
 
 
 def test_seed_78_layers_on_8_ranks():
@@ -39,21 +32,18 @@ def test_fewer_layers_than_ranks():
     assert cp_layer_range(3, 5, 4) == range(3, 3)
 
 
-@given(st.lists(st.integers(0, 10_000), max_size=200), st.integers(1, 9), st.data())
-def test_filter_matches_definition(pages, dcp_size, data):
-    d = data.draw(st.integers(0, dcp_size - 1))
-    kv = np.array(pages, dtype=np.int64)
-    got = filter_kv_indices_for_dcp_rank(kv, dcp_size, d)
-    want = [p // dcp_size for p in pages if p % dcp_size == d] if dcp_size > 1 else pages
-    assert got.tolist() == want
-    assert (dcp_page_owner(kv, dcp_size) < dcp_size).all()
-    # owner and slot invert: p == slot * N + owner
-    assert (dcp_local_slot(kv, dcp_size) * dcp_size + dcp_page_owner(kv, dcp_size) == kv).all()
-
-
-def test_scalars_stay_scalars():
-    assert dcp_page_owner(13, 4) == 1 and dcp_local_slot(13, 4) == 3
-    assert isinstance(dcp_page_owner(13, 4), int)
+@given(st.integers(0, 300), st.integers(1, 9), st.integers(0, 300))
+def test_ranks_pages_are_the_definitions(num_pages, dcp_size, first_page):
+    """The page filter the plan runs (design §6.2) against the interleave's definition
+    (``tests/support/dcp_pages.py``): rank ``d`` gets exactly the pages ``p`` of
+    ``[first_page, num_pages)`` with ``p % N == d``, into local slots ``p // N`` that
+    invert (``p == slot * N + d``); the ranks together get each page once."""
+    pages = np.arange(first_page, max(first_page, num_pages), dtype=np.int64)
+    got = [dcp_pages_for_rank(num_pages, dcp_size, d, first_page) for d in range(dcp_size)]
+    for d, mine in enumerate(got):
+        assert mine.tolist() == pages[dcp_page_owner(pages, dcp_size) == d].tolist()
+        assert (dcp_local_slot(mine, dcp_size) * dcp_size + d == mine).all()
+    assert sorted(p for mine in got for p in mine.tolist()) == pages.tolist()
 
 
 @given(st.integers(0, 100), st.integers(1, 6), st.integers(0, 100), st.data())
@@ -68,10 +58,10 @@ def test_pages_for_rank(num_pages, dcp_size, first_page, data):
     (lambda: cp_layer_range(10, 4, 4), r"cp_rank must be in \[0, cp_size=4\), got 4"),
     (lambda: cp_layer_range(-1, 4, 0), "num_layers must be an int >= 0, got -1"),
     (lambda: cp_layer_owner(10, 10, 2), r"layer must be in \[0, num_layers=10\), got 10"),
-    (lambda: filter_kv_indices_for_dcp_rank([1, 2], 2, -1), r"dcp_rank must be in \[0, dcp_size=2\), got -1"),
-    (lambda: filter_kv_indices_for_dcp_rank([1, -2], 2, 0), "kv_indices must be >= 0, got min -2"),
-    (lambda: filter_kv_indices_for_dcp_rank([1.5], 2, 0), "kv_indices must hold integers"),
-    (lambda: dcp_page_owner(3, 0), "dcp_size must be >= 1, got 0"),
+    (lambda: dcp_pages_for_rank(4, 2, -1), r"dcp_rank must be in \[0, dcp_size=2\), got -1"),
+    (lambda: dcp_pages_for_rank(-2, 2, 0), "num_pages and first_page must be >= 0, got -2, 0"),
+    (lambda: dcp_pages_for_rank(4, 2, 0, first_page=-1), "num_pages and first_page must be >= 0, got 4, -1"),
+    (lambda: dcp_pages_for_rank(4, 0, 0), "dcp_size must be >= 1, got 0"),
     (lambda: cp_layer_range(10, 2.0, 0), "cp_size must be an int, got 2.0"),
 ])
 def test_invalid_input_names_the_value(call, match):
@@ -81,7 +71,7 @@ def test_invalid_input_names_the_value(call, match):
 
 # ---- KV heads over TP (issue 37, item 0) ----
 
-from vllm_dcp2d.layout import askers, head_replicas, kv_head_range, send_shard  # noqa: E402
+from vllm_dcp2d.reshard.layout import askers, head_replicas, kv_head_range, send_shard  # noqa: E402
 
 _SHAPES = st.sampled_from([(k, t) for k in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8, 16) if k % t == 0 or t % k == 0])
 

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.plan import Descriptors, KVRegions, plan_path, plan_request
-from vllm_dcp2d.layout import cdiv, cp_layer_owner, cp_layer_range
+from vllm_dcp2d.reshard.plan import Descriptors, plan_path, plan_request
+from vllm_dcp2d.reshard.regions import KVRegions
+from vllm_dcp2d.reshard.layout import cdiv, cp_layer_owner, cp_layer_range
 
 ARENA = 1 << 32  # arena k owns fake addresses [k * ARENA, (k + 1) * ARENA)
 
@@ -208,8 +209,8 @@ def test_regions_validate():
 
 # ---- which prefill ranks a decode rank fetches from (issue 37, item 0) ----
 
-from vllm_dcp2d.layout import kv_head_range, send_shard  # noqa: E402
-from vllm_dcp2d.plan import ShardError, senders_for  # noqa: E402
+from vllm_dcp2d.reshard.layout import kv_head_range, send_shard  # noqa: E402
+from vllm_dcp2d.reshard.head_split import ShardError, senders_for  # noqa: E402
 
 
 def _table(layers: int, k: int, tp: int, cp: int = 0):
