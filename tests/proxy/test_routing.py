@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import aiohttp
 import pytest
@@ -15,8 +14,7 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.fake_upstreams import FakeVllm
-from vllm_dcp2d.proxy import Proxy
+from tests.support.fake_upstreams import FakeVllm, ProxyCluster, sample
 from vllm_dcp2d.proxy.fit import DecodeInfo, Need
 from vllm_dcp2d.proxy.metrics import PREFIX
 from vllm_dcp2d.proxy.routing import Plan, Policy, Router, TooLong
@@ -25,31 +23,13 @@ from vllm_dcp2d.proxy.upstreams import NoHealthyUpstream, Pool
 PAGE = 32
 
 
-class Cluster:
+class Cluster(ProxyCluster):
     """Fake prefills and decodes (``FakeVllm`` keyword sets) behind a real ``Proxy``."""
 
     def __init__(self, decodes: list[dict], n_prefill: int = 1, **proxy_kw):
         self.prefill = [FakeVllm("prefill", f"p{i}", max_model_len=1 << 20) for i in range(n_prefill)]
         self.decode = [FakeVllm("decode", f"d{i}", **kw) for i, kw in enumerate(decodes)]
         self.proxy_kw = {"timeout_s": 10, "health_interval_s": 0.05, "health_timeout_s": 1, **proxy_kw}
-
-    async def __aenter__(self):
-        self.servers = [TestServer(f.app) for f in self.prefill + self.decode]
-        for s in self.servers:
-            await s.start_server()
-        urls = [str(s.make_url("")).rstrip("/") for s in self.servers]
-        self.url = dict(zip([f.name for f in self.prefill + self.decode], urls))
-        self.proxy = Proxy(urls[:len(self.prefill)], urls[len(self.prefill):], **self.proxy_kw)
-        self.px = TestServer(self.proxy.app())
-        await self.px.start_server()
-        self.session = aiohttp.ClientSession()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.session.close()
-        await self.px.close()
-        for s in self.servers:
-            await s.close()
 
     async def post(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
         async with self.session.post(self.px.make_url(path), json={"model": "m", **body}) as resp:
@@ -60,16 +40,7 @@ class Cluster:
         assert status == 200, out
         return out["choices"][0]["text"]
 
-    async def metrics(self) -> str:
-        async with self.session.get(self.px.make_url("/metrics")) as resp:
-            return (await resp.read()).decode()
 
-
-def sample(text: str, name: str, **labels) -> float:
-    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", text, re.M):
-        if m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
-            return float(m.group(3))
-    return 0.0
 
 
 def run(coro):

@@ -8,14 +8,12 @@ import json
 import re
 from pathlib import Path
 
-import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.proxy import Proxy
+from tests.support.fake_upstreams import ProxyCluster, sample
 from vllm_dcp2d.proxy.metrics import METRICS, PREFIX, markdown_table
 from vllm_dcp2d.proxy.upstreams import NoHealthyUpstream, Pool
 
@@ -117,46 +115,15 @@ class Fake:
         return resp
 
 
-class Cluster:
+class Cluster(ProxyCluster):
     def __init__(self, n_prefill=2, n_decode=2, **proxy_kw):
         self.prefill = [Fake("prefill", f"p{i}") for i in range(n_prefill)]
         self.decode = [Fake("decode", f"d{i}") for i in range(n_decode)]
         self.proxy_kw = {"timeout_s": 10, "health_interval_s": 0.05, "health_timeout_s": 1, **proxy_kw}
 
-    async def __aenter__(self):
-        self.servers = [TestServer(f.app) for f in self.prefill + self.decode]
-        for s in self.servers:
-            await s.start_server()
-        urls = [str(s.make_url("")) for s in self.servers]
-        self.proxy = Proxy(urls[:len(self.prefill)], urls[len(self.prefill):], **self.proxy_kw)
-        self.px = TestServer(self.proxy.app())
-        await self.px.start_server()
-        self.session = aiohttp.ClientSession()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.session.close()
-        await self.px.close()
-        for s in self.servers:
-            await s.close()
-
     async def post(self, body, path="/v1/completions"):
         async with self.session.post(self.px.make_url(path), json=body) as resp:
             return resp.status, await resp.read()
-
-    async def metrics(self) -> str:
-        async with self.session.get(self.px.make_url("/metrics")) as resp:
-            assert resp.status == 200
-            return (await resp.read()).decode()
-
-
-def sample(text: str, name: str, **labels) -> float:
-    """The value of one sample in Prometheus text (labels in any order), 0 if absent."""
-    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if m.group(1) == name and got == labels:
-            return float(m.group(3))
-    return 0.0
 
 
 async def until(cond, timeout_s: float = 10.0):

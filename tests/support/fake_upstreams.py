@@ -3,7 +3,11 @@ both OpenAI routes with the given handlers, and a ``/health`` that is always ok.
 
 from __future__ import annotations
 
+import re
+
+import aiohttp
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 
 async def healthy(request):
@@ -96,3 +100,46 @@ class FakeVllm:
         n_out = min(asked if asked is not None else 1 << 30, self.max_model_len - len(ids))
         return web.json_response({"choices": [{"text": self.name, "n_out": n_out}],
                                   "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out}})
+
+
+class ProxyCluster:
+    """Fake prefills and decodes (``self.prefill``, ``self.decode``: objects with ``.app`` and
+    ``.name``, set by a subclass) on real HTTP servers behind a real ``Proxy`` built with
+    ``self.proxy_kw``; ``url`` maps a fake's name to its base URL. ``async with`` runs it."""
+
+    prefill: list
+    decode: list
+    proxy_kw: dict
+
+    async def __aenter__(self):
+        from vllm_dcp2d.proxy import Proxy
+
+        self.servers = [TestServer(f.app) for f in self.prefill + self.decode]
+        for s in self.servers:
+            await s.start_server()
+        urls = [str(s.make_url("")).rstrip("/") for s in self.servers]
+        self.url = dict(zip([f.name for f in self.prefill + self.decode], urls))
+        self.proxy = Proxy(urls[:len(self.prefill)], urls[len(self.prefill):], **self.proxy_kw)
+        self.px = TestServer(self.proxy.app())
+        await self.px.start_server()
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+        await self.px.close()
+        for s in self.servers:
+            await s.close()
+
+    async def metrics(self) -> str:
+        async with self.session.get(self.px.make_url("/metrics")) as resp:
+            assert resp.status == 200
+            return (await resp.read()).decode()
+
+
+def sample(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus text (labels in any order), 0 if absent."""
+    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", text, re.M):
+        if m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
+            return float(m.group(3))
+    return 0.0

@@ -96,9 +96,14 @@ def test_one_prefill_instance_may_keep_only_so_many_blocks_quarantined(stack):
     assert wait_fetch(r, "d", 10).ok and len(silent.seen) > asked
 
 
-def _register(sock, s: Side) -> None:
+def _link(stack, s: Side):
+    """A decode's side-channel link to ``s``'s sender, its session registered."""
+    sock = sockets.socket(zmq.DEALER)
+    stack.callback(sock.close)
+    sock.connect(s.sender.address)
     sock.send(encode(RegisterConsumer.of("D", s.recv.transport.session_id, Memory([s.dst.ctypes.data],
                                                                                     [s.dst.nbytes]))))
+    return sock
 
 
 def _request(s: Side, not_after_ns: int, attempt: int, wait_s: float) -> TransferRequest:
@@ -115,10 +120,7 @@ def test_no_write_starts_after_the_attempts_deadline(stack):
     written and the answer says why. The same request, asked in time, is served."""
     s = Side(stack)
     s.gate.open()
-    sock = sockets.socket(zmq.DEALER)
-    stack.callback(sock.close)
-    sock.connect(s.sender.address)
-    _register(sock, s)
+    sock = _link(stack, s)
     sock.send(encode(_request(s, time.time_ns() + 300_000_000, 1, wait_s=10.0)))  # its deadline: in 0.3 s
     wait_until(lambda: s.sender.waiting("x") == 1)
     time.sleep(0.5)  # past the deadline, while it waits for the prefill
@@ -152,10 +154,7 @@ def test_a_prefill_clock_behind_the_decodes_moves_the_fence_only_by_the_messages
     (``budget_ns``), and the rank stops at whichever comes first by its own clock."""
     s = Side(stack)
     s.gate.open()
-    sock = sockets.socket(zmq.DEALER)
-    stack.callback(sock.close)
-    sock.connect(s.sender.address)
-    _register(sock, s)
+    sock = _link(stack, s)
     req = _request(s, time.time_ns() + 200 * 10 ** 9, 1, wait_s=10.0)  # by this clock, 200 s away ...
     sock.send(encode(TransferRequest.build(**{**_args(req), "budget_ns": 300_000_000})))  # ... but 0.3 s left
     wait_until(lambda: s.sender.waiting("x") == 1)
