@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_dcp2d.prefill.broadcast import broadcast_owner_layer_prefix
+from vllm_dcp2d.prefill.broadcast import Scratch, broadcast_owner_layer_prefix
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -21,12 +21,15 @@ def page_values(case: int, layer: int, shape: tuple, dtype: torch.dtype) -> torc
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def cases(cp, cases: list[dict]) -> dict:
+def cases(cp, cases: list[dict], scratch_max: int | None = None) -> dict:
     """Each case: ``num_blocks``, ``page`` (a page's shape), ``dtype``, ``layers``
     (owner per layer) and ``blocks`` (the step's context blocks). For every layer,
     the owner's region holds :func:`page_values`; the others' transient slot starts
     as a sentinel. After the broadcast, a non-owner's slot must equal the owner's
-    at ``blocks`` bit for bit and keep the sentinel elsewhere."""
+    at ``blocks`` bit for bit and keep the sentinel elsewhere. With ``scratch_max``,
+    every layer of every case goes through one ``Scratch`` of that cap (the serving
+    path's reuse across sizes and dtypes; a cap below a prefix takes the one-off path)."""
+    scratch = None if scratch_max is None else Scratch(cp.device, max_bytes=scratch_max)
     bad = []
     sent = 0
     for i, c in enumerate(cases):
@@ -38,7 +41,7 @@ def cases(cp, cases: list[dict]) -> dict:
             own = page_values(i, layer, shape, dtype)
             kv = own if cp.rank == owner else transient
             before = kv.clone()
-            sent += broadcast_owner_layer_prefix(kv, blocks, owner, cp, what=f"layer {layer}")
+            sent += broadcast_owner_layer_prefix(kv, blocks, owner, cp, what=f"layer {layer}", scratch=scratch)
             if cp.rank == owner:
                 if not torch.equal(kv, before):
                     bad.append((i, layer, "owner's region changed"))

@@ -13,6 +13,12 @@ its own list is. Then all ranks skip (count 0) or all join one broadcast of
 the owner's size. A rank whose own list differs consumes that broadcast,
 commits nothing and raises, naming both lists' counts and digests: a clear
 error instead of a hang or a wrong cache.
+
+The blocks cross the wire through a :class:`Scratch` the caller keeps for the
+worker's life. A fresh buffer per layer (a different size each step, ~200 MB/s of
+them in the 30-minute soak) left glibc's heap fragmented: the TP workers' RSS
+crept up for the whole run (BENCHMARKS "Soak"). One buffer, grown to the largest
+prefix seen, is reused by every layer of every step.
 """
 
 from __future__ import annotations
@@ -22,7 +28,41 @@ import torch.distributed as dist
 
 from vllm_dcp2d.prefill.dist import CPGroup
 
-__all__ = ["broadcast_owner_layer_prefix", "block_digest"]
+__all__ = ["broadcast_owner_layer_prefix", "block_digest", "Scratch", "SCRATCH_MAX_BYTES"]
+
+SCRATCH_MAX_BYTES = 256 << 20  # a prefix larger than this gets a buffer of its own, freed after the layer
+
+
+class Scratch:
+    """One reusable byte buffer for a layer's blocks on the wire (see the module doc).
+
+    device:    where the buffer lives (the CP group's ``device``).
+    max_bytes: the most it keeps; a larger request gets a one-off tensor.
+    """
+
+    def __init__(self, device: torch.device, max_bytes: int = SCRATCH_MAX_BYTES):
+        self.device, self.max_bytes = device, max_bytes
+        self._buf = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``shape`` tensor of ``dtype`` on ``device``, its contents undefined;
+        valid until the next ``take``. Grows to the next power of two (at least 1 MiB)."""
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        if nbytes > self.max_bytes:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        if nbytes > self._buf.numel():
+            size = min(self.max_bytes, max(1 << 20, 1 << (nbytes - 1).bit_length()))
+            self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)  # free the old one first
+            self._buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._buf[:nbytes].view(dtype).view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds now."""
+        return self._buf.numel()
 
 
 def block_digest(blocks: torch.Tensor) -> int:
@@ -33,7 +73,7 @@ def block_digest(blocks: torch.Tensor) -> int:
 
 
 def broadcast_owner_layer_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, owner: int, cp: CPGroup,
-                                 what: str = "", digest: int | None = None) -> int:
+                                 what: str = "", digest: int | None = None, scratch: Scratch | None = None) -> int:
     """Copy the owner's ``kv_cache[blocks]`` into every other rank's ``kv_cache[blocks]``.
 
     Called by every rank of ``cp`` for the layer, before its cache write.
@@ -46,6 +86,8 @@ def broadcast_owner_layer_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, o
     what:     names the layer in errors.
     digest:   ``block_digest(blocks)`` if the caller has it (the same list serves
               every layer of a step).
+    scratch:  the buffer the blocks cross the wire in (the serving path keeps one per
+              worker); None allocates one for this call.
     Returns the bytes this rank sent or received.
 
     Raises ``RuntimeError`` on a non-owner whose ``(n, digest)`` differs from the
@@ -58,10 +100,15 @@ def broadcast_owner_layer_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, o
     n, owner_digest = (int(x) for x in head.tolist())
     if n == 0 and local[0] == 0:
         return 0
+    shape = (n, *kv_cache.shape[1:])
+    buf = (scratch.take(shape, kv_cache.dtype) if scratch is not None
+           else torch.empty(shape, dtype=kv_cache.dtype, device=cp.device))
     if cp.rank == owner:
-        buf = kv_cache.index_select(0, blocks.to(kv_cache.device)).to(cp.device)
-    else:
-        buf = torch.empty((n, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=cp.device)
+        index = blocks.to(kv_cache.device)
+        if kv_cache.device == buf.device:
+            torch.index_select(kv_cache, 0, index, out=buf)
+        else:
+            buf.copy_(kv_cache.index_select(0, index))
     if n:
         dist.broadcast(buf, src=src, group=cp.group)
     if cp.rank != owner:

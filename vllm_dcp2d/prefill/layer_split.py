@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from vllm_dcp2d.prefill.broadcast import block_digest, broadcast_owner_layer_prefix
+from vllm_dcp2d.prefill.broadcast import Scratch, block_digest, broadcast_owner_layer_prefix
 from vllm_dcp2d.prefill.dist import CPGroup
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class LayerSplit:
         self.blocks: torch.Tensor | None = None
         self.digest = 0  # block_digest(self.blocks), once per step
         self.bytes = 0  # sent or received since the last take_bytes()
+        self.scratch = Scratch(cp.device)  # every layer's blocks cross the wire in it
 
     def bind(self, context_blocks) -> None:
         """Called once per step before the forward, on every rank, with the step's
@@ -65,7 +66,8 @@ class LayerSplit:
         ratio = kv_cache.shape[0] // self.num_blocks
         if ratio > 1:  # the backend splits each block into `ratio` kernel blocks
             blocks = (blocks[:, None] * ratio + torch.arange(ratio)).reshape(-1)
-        self.bytes += broadcast_owner_layer_prefix(kv_cache, blocks, owner, self.cp, what=name, digest=self.digest)
+        self.bytes += broadcast_owner_layer_prefix(kv_cache, blocks, owner, self.cp, what=name, digest=self.digest,
+                                                   scratch=self.scratch)
 
     def take_bytes(self) -> int:
         n, self.bytes = self.bytes, 0
