@@ -13,7 +13,7 @@ turn (so each way sees the machine in the same state), 8 output tokens, greedy:
   PD pipelined  through ``vllm-dcp2d proxy --pipelined`` (the decode asks first; layers
               go as they are computed)
   vllm-router nixl / mooncake  through vLLM's router (``vllm-router`` 0.1.17) in each
-              PD protocol (README, "Behind vLLM's router")
+              PD protocol (docs/serving.md, "Behind vLLM's router")
   PD by hand  the proxy's two hops made from here and timed apart: the prefill
               (``proxy.app.prefill_body``: one token, ``do_remote_decode``) and the
               decode (``decode_body`` with the prefill's ``kv_transfer_params``)

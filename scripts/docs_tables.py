@@ -1,5 +1,5 @@
 """Regenerate the tables the docs hold from the code that owns them (tests check they match):
-the config keys (``config.KEYS``) in README.md and docs/connector.md, the connector's metrics
+the config keys (``config.KEYS``) in docs/config.md and docs/connector.md, the connector's metrics
 (``connector.prom.METRICS``) and the proxy's in docs/metrics.md.
 
     .venv/bin/python scripts/docs_tables.py
@@ -34,7 +34,7 @@ def replace_table(path: Path, header: str, table: str) -> bool:
 
 def main() -> int:
     changed = []
-    for doc in ("README.md", "docs/connector.md"):
+    for doc in ("docs/config.md", "docs/connector.md"):
         if replace_table(ROOT / doc, "| key | default | side | meaning |", config.markdown_table()):
             changed.append(doc)
     metrics = ROOT / "docs/metrics.md"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU path of vllm_dcp2d that one GPU can run, as one PASS/FAIL table (rows and what each
-# proves and cannot on one GPU: vllm_dcp2d/gpu_check.py; README "On GPUs"), after the table of vLLM
+# proves and cannot on one GPU: vllm_dcp2d/gpu_check.py; docs/gpu.md), after the table of vLLM
 # patches and whether each fits the vLLM under test (vllm-dcp2d compat).
 #
 #   bash scripts/gpu-check.sh [--vllm 0.32.0|0.33.0|0.34.0 [--wheels DIR] [--install-timeout S] [--install-only]]

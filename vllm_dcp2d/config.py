@@ -2,8 +2,8 @@
 
 A leaf (standard library only), so the plugin entry point, the vLLM glue
 (``vllm_compat``) and the connector all read it without importing each other.
-Every key, its type, default and meaning is in ``KEYS`` (the README table is
-generated from the same text). An unknown key or an invalid value raises
+Every key, its type, default and meaning is in ``KEYS`` (the tables in docs/config.md
+and docs/connector.md are generated from the same text). An unknown key or an invalid value raises
 ``ConfigError`` from the connector's constructor, which stops vLLM's start-up
 with that message.
 """
@@ -52,7 +52,7 @@ class DCP2DConfig:
     handshake_timeout_s: float = 2.0
 
 
-# key -> (role it matters to, doc). Order is the README's order.
+# key -> (role it matters to, doc). Order is the docs tables' order.
 KEYS: dict[str, tuple[str, str]] = {
     "bootstrap_host": ("producer", "Address the prefill instance's bootstrap server binds to and "
                        "advertises to decode instances in `kv_transfer_params` (`remote_bootstrap_addr`)."),
@@ -263,7 +263,7 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
 
 
 def markdown_table() -> str:
-    """The README table of every key: name, default, side, meaning."""
+    """The docs table of every key (docs/config.md, docs/connector.md): name, default, side, meaning."""
     defaults = DCP2DConfig()
     rows = ["| key | default | side | meaning |", "|---|---|---|---|"]
     for key, (side, doc) in KEYS.items():

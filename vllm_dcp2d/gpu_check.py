@@ -38,7 +38,7 @@ from pathlib import Path
 ROWS = ("mooncake", "vllm-pd", "vllm-layer-split", "vllm-dcp")
 DEVICE_ROWS = ("mooncake",)  # take the device (--device cpu: CPU memory stands in for the GPU's)
 ROW_S = {"mooncake": 120.0}  # vllm-pd: what is left
-# Per row: what a PASS proves, and what it cannot on one GPU (README "On GPUs" says the same).
+# Per row: what a PASS proves, and what it cannot on one GPU (docs/gpu.md says the same).
 SCOPE = {
     "mooncake": ("byte-exact Mooncake writes of every CP2 x DCP2 path between KV that vLLM allocated on this GPU: "
                  "dense pages in two layouts, MLA pages CPU -> GPU, sparse MLA's latent and indexer planes",

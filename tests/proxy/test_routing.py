@@ -403,7 +403,7 @@ def test_need_follows_vllms_rules():
 
 @pytest.mark.timeout(120)
 def test_vllm_router_consistent_hash_keeps_named_sessions_but_knows_no_decode_group(tmp_path):
-    """What README "Behind vLLM's router" says of vllm-router 0.1.17 (``--decode-policy
+    """What docs/serving.md "Behind vLLM's router" says of vllm-router 0.1.17 (``--decode-policy
     consistent_hash``, NIXL protocol) over the same fakes: a session named in ``user`` or
     ``session_id`` stays on one decode; one not named does not; and a request only the DCP=2
     decode admits is refused whenever its body hashes to the DCP=1 decode."""

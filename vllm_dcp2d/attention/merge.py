@@ -14,7 +14,7 @@ as vLLM's own combine kernel does.
 
 Torch only: the merge runs in the plugin's CPU attention backends (through
 :func:`~vllm_dcp2d.attention.dcp.dcp_merge`); on GPU vLLM's own DCP backends
-attend and merge (README, "Attention on GPU is vLLM's").
+attend and merge (docs/gpu.md, "Attention on GPU is vLLM's").
 """
 
 from __future__ import annotations

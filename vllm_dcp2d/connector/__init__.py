@@ -1,4 +1,4 @@
-"""The KV connector: DCP2DConnector, its scheduler and worker sides, and what they tell vLLM (README, "Package layout").
+"""The KV connector: DCP2DConnector, its scheduler and worker sides, and what they tell vLLM (docs/layout.md).
 
 The transfer it drives lives in ``vllm_dcp2d.transfer``, which imports nothing from here.
 
