@@ -64,3 +64,41 @@ def test_a_peers_jobs_run_in_order_on_one_thread_and_waiting_peers_get_freed_thr
         w.close(10)
     for peer in "abc":
         assert [i for p, i in order if p == peer] == list(range(5))
+
+
+class Bell:
+    """Stands for the owner's ``sockets.Waker``: counts the wakes."""
+
+    def __init__(self):
+        self.rung = 0
+
+    def wake(self):
+        self.rung += 1
+
+
+def settled(w: Writers, timeout_s: float = 5.0) -> None:
+    """Until no peer holds a thread (its last job returned and it gave the thread up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with w._lock:
+            if not w._running and not any(w._queues.values()):
+                return
+        time.sleep(0.005)
+    raise AssertionError("a peer still holds a writer thread")
+
+
+def test_a_job_that_leaves_an_outcome_wakes_done_and_no_other_does():
+    """Issue 52: the writer rings what it was given, no hook into its owner."""
+    bell, ran = Bell(), threading.Event()
+    w = Writers("test", done=bell)
+    try:
+        w.submit("a", lambda: None, "s")
+        w.submit("a", lambda: False, "s")
+        w.submit("a", lambda: True, "s")
+        w.submit("a", ran.set, "s")
+        assert ran.wait(5)
+        settled(w)
+    finally:
+        w.close(5)
+    assert bell.rung == 1 and not w.failed
+

@@ -116,7 +116,6 @@ class Sender:
         self.ledger = SendLedger(f"cp rank {cp_rank}", reveal=auth.enabled)
         self.consumers = Consumers(f"cp rank {cp_rank}", transport.sessions, auth.enabled)  # the I/O thread's
         self._handshakes = Strikes("Mooncake sessions that failed their handshake")  # per source
-        self._writers = Writers(f"cp rank {cp_rank}", after=self._flush)
         self._stop = threading.Event()
         self._sock = sockets.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not blocks
@@ -124,6 +123,8 @@ class Sender:
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.address = sockets.bind(self._sock, host, port)
         self._waker = sockets.Waker()
+        # A write job returns whether it left the ledger an answer; its writer then wakes the I/O thread.
+        self._writers = Writers(f"cp rank {cp_rank}", done=self._waker)
         self._threads = [threading.Thread(target=self._guarded, args=(self._io_loop,), name=f"dcp2d-send-io-{cp_rank}",
                                           daemon=True)]
         for t in self._threads:
@@ -431,14 +432,15 @@ class Sender:
         a.write_s += time.perf_counter() - t1
 
     def _write_layer(self, a: Attempt, layer: int, block_ids, num_tokens: int, event, epoch: int,
-                     prompt_digest: str) -> None:
-        """One layer to one waiting attempt (a worker-thread job queued by ``layer_ready``)."""
+                     prompt_digest: str) -> bool:
+        """One layer to one waiting attempt (a writer job queued by ``layer_ready``); returns
+        whether the ledger holds answers for the I/O thread (``Writers``)."""
         if event is not None:
             event.synchronize()
         with a.lock:
             token = self.ledger.begin_layer(a, layer, num_tokens, epoch, prompt_digest)
             if token is None:
-                return
+                return self.ledger.has_answers()
             error = ""
             try:
                 self._plan_write(a, block_ids, [layer], cdiv(num_tokens, self.fingerprint.page_size))
@@ -446,14 +448,16 @@ class Sender:
                 error = self._reason(e, a)
             finally:
                 self.ledger.end_layer(a, token, layer, epoch, error)
+        return self.ledger.has_answers()
 
-    def _answer(self, a: Attempt) -> None:
+    def _answer(self, a: Attempt) -> bool:
         """Write what attempt ``a`` still lacks (all of this rank's layers, or those
-        ``layer_ready`` did not write yet) and answer it."""
+        ``layer_ready`` did not write yet) and answer it (a writer job: returns whether the
+        ledger holds answers for the I/O thread)."""
         with a.lock:  # after any layer write of a
             begun = self.ledger.begin_answer(a)
             if begun is None:
-                return
+                return self.ledger.has_answers()
             state, error, sent = begun
             try:
                 if not error:
@@ -465,6 +469,7 @@ class Sender:
                 error = self._reason(e, a)
             finally:
                 self.ledger.end_answer(a, state, error)
+        return self.ledger.has_answers()
 
     def _checksum(self, a: Attempt, state: Request) -> str:
         """``checksum.checksum`` of every byte this rank wrote for ``a`` (the whole path,

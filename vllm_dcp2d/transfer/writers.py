@@ -13,12 +13,14 @@ holding a writer for its handshake's bound, and another decode's fetch waited 28
 
 Public API
 ----------
-``Writers(name, max_threads=MAX_THREADS, after=None, max_per_source=MAX_PER_SOURCE)``
-    ``.submit(peer: str, job: Callable[[], None], source="")``  run ``job`` after ``peer``'s earlier jobs.
+``Writers(name, done=None, max_threads=MAX_THREADS, max_per_source=MAX_PER_SOURCE)``
+    ``.submit(peer: str, job: Callable[[], bool | None], source="")``  run ``job`` after ``peer``'s earlier jobs.
     ``.close(timeout_s)``                              stop taking jobs; join the threads.
     ``.alive() -> bool``                               whether a thread still runs.
     ``.failed -> str``                                 why a thread died ("" while all run).
-``after`` is called (no arguments) on the writer's thread after every job.
+Each job returns whether it left an outcome for the owner (the ``SendLedger``'s answers);
+the writer then rings ``done`` (the owner's I/O thread's ``sockets.Waker``), which takes
+it. Nothing here calls into the owner.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ MAX_PER_SOURCE = 16  # ... of them for the peers of one source
 
 
 class Writers:
-    """Jobs by peer, each peer's in order on its own thread (see the module doc)."""
+    """Jobs by peer, each peer's in order on its own thread (see the module doc).
 
-    def __init__(self, name: str, max_threads: int = MAX_THREADS, after: Callable[[], None] | None = None,
-                 max_per_source: int = MAX_PER_SOURCE):
-        self.name, self.max_threads, self.after, self.max_per_source = name, max_threads, after, max_per_source
+    done: what a job that returns True wakes (``.wake()``, any thread), or None.
+    """
+
+    def __init__(self, name: str, done=None, max_threads: int = MAX_THREADS, max_per_source: int = MAX_PER_SOURCE):
+        self.name, self.done, self.max_threads, self.max_per_source = name, done, max_threads, max_per_source
         self.failed = ""
         self._lock = threading.Lock()
         self._queues: dict[str, deque] = {}   # peer -> jobs not started
@@ -50,7 +54,7 @@ class Writers:
         self._threads: set[threading.Thread] = set()
         self._closed = False
 
-    def submit(self, peer: str, job: Callable[[], None], source: str = "") -> None:
+    def submit(self, peer: str, job: Callable[[], bool | None], source: str = "") -> None:
         with self._lock:
             if self._closed:
                 return
@@ -111,11 +115,12 @@ class Writers:
                 if job is None:
                     return
                 try:
-                    job()
+                    wake = job()
                 except Exception:  # the jobs answer their own failures; this is a bug in one of them
                     log.exception("%s: a write job failed", self.name)
-                if self.after is not None:
-                    self.after()
+                    wake = True
+                if wake and self.done is not None:
+                    self.done.wake()
         except Exception as e:  # outside every job: the owner fails the engine on it
             self.failed = f"a writer of {self.name} died: {type(e).__name__}: {e}"
             log.exception("%s", self.failed)
