@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_dcp2d.reshard.capacity import Memory, capacity
+from vllm_dcp2d.reshard.capacity import DecodeMemory, capacity
 from vllm_dcp2d.reshard.layout import cdiv
 from vllm_dcp2d.local.servers import free_port, proxy_server, read_stats, running, vllm_server, wait_all
 from vllm_dcp2d.local.tiny_models import build_tiny_model
@@ -72,7 +72,7 @@ def kv_bytes_for(fit: int, tokens: int, dcps: tuple[int, ...] = (1,)) -> int:
 
 def planner_fits(kv_bytes: int, dcp: int, tokens: int) -> int:
     """Requests of ``tokens`` the planner says a DCP group holds (less vLLM's null block)."""
-    return capacity(Memory(kv_cache_bytes=kv_bytes - PAGE * LAYERS * TOKEN_LAYER_BYTES),
+    return capacity(DecodeMemory(kv_cache_bytes=kv_bytes - PAGE * LAYERS * TOKEN_LAYER_BYTES),
                     token_bytes=LAYERS * TOKEN_LAYER_BYTES, page_size=PAGE, dcp_size=dcp, request_tokens=tokens).requests
 
 

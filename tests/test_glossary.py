@@ -9,7 +9,9 @@ PACKAGE = ROOT / "vllm_dcp2d"
 # The wire field names others chose may appear only quoted, as the field itself
 # ("remote_request_id", 'transfer_id'); every other mention is a retired name.
 WIRE_FIELDS = ("remote_request_id", "transfer_id")
-RETIRED = ("limbo", "tid") + WIRE_FIELDS
+# Constructor arguments named otherwise than their config keys (issue 52): send_timeout_s,
+# claim_timeout_s and max_prefill_wait_s.
+RETIRED = ("limbo", "tid", "expiry_s", "claim_s", "max_wait_s") + WIRE_FIELDS
 
 
 def glossary() -> list[tuple[str, list[str]]]:

@@ -169,7 +169,7 @@ def _plan_capacity(argv: list[str]) -> int:
         # a cache with a layer pattern is in the target's layers it names; draft layers hold every cache
         token_bytes = sum(b * (int(layer_pattern(p, target).sum()) if p else target) for _, b, p in caches)
         per_layer = sum(b for _, b, _ in caches)
-        mem = cap.Memory(args.gpu_memory, args.memory_utilization, args.weights,
+        mem = cap.DecodeMemory(args.gpu_memory, args.memory_utilization, args.weights,
                          args.lora_experts * args.lora_expert_bytes, args.activations, args.cuda_graphs,
                          args.kv_cache_memory_bytes)
         draft = (cap.Draft(args.draft_layers, args.draft_bytes_per_token_layer or per_layer, args.draft_pool,

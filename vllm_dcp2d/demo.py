@@ -22,7 +22,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from vllm_dcp2d.local.servers import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats, vllm_server,
+                                      wait_all)
 
 __all__ = ["main", "parse", "servers", "serving_defaults"]
 
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> int:
             _, ref = post_json(prefill.url + "/v1/completions", body)
             text, ref_text = out["choices"][0]["text"], ref["choices"][0]["text"]
             tokens = out["usage"]["prompt_tokens"]
-            recs = read_stats(stats)[before:]
+            recs = fetch_records(read_stats(stats)[before:])  # the decode's fetch lines
             print(f"request {i}: {tokens} prompt tokens -> {text!r}")
             print(f"  equals the prefill instance's own (non-disaggregated, TP={args.prefill_tp}) answer: "
                   f"{text == ref_text}")

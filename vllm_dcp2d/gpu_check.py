@@ -120,7 +120,8 @@ def check_mooncake(device: str = "cuda") -> str:
 
 def check_vllm_pd() -> str:
     from vllm_dcp2d.demo import DEMO_PROMPTS, serving_defaults
-    from vllm_dcp2d.local.servers import free_port, post_json, proxy_server, read_stats, vllm_server, wait_all
+    from vllm_dcp2d.local.servers import (fetch_records, free_port, post_json, proxy_server, read_stats,
+                                          vllm_server, wait_all)
     from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="dcp2d-gpu-check-"))
@@ -165,7 +166,7 @@ def check_vllm_pd() -> str:
                 if not same and kind == "llama-mqa":
                     raise AssertionError(f"{kind}: PD {out['choices'][0]['text']!r} != prefill's own "
                                          f"{ref['choices'][0]['text']!r}")
-            ok = [r for r in read_stats(stats) if r.get("ok")]
+            ok = [r for r in fetch_records(read_stats(stats)) if r["ok"]]
             if len(ok) < len(DEMO_PROMPTS):
                 raise AssertionError(f"{kind}: {len(ok)} transfers recorded for {len(DEMO_PROMPTS)} requests")
             notes.append(f"{kind}: {equal}/{len(DEMO_PROMPTS)} equal, {sum(r['bytes'] for r in ok)} B")

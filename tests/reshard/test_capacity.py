@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_dcp2d.reshard.capacity import Draft, Memory, capacity, parse_bytes, seed_table1
+from vllm_dcp2d.reshard.capacity import Draft, DecodeMemory, capacity, parse_bytes, seed_table1
 from vllm_dcp2d.reshard.layout import cdiv
 from tests.support.dcp_pages import dcp_page_owner
 from tests.support.cli import run
@@ -53,7 +53,8 @@ def test_seed_table1_fixed_draft_pool_reproduces_it_and_pool_x_dcp_does_not():
 def test_demo_decode_capacity_is_what_its_engine_logs(kv_bytes, dcp, tokens):
     """Tiny llama-mqa, TP=2: 4 layers, one KV head (replicated over TP) of 32 fp32 dims, K and V:
     256 B per token and layer on a rank, 32-token pages."""
-    c = capacity(Memory(kv_cache_bytes=kv_bytes), token_bytes=4 * 256, page_size=32, dcp_size=dcp, request_tokens=1024)
+    c = capacity(DecodeMemory(kv_cache_bytes=kv_bytes), token_bytes=4 * 256, page_size=32, dcp_size=dcp,
+                 request_tokens=1024)
     assert c.tokens_per_group == tokens
     assert c.tokens_per_rank == tokens // dcp
 
@@ -101,13 +102,13 @@ def test_parse_bytes():
 
 def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="no memory left for KV: .* = -1000000000 B"):
-        Memory(gpu_bytes=10**9, weights_bytes=2 * 10**9).kv_budget()
+        DecodeMemory(gpu_bytes=10**9, weights_bytes=2 * 10**9).kv_budget()
     with pytest.raises(ValueError, match="draft pool 'half'"):
         Draft(1, 576, "half")
     with pytest.raises(ValueError, match="DCP size 0"):
-        capacity(Memory(kv_cache_bytes=1 << 20), token_bytes=1, page_size=1, dcp_size=0, request_tokens=1)
+        capacity(DecodeMemory(kv_cache_bytes=1 << 20), token_bytes=1, page_size=1, dcp_size=0, request_tokens=1)
     with pytest.raises(ValueError, match="leaves no KV"):
-        capacity(Memory(kv_cache_bytes=1 << 20), token_bytes=1, page_size=1, dcp_size=1, request_tokens=1,
+        capacity(DecodeMemory(kv_cache_bytes=1 << 20), token_bytes=1, page_size=1, dcp_size=1, request_tokens=1,
                  draft=Draft(1, 1, "fixed", pool_bytes=1 << 20))
 
 
@@ -120,7 +121,7 @@ drafts = st.one_of(st.none(), st.builds(Draft, st.integers(1, 3), st.integers(1,
 
 @given(geo=geometry, budget=st.integers(1 << 28, 1 << 40), dcp=st.integers(1, 16), draft=drafts)
 def test_pages_fill_the_budget_and_requests_fill_the_pages(geo, budget, dcp, draft):
-    c = capacity(Memory(kv_cache_bytes=budget), dcp_size=dcp, draft=draft, **geo)
+    c = capacity(DecodeMemory(kv_cache_bytes=budget), dcp_size=dcp, draft=draft, **geo)
     per_page = c.page_bytes + (dcp * geo["page_size"] * draft.layers * draft.bytes_per_token_layer
                                if draft and draft.pool == "dcp" else 0)
     left = budget - c.draft_reserved_bytes
@@ -138,7 +139,7 @@ def test_a_request_takes_on_rank_0_what_the_dcp_layout_gives_it(geo, dcp, seed):
     tokens = np.random.default_rng(seed).integers(1, 50_000)
     owners = dcp_page_owner(np.arange(cdiv(int(tokens), geo["page_size"])), dcp)
     busiest = int(np.bincount(owners, minlength=dcp).max())
-    c = capacity(Memory(kv_cache_bytes=1 << 40), dcp_size=dcp, **{**geo, "request_tokens": int(tokens)})
+    c = capacity(DecodeMemory(kv_cache_bytes=1 << 40), dcp_size=dcp, **{**geo, "request_tokens": int(tokens)})
     assert c.pages_per_rank // busiest == c.requests
 
 
@@ -146,7 +147,8 @@ def test_a_request_takes_on_rank_0_what_the_dcp_layout_gives_it(geo, dcp, seed):
        draft=drafts, more=st.integers(0, 1 << 30), weights=st.integers(0, 1 << 27))
 def test_monotone_and_scaling(geo, budget, dcp, draft, more, weights):
     def cap(d=dcp, b=budget, w=0, t=geo["request_tokens"], dr=draft):
-        return capacity(Memory(gpu_bytes=b, weights_bytes=w), dcp_size=d, draft=dr, **{**geo, "request_tokens": t})
+        return capacity(DecodeMemory(gpu_bytes=b, weights_bytes=w), dcp_size=d, draft=dr,
+                        **{**geo, "request_tokens": t})
 
     base = cap()
     assert cap(b=budget + more).tokens_per_group >= base.tokens_per_group  # more memory, never fewer tokens

@@ -99,16 +99,16 @@ class PrefillRank:
         self.writes = FailedWrites(self.transport)
         self.sender = Sender(self.writes, regions(self.kv, list(layers)), fingerprint(**fp),
                              engine_id="prefill", cp_rank=cp_rank, cp_size=cp_size, bootstrap=self.bootstrap,
-                             expiry_s=60.0)
+                             send_timeout_s=60.0)
 
     def info(self):
         return {"address": self.sender.address, "bootstrap": self.bootstrap, "pid": os.getpid()}
 
-    def add(self, request_id, block_ids, num_pages=None, expiry_s=None):
-        if expiry_s is not None:
-            self.sender.expiry_s = expiry_s
+    def add(self, request_id, block_ids, num_pages=None, send_timeout_s=None):
+        if send_timeout_s is not None:
+            self.sender.send_timeout_s = send_timeout_s
         self.sender.add_request(request_id, block_ids, PAGE_SIZE * (len(block_ids) if num_pages is None else num_pages), prompt_digest=PD)
-        self.sender.expiry_s = 60.0
+        self.sender.send_timeout_s = 60.0
 
     def finished(self):
         return self.sender.pop_finished()

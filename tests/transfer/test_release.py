@@ -43,7 +43,7 @@ def receiver(stack, engine_id: str, dst: np.ndarray, fingerprint=FP, **kw) -> Re
 
 
 def test_release_frees_at_once_and_later_fetches_fail(stack):
-    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0})
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     t0 = time.monotonic()
     s.recv.release("x", s.boot.address, TOKENS, prompt_digest=PD)
@@ -62,7 +62,7 @@ def test_release_during_a_write_takes_effect_when_it_settles(stack):
     """The decode gives up on a fetch (its deadline) while the prefill's write is
     held open, then releases the request: the prefill reports it finished only
     after that write returned."""
-    s = Side(stack, sender_kw={"expiry_s": 120.0}, receiver_kw={"cancel_grace_s": 0.3})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0}, receiver_kw={"cancel_grace_s": 0.3})
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
@@ -82,7 +82,7 @@ def test_release_during_a_write_takes_effect_when_it_settles(stack):
 def test_release_of_one_engine_keeps_what_another_engine_fetches(stack):
     """Two decode groups (DCP=1 engine "D" and engine "E") name the same transfer.
     E releases while D's write is in flight: the request stays until D is served."""
-    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0})
     other = receiver(stack, "E", np.zeros_like(s.dst))
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
@@ -102,7 +102,7 @@ def test_a_decode_of_another_kv_format_still_releases_what_it_refused(stack):
     reaches the prefill's ranks through the refused rank table: the blocks are freed at
     once, not at the prefill's claim_timeout_s (a misconfigured decode group would
     otherwise hold the shared prefill's memory for every request it refuses)."""
-    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0})
     dst = np.zeros_like(s.dst)
     other = receiver(stack, "E", dst, fingerprint=dataclasses.replace(FP, kv_dtype="fp8_e5m2"))
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
@@ -120,7 +120,7 @@ def test_a_release_for_another_prefill_engine_is_not_sent(stack):
     "P" (restarted, or another instance on that address): the release is not sent there,
     where it could free a request of "P" that reuses the key before its own decode
     fetches it. The same release naming "P" frees it at once."""
-    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0})
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P-old", prompt_digest=PD)
     wait_until(lambda: "x" not in str(s.recv._dir.unsent))  # the table came and the release was dropped
@@ -133,7 +133,7 @@ def test_a_release_for_another_prefill_engine_is_not_sent(stack):
 def test_release_counts_per_consumer_rank(stack):
     """A decode engine of 2 ranks: rank 1 releases, rank 0 still fetches: the
     request is freed once rank 0 got its pages, not before."""
-    s = Side(stack, sender_kw={"expiry_s": 120.0}, receiver_kw={"consumer_size": 2})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0}, receiver_kw={"consumer_size": 2})
     rank1 = receiver(stack, "D", np.zeros_like(s.dst), consumer_rank=1, consumer_size=2)
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     rank1.release("x", s.boot.address, TOKENS, prompt_digest=PD)
@@ -146,7 +146,7 @@ def test_release_counts_per_consumer_rank(stack):
 
 
 def test_release_before_the_request_is_added_is_remembered(stack, monkeypatch):
-    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0})
     s.recv.release("early", s.boot.address, TOKENS, prompt_digest=PD)
     s.recv.release("other-count", s.boot.address, TOKENS + 1, prompt_digest=PD)
     wait_until(lambda: len(s.sender.ledger._early) == 2)
@@ -158,7 +158,7 @@ def test_release_before_the_request_is_added_is_remembered(stack, monkeypatch):
 
 
 def test_remembered_releases_expire(stack):
-    s = Side(stack, sender_kw={"expiry_s": 120.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 120.0})
     s.recv.release("late", s.boot.address, TOKENS, prompt_digest=PD)
     wait_until(lambda: "late" in s.sender.ledger._early)
     # RELEASE_MEMORY_S passes now (the I/O thread's own polls would take 30 s)

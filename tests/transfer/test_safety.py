@@ -38,11 +38,11 @@ def stack():
 def test_expiry_waits_for_the_write_in_flight(stack):
     """Item 1: send_timeout_s passes while a write reads the request's blocks. The
     sender reports the request (the owner frees its blocks) only after that write."""
-    s = Side(stack, sender_kw={"expiry_s": 60.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 60.0})
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
-    s.sender.ledger._requests["x"].expires = time.monotonic()  # send_timeout_s passes now, not by luck
+    s.sender.ledger._held["x"].expires = time.monotonic()  # send_timeout_s passes now, not by luck
     time.sleep(0.5)  # several expiry polls, write still in flight
     assert s.sender.pop_finished() == {}, "blocks freed while a write reads them"
     assert writes_in_flight(s.sender.ledger) == 1
@@ -58,7 +58,7 @@ def test_expiry_waits_for_the_write_in_flight(stack):
 
 def test_cancel_overtakes_queued_work(stack):
     """Item 2: a cancel arrives while the fetch's answer waits behind another write.
-    It is confirmed at once, and the queued answer writes nothing."""
+    It is settled at once, and the queued answer writes nothing."""
     s = Side(stack, sender_kw={"num_workers": 1}, receiver_kw={"cancel_grace_s": 5.0})
     s.sender.add_request("a", SRC_IDS, TOKENS, prompt_digest=PD)
     s.sender.add_request("b", SRC_IDS[::-1], TOKENS, prompt_digest=PD)
@@ -68,7 +68,7 @@ def test_cancel_overtakes_queued_work(stack):
     s.recv.start("b", s.boot.address, other, num_tokens=TOKENS, prompt_digest=PD)
     wait_until(lambda: any(a.req.transfer_key == "b" for a in list(s.sender.ledger._open.values())))
     deadline_now(s.recv, "b")
-    f = wait_fetch(s.recv, "b", 20)  # failed at its deadline; the cancel was confirmed while a still writes
+    f = wait_fetch(s.recv, "b", 20)  # failed at its deadline; the cancel settled while a still writes
     assert f.error.timed_out and not f.quarantined and f.seconds < 4, (f.error, f.quarantined, f.seconds)
     assert not s.gate.ended
     s.gate.open()
@@ -81,7 +81,7 @@ def test_cancel_overtakes_queued_work(stack):
 def test_stalled_write_past_the_deadline_is_quarantined_until_it_ends(stack):
     """Item 3: the fetch's deadline and cancel grace pass while a write is in flight.
     The fetch ends (vLLM can recompute elsewhere) with its blocks quarantined; they
-    are released only after the write ended and the rank confirmed."""
+    are released only after the write ended and the rank settled."""
     s = Side(stack)
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.start("x", s.boot.address, DST_IDS, timeout_s=60.0, num_tokens=TOKENS, prompt_digest=PD)
@@ -91,7 +91,7 @@ def test_stalled_write_past_the_deadline_is_quarantined_until_it_ends(stack):
     f = wait_fetch(s.recv, "x", 20)
     assert f.error.timed_out and list(f.quarantined) == [0] and "no answer to the cancel" in f.quarantined[0]
     assert not s.gate.ended and s.recv.poll_lifted() == []
-    time.sleep(1.5)  # cancels go out again; the rank still writes, so it does not confirm
+    time.sleep(1.5)  # cancels go out again; the rank still writes, so it does not settle
     assert s.recv.poll_lifted() == []
     s.gate.open()
     got = []
@@ -119,7 +119,7 @@ def silent(stack):
 def test_rank_that_never_answers_stays_quarantined_until_it_answers(silent):
     """Item 3: a rank that answers neither the fetch nor its cancel (frozen). Its
     blocks stay quarantined however long it is silent, are asked for again with
-    backoff, and are released when it finally confirms."""
+    backoff, and are released when it finally settles."""
     boot, recv, rank = silent
     recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     wait_until(lambda: rank.seen)
@@ -236,7 +236,7 @@ class Relay:
 def test_dropped_link_during_a_write_does_not_release_blocks(stack):
     """Item 3: the side channel drops while a Mooncake write is in flight. That does
     not prove the rank stopped writing: the fetch fails with its blocks quarantined,
-    the link comes back with the same routing id, and the rank's confirmation after
+    the link comes back with the same routing id, and the rank's settled answer after
     its write ends releases them."""
     relays = []
 

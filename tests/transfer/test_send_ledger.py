@@ -27,8 +27,8 @@ class Book:
         """Every answer the ledger decided so far, taken as its owner takes them."""
         for ans in self.ledger.take_answers():
             a = ans.attempt
-            outcome = (self._ok(a, ans.request) if ans.ok
-                       else self._failed(a.req, ans.error, 0 if ans.request is None else ans.request.num_pages,
+            outcome = (self._ok(a, ans.held) if ans.ok
+                       else self._failed(a.req, ans.error, 0 if ans.held is None else ans.held.num_pages,
                                          a.settled))
             self._answers.setdefault((a.identity, outcome.attempt_id), []).append(outcome)
         return self._answers
@@ -51,8 +51,8 @@ class Book:
         self.attempts[attempt] = a
         return a, self.ledger.arrive(a)
 
-    def add(self, key="k", tokens=40, expiry_s=60.0, claim_s=float("inf")):
-        return self.ledger.add(key, (np.arange(3),), tokens, 3, expiry_s, claim_s)
+    def add(self, key="k", tokens=40, send_timeout_s=60.0, claim_timeout_s=float("inf")):
+        return self.ledger.add(key, (np.arange(3),), tokens, 3, send_timeout_s, claim_timeout_s)
 
     def answered(self, attempt=1) -> list[TransferOutcome]:
         return self.answers.get((b"id", attempt), [])
@@ -144,7 +144,7 @@ def test_invariant_6_a_request_nobody_asks_for_is_freed_after_claim_s():
     import time
 
     b = Book()
-    b.add(claim_s=5.0)
+    b.add(claim_timeout_s=5.0)
     b.ledger.expire(now=time.monotonic() + 4.0)
     assert b.ledger.pop_finished() == {}
     b.ledger.expire(now=time.monotonic() + 6.0)
@@ -156,7 +156,7 @@ def test_invariant_6_a_request_nobody_asks_for_is_freed_after_claim_s():
         b = Book()
         if asked == "waited":
             b.arrive()
-        b.add(key="k", claim_s=5.0)
+        b.add(key="k", claim_timeout_s=5.0)
         if asked == "attempt":
             b.arrive()
         elif asked == "release":
@@ -171,14 +171,14 @@ def test_release_of_another_token_count_is_ignored_and_claims_nothing():
     """vLLM's front end hands a refused request to the connector as a one-token stand-in
     (``notify_kv_transfer_request_rejected``); a release with its count must neither free
     the request nor claim it, which would hold its blocks for the full expiry instead of
-    ``claim_s`` (seen: 600 s on a prefill whose decode refused a too-long prompt)."""
+    ``claim_timeout_s`` (seen: 600 s on a prefill whose decode refused a too-long prompt)."""
     import time
 
     for early in (False, True):
         b = Book()
         if early:  # the release comes before the request is added
             b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 1))
-        b.add(claim_s=5.0)
+        b.add(claim_timeout_s=5.0)
         if not early:
             b.ledger.release(ReleaseTransfer("k", "D", 0, 1, 1))
         assert b.ledger.pop_finished() == {}, early
@@ -222,7 +222,7 @@ def test_invariants_hold_under_any_sequence(ops):
             b.arrive(attempt=n, engine=["D", "E"][x % 2])
         elif op == "add" and "k" not in added:
             added.add("k")
-            b.add(claim_s=[float("inf"), 1.0][x % 2])  # the Sender answers the attempts that waited: "answer"
+            b.add(claim_timeout_s=[float("inf"), 1.0][x % 2])  # the Sender answers the attempts that waited: "answer"
         elif op == "cancel" and a is not None:
             b.ledger.cancel(b"id", a.req.attempt_id, "cancelled")
         elif op == "layer" and a is not None:
@@ -246,7 +246,7 @@ def test_invariants_hold_under_any_sequence(ops):
                 b.ledger.end_answer(w, token, "")
         elif op == "release":
             b.ledger.release(ReleaseTransfer("k", ["D", "E"][x % 2], 0, 1, 40))
-        elif op == "expire":  # before any deadline, past a claim_s of 1 s only, past everything
+        elif op == "expire":  # before any deadline, past a claim_timeout_s of 1 s only, past everything
             import time
 
             b.ledger.expire(now=1e19 if x == 3 else time.monotonic() + 2.0 if x == 2 else 0.0)

@@ -225,7 +225,7 @@ def test_a_write_that_raises_anything_fails_only_its_fetch(stack):
     """Defect 4: an exception other than ValueError/TransportError in a write used to
     skip the write's end (the request could never be freed) and kill the writer.
     Three of them (more than the two writers), then a good fetch."""
-    s = Side(stack, sender_kw={"expiry_s": 60.0})
+    s = Side(stack, sender_kw={"send_timeout_s": 60.0})
     s.gate.open()
     real = s.gate.transport
     s.gate.transport = Raising(real, TypeError("incompatible function arguments"))

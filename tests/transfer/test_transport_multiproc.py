@@ -53,7 +53,7 @@ class Cluster:
         """Register a request on the prefill ranks; returns its shuffled producer block ids."""
         src = self.rng.permutation(PREFILL_BLOCKS)[:num_pages]
         for r in ranks:
-            self.prefill[r].call("add", rid, src, None, kw.get("expiry_s"))
+            self.prefill[r].call("add", rid, src, None, kw.get("send_timeout_s"))
         return src
 
     def table(self, group, num_pages):
@@ -234,7 +234,7 @@ def test_malformed_and_version_mismatch(cluster):
 @pytest.mark.timeout(120)
 def test_decode_rank_killed_mid_transfer(cluster):
     big = 4000  # ~40k descriptors: seconds of Mooncake TCP work, killed early
-    src = cluster.add("big", big, expiry_s=4.0)
+    src = cluster.add("big", big, send_timeout_s=4.0)
     dst = cluster.table("decA", big)
     for d in range(2):
         cluster.decode["decA", d].call("start", "big", cluster.bootstrap, dst, 0, 30.0, None)

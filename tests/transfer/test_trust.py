@@ -207,17 +207,17 @@ def test_a_black_hole_session_costs_only_its_own_fetch(stack, kind):
 
 def test_waits_and_open_attempts_are_bounded(stack):
     """Finding 6: a request could ask to wait an hour, and every waiting one (each up to
-    32 MiB) was kept with no cap. The wait is cut to max_wait_s; past 1,024 open attempts
+    32 MiB) was kept with no cap. The wait is cut to max_prefill_wait_s; past 1,024 open attempts
     from one source (issue 48: per source, not per connection; here one connection from
     another host, 127.0.0.2) the next are refused at once, naming the limits; a frame past
     the wire's limit is not even read; the rank serves the real decode throughout."""
     # from the sender's start: the first of its rejections is logged ("rejected message" for
     # one that failed the schema, "could not handle it" for a bug), so none logged = none made
     warned = stack.enter_context(logged("vllm_dcp2d.transfer.sender"))
-    p = Prefill(stack, max_wait_s=60.0)
+    p = Prefill(stack, max_prefill_wait_s=60.0)
     got = stranger("flood", p.boot.address, per=1100, source="127.0.0.2")["flood"][p.sender.address]
     assert got == {"answered": 1100 - 1024, "busy": 1100 - 1024, "held": 1024}, got  # the others still wait
-    short = Prefill(stack, max_wait_s=0.5)
+    short = Prefill(stack, max_prefill_wait_s=0.5)
     d = Decode(stack)
     t0 = time.monotonic()
     d.recv.start("never", short.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=3600.0, prompt_digest=PD)
@@ -587,8 +587,8 @@ def test_every_mismatch_gets_the_unknown_keys_answer_at_its_time(stack):
     num_tokens found a request's exact length. Without a secret, an unknown key, another
     length and another prompt get one answer, byte for byte the same but for the key, at
     the same time: at once with no wait, after the wait with one (as an unknown key waits
-    for its prefill). None of them claims the request (claim_s still frees it)."""
-    p = Prefill(stack, claim_s=3.0)
+    for its prefill). None of them claims the request (claim_timeout_s still frees it)."""
+    p = Prefill(stack, claim_timeout_s=3.0)
     p.add("k", DIGEST)
     for wait_s in (0.0, 0.6):
         answers = [attempt(p, key, tokens, digest, wait_s, i) for i, (key, tokens, digest) in enumerate([
@@ -607,7 +607,7 @@ def test_without_a_secret_a_key_alone_opens_nothing(stack):
     """Round 3, finding 5: with prompt embeds the digest was "", and "" matched "": the key
     alone read or freed such a request. Without a secret a request or a release naming no
     digest is refused (the connector never sends one: ``test_messages_digest``)."""
-    p = Prefill(stack, claim_s=60.0)
+    p = Prefill(stack, claim_timeout_s=60.0)
     p.sender.add_request("e", SRC_IDS, TOKENS, "")
     got, _ = attempt(p, "e", TOKENS, "", 0.0, 1)
     assert "must name its prompt's digest (prompt_digest) when the instances share no auth secret" in \
@@ -617,4 +617,4 @@ def test_without_a_secret_a_key_alone_opens_nothing(stack):
     sock.connect(p.sender.address)
     sock.send(encode(ReleaseTransfer("e", "D", 0, 1, TOKENS, "")))
     time.sleep(0.5)
-    assert p.sender.pop_finished() == {} and "e" in p.sender.ledger._requests  # not freed
+    assert p.sender.pop_finished() == {} and "e" in p.sender.ledger._held  # not freed

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
-from vllm_dcp2d.reshard.capacity import Draft, Memory, capacity  # noqa: E402
+from vllm_dcp2d.reshard.capacity import Draft, DecodeMemory, capacity  # noqa: E402
 from vllm_dcp2d.local.tiny_models import build_tiny_model  # noqa: E402
 from vllm_dcp2d.vllm_compat.kv_alloc import instance_kv_capacity  # noqa: E402
 
@@ -43,7 +43,7 @@ def specs(draft_layers: int = 0) -> dict:
 def test_planner_tokens_equal_vllms(model, dcp, kv_bytes):
     v = instance_kv_capacity(model, specs(), tp=2, dcp=dcp, kv_cache_bytes=kv_bytes, block=PAGE,
                              max_model_len=MAX_LEN)
-    c = capacity(Memory(kv_cache_bytes=kv_bytes), token_bytes=LAYERS * PER_TOKEN_LAYER,
+    c = capacity(DecodeMemory(kv_cache_bytes=kv_bytes), token_bytes=LAYERS * PER_TOKEN_LAYER,
                  page_size=PAGE, dcp_size=dcp, request_tokens=MAX_LEN)
     assert v["num_blocks"] == c.pages_per_rank
     assert v["block_tokens"] == PAGE * dcp  # resolve_dcp_kv_block_size: a block spans dcp pages of the sequence
@@ -62,14 +62,14 @@ def test_draft_pool_x_dcp_is_vllms_shared_pool(model, dcp):
                              max_model_len=MAX_LEN)
     assert sorted(v["groups"], key=lambda g: g[0]) == [([n], n != f"model.layers.{LAYERS}.self_attn.attn")
                                                        for n in sorted(specs(1))]
-    c = capacity(Memory(kv_cache_bytes=64 << 20), token_bytes=LAYERS * PER_TOKEN_LAYER,
+    c = capacity(DecodeMemory(kv_cache_bytes=64 << 20), token_bytes=LAYERS * PER_TOKEN_LAYER,
                  page_size=PAGE, dcp_size=dcp, request_tokens=MAX_LEN, draft=Draft(1, PER_TOKEN_LAYER, "dcp"))
     assert int(v["max_concurrency"]) == c.requests
     assert 0 <= v["tokens"] - c.tokens_per_group < PAGE * dcp
     if dcp > 1:  # a reservation fixed at DCP=1's draft pool (the model that fits Table 1) overstates vLLM's
-        one = capacity(Memory(kv_cache_bytes=64 << 20), token_bytes=LAYERS * PER_TOKEN_LAYER,
+        one = capacity(DecodeMemory(kv_cache_bytes=64 << 20), token_bytes=LAYERS * PER_TOKEN_LAYER,
                        page_size=PAGE, dcp_size=1, request_tokens=MAX_LEN, draft=Draft(1, PER_TOKEN_LAYER, "dcp"))
         fixed = Draft(1, PER_TOKEN_LAYER, "fixed", pool_bytes=one.draft_pages_per_rank * SPEC.page_size_bytes)
-        assert capacity(Memory(kv_cache_bytes=64 << 20), token_bytes=LAYERS * PER_TOKEN_LAYER,
+        assert capacity(DecodeMemory(kv_cache_bytes=64 << 20), token_bytes=LAYERS * PER_TOKEN_LAYER,
                         page_size=PAGE, dcp_size=dcp, request_tokens=MAX_LEN, draft=fixed).tokens_per_group \
             > v["tokens"] + PAGE * dcp

@@ -160,11 +160,11 @@ class ProducerWorker:
             return
         cp_rank, cp_size, layers, heads = shard
         self.sender = Sender(transport, regions, fingerprint, engine_id=self.engine_id,
-                             cp_rank=cp_rank, cp_size=cp_size, host=self.cfg.local_hostname,
-                             bootstrap=bootstrap_addr, expiry_s=self.cfg.send_timeout_s,
-                             claim_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes,
+                             cp_rank=cp_rank, cp_size=cp_size, local_hostname=self.cfg.local_hostname,
+                             bootstrap=bootstrap_addr, send_timeout_s=self.cfg.send_timeout_s,
+                             claim_timeout_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes,
                              layers=layers, heads=heads, token=token, auth=self.auth,
-                             max_wait_s=self.cfg.max_prefill_wait_s, kv_bytes=kv_bytes)
+                             max_prefill_wait_s=self.cfg.max_prefill_wait_s, kv_bytes=kv_bytes)
         log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) of KV heads [%d, %d) "
                  "via %s", self.tp_rank, cp_rank, cp_size, layers.start, layers.stop, heads.start,
                  heads.stop, self.sender.address)

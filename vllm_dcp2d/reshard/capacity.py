@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from vllm_dcp2d.reshard.layout import cdiv
 
-__all__ = ["Memory", "Draft", "Capacity", "capacity", "parse_bytes", "format_capacity", "SEED",
+__all__ = ["DecodeMemory", "Draft", "Capacity", "capacity", "parse_bytes", "format_capacity", "SEED",
            "seed_table1", "format_seed_table1"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -58,7 +58,7 @@ def _nonneg(**values) -> None:
 
 
 @dataclass(frozen=True)
-class Memory:
+class DecodeMemory:
     """One decode rank's memory, bytes. ``kv_cache_bytes`` (vLLM's ``--kv-cache-memory-bytes``)
     replaces the subtraction when given. ``lora_bytes``: all LoRA experts loaded at once."""
 
@@ -139,7 +139,7 @@ class Capacity:
         return self.tokens_per_rank * self.dcp_size
 
 
-def capacity(memory: Memory, *, token_bytes: int, page_size: int, dcp_size: int, request_tokens: int,
+def capacity(memory: DecodeMemory, *, token_bytes: int, page_size: int, dcp_size: int, request_tokens: int,
              draft: Draft | None = None) -> Capacity:
     """The capacity of one decode rank and its DCP group; ValueError naming a bad input.
 
@@ -175,7 +175,7 @@ def _tok(t: float) -> str:
     return f"{t / 1e6:.3f}M" if t >= 1e6 else f"{t:,.0f}"
 
 
-def format_capacity(rows: list[tuple[str, Capacity]], memory: Memory) -> str:
+def format_capacity(rows: list[tuple[str, Capacity]], memory: DecodeMemory) -> str:
     """A table of ``(label, Capacity)`` rows (one per DCP size and draft setting)."""
     if memory.kv_cache_bytes is not None:
         head = f"KV budget per rank {memory.kv_cache_bytes:,} B (--kv-cache-memory-bytes)"
@@ -221,7 +221,7 @@ def seed_table1(request_tokens: int = 500_000) -> dict:
     s = SEED
     kv_token = s["target_layers"] * s["bytes_per_token_layer"]
     reserved = s["gpu_bytes"] - int(s["tokens"][("none", 1)]) * kv_token
-    mem = Memory(gpu_bytes=s["gpu_bytes"], graphs_bytes=reserved)  # one number: the seed names no split
+    mem = DecodeMemory(gpu_bytes=s["gpu_bytes"], graphs_bytes=reserved)  # one number: the seed names no split
     budget = mem.kv_budget()
     t1 = int(s["tokens"][("draft", 1)])
     draft_token = s["draft_layers"] * s["bytes_per_token_layer"]

@@ -10,7 +10,7 @@ Records
 -------
 ``Attempt``: one decode rank's ``TransferRequest`` to this CP rank, from arrival
 to its one answer (keyed by the decode's socket identity and ``attempt_id``).
-``Request``: a request whose KV is complete on this rank (``add``), until it is
+``Held``: a request whose KV is complete on this rank (``add``), until it is
 freed.
 
 Invariants (each tested directly in ``tests/transfer/test_send_ledger.py``)
@@ -44,9 +44,9 @@ Invariants (each tested directly in ``tests/transfer/test_send_ledger.py``)
    each is kept for sources that hold little. Past that an attempt is refused at
    arrival and a release is dropped.
 6. A request no decode rank has asked for (no attempt, no release) within
-   ``claim_s`` of its ``add`` is freed then ("unclaimed"), like an expiry: no write
+   ``claim_timeout_s`` of its ``add`` is freed then ("unclaimed"), like an expiry: no write
    can read its blocks, since none was ever asked for; the first attempt or counted
-   release gives it the full ``expiry_s``.
+   release gives it the full ``send_timeout_s``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from vllm_dcp2d.transfer.messages import ReleaseTransfer, TransferRequest
 from vllm_dcp2d.transfer.quota import Quota
 from vllm_dcp2d.transfer.transport import STALL_S
 
-__all__ = ["Attempt", "Request", "Answer", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
+__all__ = ["Attempt", "Held", "Answer", "SendLedger", "RELEASE_MEMORY_S", "MAX_EARLY_RELEASES"]
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ class Attempt:
 
 
 @dataclass(eq=False)
-class Request:
-    """A request added on this rank: its blocks and who finished with them."""
+class Held:
+    """A request this rank holds (``add``, the glossary's "hold"): its blocks and who finished
+    with them."""
 
     block_ids: tuple  # int64 arrays, one per KV cache group of this rank
     num_tokens: int
@@ -137,12 +138,12 @@ class Answer(NamedTuple):
     ``error`` is "", else failed with ``error``."""
 
     attempt: Attempt
-    request: Request | None
+    held: Held | None
     error: str
 
     @property
     def ok(self) -> bool:
-        return self.request is not None and not self.error
+        return self.held is not None and not self.error
 
 
 class SendLedger:
@@ -159,7 +160,7 @@ class SendLedger:
     def __init__(self, name: str, reveal: bool = False):
         self.name, self.reveal = name, reveal
         self._lock = threading.Lock()
-        self._requests: dict[str, Request] = {}
+        self._held: dict[str, Held] = {}
         self._waiting: dict[str, list[Attempt]] = {}  # key -> attempts waiting for add()
         self._open: dict[tuple, Attempt] = {}  # attempt key -> attempt not answered yet
         self._finished: dict[str, str] = {}
@@ -177,30 +178,31 @@ class SendLedger:
 
     # ---- requests: the owner's side ----
 
-    def add(self, key: str, block_ids: tuple, num_tokens: int, num_pages: int, expiry_s: float,
-            claim_s: float = float("inf"), prompt_digest: str = "") -> list[Attempt]:
+    def add(self, key: str, block_ids: tuple, num_tokens: int, num_pages: int, send_timeout_s: float,
+            claim_timeout_s: float = float("inf"), prompt_digest: str = "") -> list[Attempt]:
         """The KV of ``key`` is complete in ``block_ids``; returns the attempts that
-        waited for it (the caller serves them). Freed after ``expiry_s``, or after
-        ``claim_s`` if no decode rank asks for it by then (invariant 6)."""
+        waited for it (the caller serves them). Freed after ``send_timeout_s``, or after
+        ``claim_timeout_s`` if no decode rank asks for it by then (invariant 6)."""
         with self._lock:
             now = time.monotonic()
-            state = self._requests[key] = Request(block_ids, num_tokens, num_pages, now + min(expiry_s, claim_s),
-                                                  now + expiry_s if claim_s < expiry_s else None,
-                                                  prompt_digest=prompt_digest)
+            held = self._held[key] = Held(block_ids, num_tokens, num_pages,
+                                          now + min(send_timeout_s, claim_timeout_s),
+                                          now + send_timeout_s if claim_timeout_s < send_timeout_s else None,
+                                          prompt_digest=prompt_digest)
             waiting, other = [], []
             for a in self._waiting.pop(key, []):
-                (waiting if self._matches(a.req, state) else other).append(a)
+                (waiting if self._matches(a.req, held) else other).append(a)
             for a in other:  # another prompt under this key (invariant 7)
                 if self.reveal:
-                    self._close(a, self._mismatch(key, a.req, state))
+                    self._close(a, self._mismatch(key, a.req, held))
                 else:  # as if the key were unknown: it waits out its deadline
                     self._waiting.setdefault(key, []).append(a)
             self._gone.pop(key, None)
             early = self._pop_early(key)
             if waiting:
-                state.claim()
+                held.claim()
             for msg in early:  # the decode dropped it before we had it
-                self._count_release(state, key, msg)
+                self._count_release(held, key, msg)
             return waiting
 
     def abort(self, key: str, report: bool = True) -> None:
@@ -278,16 +280,16 @@ class SendLedger:
             if a.key in self._open or self._quota.refuses(a.source, a.size):
                 return "busy"
             key = a.req.transfer_key
-            state = self._requests.get(key)
-            match = state is not None and self._matches(a.req, state)
-            if state is not None and not match and self.reveal:
+            held = self._held.get(key)
+            match = held is not None and self._matches(a.req, held)
+            if held is not None and not match and self.reveal:
                 return "mismatch"
             if not match and a.req.wait_s <= 0:
                 return "unknown"
             self._open[a.key] = a
             self._quota.take(a.source, a.size)
             if match:
-                state.claim()  # only a request for its prompt claims it (invariant 7)
+                held.claim()  # only a request for its prompt claims it (invariant 7)
                 return "serve"
             self._waiting.setdefault(key, []).append(a)  # not added yet, or (unrevealed) another prompt
             return "wait"
@@ -295,9 +297,9 @@ class SendLedger:
     def mismatch_reason(self, a: Attempt) -> str:
         """Why ``arrive`` refused ``a`` ("mismatch": another prompt, told only to authenticated peers)."""
         with self._lock:
-            state = self._requests.get(a.req.transfer_key)
-            return self.unknown_reason(a.req.transfer_key) if state is None else self._mismatch(
-                a.req.transfer_key, a.req, state)
+            held = self._held.get(a.req.transfer_key)
+            return self.unknown_reason(a.req.transfer_key) if held is None else self._mismatch(
+                a.req.transfer_key, a.req, held)
 
     def cancel(self, identity: bytes, attempt_id: int, why: str) -> tuple[bool, bool]:
         """The consumer gave up on an attempt: no write of it starts any more, and it is
@@ -316,19 +318,19 @@ class SendLedger:
     # ---- writes: the workers' side ----
 
     def begin_layer(self, a: Attempt, layer: int, num_tokens: int, epoch: int,
-                    prompt_digest: str = "") -> tuple[Request | None] | None:
+                    prompt_digest: str = "") -> tuple[Held | None] | None:
         """Count an early write of ``layer`` for ``a`` if it is still wanted; returns
         ``(request or None,)`` to pass to ``end_layer``, or None (skip it)."""
         with self._lock:
-            state = self._requests.get(a.req.transfer_key)
+            held = self._held.get(a.req.transfer_key)
             # Once added, a request's blocks stay with vLLM only while a write is counted
             # on it too: expiry or a release must not free blocks this write reads.
             if (epoch != a.epoch or layer in a.sent or a.error or a.req.num_tokens != num_tokens
-                    or a.req.prompt_digest != prompt_digest or not self._begin(a, state)):
+                    or a.req.prompt_digest != prompt_digest or not self._begin(a, held)):
                 return None
-            return (state,)
+            return (held,)
 
-    def end_layer(self, a: Attempt, token: tuple[Request | None], layer: int, epoch: int, error: str) -> None:
+    def end_layer(self, a: Attempt, token: tuple[Held | None], layer: int, epoch: int, error: str) -> None:
         """An early write counted by ``begin_layer`` returned (``error``: "" if ok)."""
         with self._lock:
             if epoch == a.epoch:  # else preempted meanwhile: it read freed blocks, and counts for nothing
@@ -338,53 +340,53 @@ class SendLedger:
                     a.sent.add(layer)
             self._end(a, token[0], a.req.transfer_key)
 
-    def begin_answer(self, a: Attempt) -> tuple[Request, str, frozenset] | None:
+    def begin_answer(self, a: Attempt) -> tuple[Held, str, frozenset] | None:
         """Count the final write of ``a`` (what it still lacks); returns ``(request,
         error so far, layers already sent)``, or None when it was answered instead
         (its request is gone, the token counts differ, or it was closed)."""
         key = a.req.transfer_key
         with self._lock:
-            state = self._requests.get(key)
-            if state is None:
+            held = self._held.get(key)
+            if held is None:
                 self._close(a, f"request {key!r} finished or expired on {self.name}")
                 return None
-            if not self._matches(a.req, state):  # the key was added again, for another prompt
-                self._close(a, self._mismatch(key, a.req, state))
+            if not self._matches(a.req, held):  # the key was added again, for another prompt
+                self._close(a, self._mismatch(key, a.req, held))
                 return None
-            if not self._begin(a, state):
+            if not self._begin(a, held):
                 return None
-            return state, a.error, frozenset(a.sent)
+            return held, a.error, frozenset(a.sent)
 
     @staticmethod
-    def _matches(req: TransferRequest, state: Request) -> bool:
-        return (req.num_tokens, req.prompt_digest) == (state.num_tokens, state.prompt_digest)
+    def _matches(req: TransferRequest, held: Held) -> bool:
+        return (req.num_tokens, req.prompt_digest) == (held.num_tokens, held.prompt_digest)
 
-    def _mismatch(self, key: str, req: TransferRequest, state: Request) -> str:
+    def _mismatch(self, key: str, req: TransferRequest, held: Held) -> str:
         """Another prompt under ``key``: logged here in full; told to the peer only if
         authenticated (``reveal``), else the unknown key's words (invariant 7)."""
-        what = "length" if req.num_tokens != state.num_tokens else "prompt"
+        what = "length" if req.num_tokens != held.num_tokens else "prompt"
         log.warning("%s: %s mismatch for %r: the decode asks for %d prompt tokens (digest %s), the prefill holds %d "
                     "(digest %s)", self.name, what, key[:80], req.num_tokens, req.prompt_digest[:12] or "none",
-                    state.num_tokens, state.prompt_digest[:12] or "none")
+                    held.num_tokens, held.prompt_digest[:12] or "none")
         if not self.reveal:
             return self.unknown_reason(key)
         return (f"{what} mismatch on {self.name}: the decode asks for {req.num_tokens} prompt tokens"
                 + (f" with prompt digest {req.prompt_digest[:12] or 'none'}" if what == "prompt" else "")
-                + f", the prefill has {state.num_tokens}")
+                + f", the prefill has {held.num_tokens}")
 
-    def end_answer(self, a: Attempt, state: Request, error: str) -> None:
+    def end_answer(self, a: Attempt, held: Held, error: str) -> None:
         """The final write of ``a`` returned: answer it (ok counts its consumer rank
         served), then maybe close the request."""
         key, req = a.req.transfer_key, a.req
         with self._lock:
             if not a.closed:
-                a.closed, a.result = "answered", (state, error)
+                a.closed, a.result = "answered", (held, error)
                 if not error:
-                    state.done.setdefault(req.engine_id, set()).add(req.consumer_rank)
-                    state.sizes[req.engine_id] = req.consumer_size
-            if not state.closing:
-                self._try_close(key, state)
-            self._end(a, state, key)  # answers it, unless another write of it is still in flight
+                    held.done.setdefault(req.engine_id, set()).add(req.consumer_rank)
+                    held.sizes[req.engine_id] = req.consumer_size
+            if not held.closing:
+                self._try_close(key, held)
+            self._end(a, held, key)  # answers it, unless another write of it is still in flight
 
     def mark_unsettled(self, a: Attempt) -> None:
         """A write of ``a`` was given up after a stall: its bytes may still land."""
@@ -399,9 +401,9 @@ class SendLedger:
         while it is remembered (invariant 8; past its source's share it is dropped)."""
         key = msg.transfer_key
         with self._lock:
-            state = self._requests.get(key)
-            if state is not None:
-                return self._count_release(state, key, msg)
+            held = self._held.get(key)
+            if held is not None:
+                return self._count_release(held, key, msg)
             if key in self._gone:
                 log.debug("%s: release of %r ignored: already finished", self.name, key)
                 return
@@ -424,18 +426,18 @@ class SendLedger:
             for k in [k for k, (until, _) in self._early.items() if until <= now]:
                 self._pop_early(k)
             for key in list(self._releasing):
-                state = self._requests.get(key)
-                if state is None:
+                held = self._held.get(key)
+                if held is None:
                     self._releasing.discard(key)
                 else:
-                    self._try_close(key, state)
-            for key in [k for k, v in self._requests.items() if v.expires <= now]:
-                state = self._requests.pop(key)
+                    self._try_close(key, held)
+            for key in [k for k, v in self._held.items() if v.expires <= now]:
+                held = self._held.pop(key)
                 self._releasing.discard(key)
                 self._gone[key] = now + RELEASE_MEMORY_S
-                state.closing = "expired" if state.expires_if_claimed is None else "unclaimed"
-                if state.writes == 0:
-                    self._finished[key] = state.closing
+                held.closing = "expired" if held.expires_if_claimed is None else "unclaimed"
+                if held.writes == 0:
+                    self._finished[key] = held.closing
             for key, items in list(self._waiting.items()):
                 for a in [a for a in items if a.deadline <= now]:
                     items.remove(a)
@@ -464,8 +466,8 @@ class SendLedger:
             self._quota.give(a.source, a.size)
         if not a.settled:
             self._unsettled[a.key] = time.monotonic() + STALL_S
-        state, error = a.result if a.result is not None else (None, a.closed)
-        self._answers.append(Answer(a, state, error))
+        held, error = a.result if a.result is not None else (None, a.closed)
+        self._answers.append(Answer(a, held, error))
 
     def _pop_early(self, key: str) -> list[ReleaseTransfer]:
         """Forget the releases remembered for ``key``, giving back what they held."""
@@ -476,55 +478,55 @@ class SendLedger:
             out.append(msg)
         return out
 
-    def _begin(self, a: Attempt, state: Request | None) -> bool:
-        if a.closed or (state is not None and state.closing):
+    def _begin(self, a: Attempt, held: Held | None) -> bool:
+        if a.closed or (held is not None and held.closing):
             return False
         a.writes += 1
-        if state is not None:
-            state.writes += 1
+        if held is not None:
+            held.writes += 1
         return True
 
-    def _end(self, a: Attempt, state: Request | None, key: str) -> None:
+    def _end(self, a: Attempt, held: Held | None, key: str) -> None:
         a.writes -= 1
         if a.closed and a.writes == 0 and not a.answered:
             self._answer(a)
-        held = self._aborting.get(key)
-        if held is not None and not any(x.writes for x in held):
+        aborting = self._aborting.get(key)
+        if aborting is not None and not any(x.writes for x in aborting):
             del self._aborting[key]
             self._finished[key] = "aborted"
-        if state is not None:
-            state.writes -= 1
-            if state.closing and state.writes == 0:
-                self._finished[key] = state.closing
+        if held is not None:
+            held.writes -= 1
+            if held.closing and held.writes == 0:
+                self._finished[key] = held.closing
 
-    def _count_release(self, state: Request, key: str, msg: ReleaseTransfer) -> None:
-        if (msg.num_tokens, msg.prompt_digest) != (state.num_tokens, state.prompt_digest):
-            # nor does it claim: claim_s still frees the request
+    def _count_release(self, held: Held, key: str, msg: ReleaseTransfer) -> None:
+        if (msg.num_tokens, msg.prompt_digest) != (held.num_tokens, held.prompt_digest):
+            # nor does it claim: claim_timeout_s still frees the request
             log.debug("%s: release of %r for %d tokens ignored: the request has %d, or another prompt "
-                      "(key reused?)", self.name, key[:80], msg.num_tokens, state.num_tokens)
+                      "(key reused?)", self.name, key[:80], msg.num_tokens, held.num_tokens)
             return
-        state.claim()
-        state.released.setdefault(msg.engine_id, set()).add(msg.consumer_rank)
-        state.sizes[msg.engine_id] = msg.consumer_size
-        self._try_close(key, state)
+        held.claim()
+        held.released.setdefault(msg.engine_id, set()).add(msg.consumer_rank)
+        held.sizes[msg.engine_id] = msg.consumer_size
+        self._try_close(key, held)
 
-    def _try_close(self, key: str, state: Request) -> None:
-        """Stop serving ``state`` once some consumer engine is covered and no other
+    def _try_close(self, key: str, held: Held) -> None:
+        """Stop serving ``held`` once some consumer engine is covered and no other
         engine has an attempt open (invariant 5); reported once no write reads it."""
-        if self._requests.get(key) is not state:
+        if self._held.get(key) is not held:
             return
-        engines = state.done.keys() | state.released.keys()
+        engines = held.done.keys() | held.released.keys()
         covered = {e for e in engines
-                   if len(state.done.get(e, set()) | state.released.get(e, set())) >= state.sizes[e]}
+                   if len(held.done.get(e, set()) | held.released.get(e, set())) >= held.sizes[e]}
         if not covered:
             return
         if any(a.req.transfer_key == key and a.req.engine_id not in covered for a in self._open.values()):
             self._releasing.add(key)  # another decode group is fetching it: it keeps the blocks
             return
         self._releasing.discard(key)
-        del self._requests[key]
-        served = any(len(state.done.get(e, ())) >= state.sizes[e] for e in covered)
-        state.closing = "done" if served else "released"
+        del self._held[key]
+        served = any(len(held.done.get(e, ())) >= held.sizes[e] for e in covered)
+        held.closing = "done" if served else "released"
         self._gone[key] = time.monotonic() + RELEASE_MEMORY_S
-        if state.writes == 0:
-            self._finished[key] = state.closing
+        if held.writes == 0:
+            self._finished[key] = held.closing

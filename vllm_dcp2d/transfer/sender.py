@@ -6,7 +6,7 @@ complete; decode DCP ranks then send ``TransferRequest`` messages to this
 rank's ROUTER socket. For each one the sender checks the fingerprint and the
 decode's token count, plans ``plan_path(layers = this rank's layers,
 dcp_size/dcp_rank from the request, the heads both ranks hold)`` (the topology
-is per request, seed §6.7; a request naming none of this rank's KV heads is
+is per request, design §6.7; a request naming none of this rank's KV heads is
 refused), writes the descriptors with Mooncake and answers a ``TransferOutcome``.
 
 A request whose id is not known yet (prefill still running) waits for the
@@ -55,7 +55,7 @@ from vllm_dcp2d.reshard.plan import block_tables, plan_path
 from vllm_dcp2d.reshard.regions import KVRegions, Memory
 from vllm_dcp2d.transfer.checksum import KVBytes, checksum
 from vllm_dcp2d.transfer.quota import Strikes
-from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Request, SendLedger
+from vllm_dcp2d.transfer.send_ledger import Answer, Attempt, Held, SendLedger
 from vllm_dcp2d.transfer.staging import StagingPool, write
 from vllm_dcp2d.transfer.transport import HandshakeError, MooncakeTransport, TransportError
 from vllm_dcp2d.transfer.writers import Writers
@@ -82,26 +82,30 @@ class Sender:
     auth:        seals and opens every frame (``auth.py``): what arrives must be sealed for this
                  rank (``auth.rank_name``), each answer is sealed for the decode rank that asked;
                  a frame it refuses is dropped unanswered and counted (``auth.take_refused``).
-    max_wait_s:  the longest an attempt may wait for its request (a decode's ``wait_s``
-                 is cut to it).
+    Arguments named as a key of ``config.KEYS`` take that key's value: ``local_hostname`` (the
+    address the ROUTER socket binds), ``send_timeout_s``, ``claim_timeout_s`` (``SendLedger.add``)
+    and ``max_prefill_wait_s``: the longest an attempt may wait for its request (a decode's
+    ``wait_s`` is cut to it).
     kv_bytes:    the KV as tensors on the device that holds it (``KVBytes.of_tensors``), which
                  ``TransferRequest.verify``'s checksum reads; None: host memory (``transport``'s).
-    staging_bytes: 0, or (KV in host memory) bytes of send staging (``staging.py``): each path's pages
+    staging_bytes: 0, or (KV in host memory) bytes of send staging (``staging.py``; the connector
+                 gives ``send_staging_mib`` MiB, 0 for KV on a device): each path's pages
                  are gathered into ``num_workers`` registered slots of ``staging_bytes // num_workers``
                  bytes (a writer that finds none free writes in place), for fewer, larger descriptors.
     """
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
-                 engine_id: str, cp_rank: int, cp_size: int, host: str = "127.0.0.1", port: int = 0,
-                 bootstrap: str | None = None, expiry_s: float = 300.0, claim_s: float = float("inf"),
+                 engine_id: str, cp_rank: int, cp_size: int, local_hostname: str = "127.0.0.1",
+                 port: int = 0, bootstrap: str | None = None, send_timeout_s: float = 300.0,
+                 claim_timeout_s: float = float("inf"),
                  num_workers: int = 4, register_timeout_s: float = 10.0, staging_bytes: int = 0,
                  layers: range | None = None, heads: range | None = None, token: str = "",
-                 auth: Auth = NO_AUTH, max_wait_s: float = 60.0, kv_bytes: KVBytes | None = None):
+                 auth: Auth = NO_AUTH, max_prefill_wait_s: float = 60.0, kv_bytes: KVBytes | None = None):
         self.transport, self.regions, self.fingerprint = transport, regions, fingerprint
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.layers = cp_layer_range(fingerprint.num_layers, cp_size, cp_rank) if layers is None else layers
         self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
-        self.auth, self.max_wait_s, self._kv_bytes = auth, max_wait_s, kv_bytes
+        self.auth, self.max_prefill_wait_s, self._kv_bytes = auth, max_prefill_wait_s, kv_bytes
         self.name = rank_name(engine_id, cp_rank)  # what the frames this rank reads are sealed for
         self._peers = PeerLog(log)
         regions.rows(np.arange(self.layers.start, self.layers.stop), "producer")  # raises if not held
@@ -111,19 +115,20 @@ class Sender:
         # Registered after _memory, which must not hold them.
         self._staging = (StagingPool(transport, staging_bytes // num_workers, num_workers)
                          if staging_bytes > 0 else None)
-        self.expiry_s, self.claim_s = expiry_s, claim_s
+        self.send_timeout_s, self.claim_timeout_s = send_timeout_s, claim_timeout_s
         self._failed_why = ""
         self.ledger = SendLedger(f"cp rank {cp_rank}", reveal=auth.enabled)
         self.consumers = Consumers(f"cp rank {cp_rank}", transport.sessions, auth.enabled)  # the I/O thread's
         self._handshakes = Strikes("Mooncake sessions that failed their handshake")  # per source
-        self._writers = Writers(f"cp rank {cp_rank}", after=self._flush)
         self._stop = threading.Event()
         self._sock = sockets.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not blocks
         # A consumer that reconnects keeps its routing id: answers reach it again.
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.address = sockets.bind(self._sock, host, port)
+        self.address = sockets.bind(self._sock, local_hostname, port)
         self._waker = sockets.Waker()
+        # A write job returns whether it left the ledger an answer; its writer then wakes the I/O thread.
+        self._writers = Writers(f"cp rank {cp_rank}", done=self._waker)
         self._threads = [threading.Thread(target=self._guarded, args=(self._io_loop,), name=f"dcp2d-send-io-{cp_rank}",
                                           daemon=True)]
         for t in self._threads:
@@ -153,8 +158,8 @@ class Sender:
         ``prompt_digest``: ``messages.prompt_digest`` of its prompt; an attempt that
         names another is refused before any write."""
         ids, pages = self._blocks(block_ids, num_tokens)
-        for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.expiry_s, self.claim_s,
-                                 prompt_digest):
+        for a in self.ledger.add(transfer_key, ids, int(num_tokens), pages, self.send_timeout_s,
+                                 self.claim_timeout_s, prompt_digest):
             self._writers.submit(a.session, partial(self._answer, a), a.source)
         self._flush()
 
@@ -209,8 +214,8 @@ class Sender:
     def pop_finished(self) -> dict[str, str]:
         """Requests the owner may free now: transfer key -> "done" (all consumer ranks
         of an engine served), "released" (every rank of an engine released it, some
-        without fetching), "expired" (nobody finished within ``expiry_s``), "unclaimed"
-        (no decode rank asked for it within ``claim_s``) or "aborted"; none has a write
+        without fetching), "expired" (nobody finished within ``send_timeout_s``), "unclaimed"
+        (no decode rank asked for it within ``claim_timeout_s``) or "aborted"; none has a write
         in flight or can start one."""
         return self.ledger.pop_finished()
 
@@ -329,12 +334,12 @@ class Sender:
             self.fingerprint.check(req.fingerprint, len(self.heads), req.head_end - req.head_start)
         except MessageError as e:
             return self._send(identity, self._failed(req, f"cp rank {self.cp_rank}: {e}"))
-        wait_s = min(req.wait_s, self.max_wait_s)
+        wait_s = min(req.wait_s, self.max_prefill_wait_s)
         # The fence: no write of it starts after the decode's deadline, on the wall clock or
         # counted from now, whichever comes first (or, if it names none, after this rank would
         # have expired it anyway).
         now_ns = time.time_ns()
-        not_after = min(req.not_after_ns or now_ns + int((wait_s + self.expiry_s) * 1e9),
+        not_after = min(req.not_after_ns or now_ns + int((wait_s + self.send_timeout_s) * 1e9),
                         now_ns + req.budget_ns if req.budget_ns else 1 << 63)
         a = Attempt(identity, req, time.monotonic() + wait_s, len(payload), wait_s, source=reg.source,
                     session=reg.session, memory=reg.memory, not_after_ns=not_after)
@@ -431,14 +436,15 @@ class Sender:
         a.write_s += time.perf_counter() - t1
 
     def _write_layer(self, a: Attempt, layer: int, block_ids, num_tokens: int, event, epoch: int,
-                     prompt_digest: str) -> None:
-        """One layer to one waiting attempt (a worker-thread job queued by ``layer_ready``)."""
+                     prompt_digest: str) -> bool:
+        """One layer to one waiting attempt (a writer job queued by ``layer_ready``); returns
+        whether the ledger holds answers for the I/O thread (``Writers``)."""
         if event is not None:
             event.synchronize()
         with a.lock:
             token = self.ledger.begin_layer(a, layer, num_tokens, epoch, prompt_digest)
             if token is None:
-                return
+                return self.ledger.has_answers()
             error = ""
             try:
                 self._plan_write(a, block_ids, [layer], cdiv(num_tokens, self.fingerprint.page_size))
@@ -446,32 +452,35 @@ class Sender:
                 error = self._reason(e, a)
             finally:
                 self.ledger.end_layer(a, token, layer, epoch, error)
+        return self.ledger.has_answers()
 
-    def _answer(self, a: Attempt) -> None:
+    def _answer(self, a: Attempt) -> bool:
         """Write what attempt ``a`` still lacks (all of this rank's layers, or those
-        ``layer_ready`` did not write yet) and answer it."""
+        ``layer_ready`` did not write yet) and answer it (a writer job: returns whether the
+        ledger holds answers for the I/O thread)."""
         with a.lock:  # after any layer write of a
             begun = self.ledger.begin_answer(a)
             if begun is None:
-                return
-            state, error, sent = begun
+                return self.ledger.has_answers()
+            held, error, sent = begun
             try:
                 if not error:
                     todo = [layer for layer in self.layers if layer not in sent]
-                    self._plan_write(a, state.block_ids, todo, state.num_pages)
+                    self._plan_write(a, held.block_ids, todo, held.num_pages)
                     if a.req.verify:
-                        a.checksum = self._checksum(a, state)
+                        a.checksum = self._checksum(a, held)
             except Exception as e:
                 error = self._reason(e, a)
             finally:
-                self.ledger.end_answer(a, state, error)
+                self.ledger.end_answer(a, held, error)
+        return self.ledger.has_answers()
 
-    def _checksum(self, a: Attempt, state: Request) -> str:
+    def _checksum(self, a: Attempt, held: Held) -> str:
         """``checksum.checksum`` of every byte this rank wrote for ``a`` (the whole path,
         early layers included), read from its own KV in the consumer's address order."""
         req = a.req
-        desc = plan_path(self.regions, state.block_ids, list(self.layers), req.regions(), req.tables(),
-                         req.dcp_size, req.dcp_rank, req.first_page, state.num_pages, self.heads,
+        desc = plan_path(self.regions, held.block_ids, list(self.layers), req.regions(), req.tables(),
+                         req.dcp_size, req.dcp_rank, req.first_page, held.num_pages, self.heads,
                          self._their_heads(req))
         return checksum(self._memory if self._kv_bytes is None else self._kv_bytes, desc.src, desc.length,
                         desc.dst)
@@ -484,23 +493,23 @@ class Sender:
         return len(range(max(req.head_start, self.heads.start), min(req.head_end, self.heads.stop)))
 
     def _outcome(self, answer: Answer) -> TransferOutcome:
-        a, state = answer.attempt, answer.request
+        a, held = answer.attempt, answer.held
         error = answer.error
         if answer.ok:
             try:
-                return self._ok(a, state)
+                return self._ok(a, held)
             except Exception as e:  # a bug, on the I/O thread: fail this attempt, keep serving
                 log.exception("cp rank %d: building an outcome failed", self.cp_rank)
                 error = f"cp rank {self.cp_rank} could not build its outcome: {type(e).__name__}: {e}"
-        return self._failed(a.req, error, 0 if state is None else state.num_pages, a.settled)
+        return self._failed(a.req, error, 0 if held is None else held.num_pages, a.settled)
 
-    def _ok(self, a: Attempt, state: Request) -> TransferOutcome:
-        naive = (len(self.layers) * max(0, state.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
+    def _ok(self, a: Attempt, held: Held) -> TransferOutcome:
+        naive = (len(self.layers) * max(0, held.num_pages - a.req.first_page) * int(self.regions.page_bytes.sum())
                  * self._common(a.req) // len(self.heads))  # the heads both hold, of every page
         return TransferOutcome(
             transfer_key=a.req.transfer_key, attempt_id=a.req.attempt_id, cp_rank=self.cp_rank,
             cp_size=self.cp_size, ok=True, reason="", layer_start=self.layers.start, layer_end=self.layers.stop,
-            num_tokens=state.num_tokens, num_pages=state.num_pages, nbytes=a.nbytes, descriptors=a.descriptors,
+            num_tokens=held.num_tokens, num_pages=held.num_pages, nbytes=a.nbytes, descriptors=a.descriptors,
             batches=a.batches, naive_bytes=naive, plan_s=a.plan_s, write_s=a.write_s,
             early_layers=len(a.sent), settled=a.settled, replicated_bytes=a.replicated_bytes, checksum=a.checksum)
 

@@ -1,56 +1,73 @@
-"""A prefill rank's write jobs, one thread per decode rank (issue 37, finding 5).
+"""A prefill rank's write jobs, one thread per decode rank writing (issue 37, finding 5).
 
 A Mooncake write to a frozen or slow decode can take ``STALL_S`` per batch, and a
 cancel does not interrupt it. With a fixed pool of writer threads shared by every
 decode, two such writes held the whole pool and another decode's fetch never
-started. Here each peer (a decode rank's Mooncake session) gets its own thread,
-started when a job for it arrives and ended when its queue is empty, so a peer's
-writes run in order and only that peer's jobs wait behind them. At most
-``max_threads`` run at once; a peer past that waits for the first thread to free. One
-source (``quota.py``: the address the decode's links come from) runs at most
-``max_per_source`` of them: a review named 1,000 silent sessions from one host, each
-holding a writer for its handshake's bound, and another decode's fetch waited 28 s.
+started. Here each peer (a decode rank's Mooncake session) with jobs holds a thread of
+its own until its queue is empty, so a peer's writes run in order and only that peer's
+jobs wait behind them. At most ``max_threads`` peers hold one at once; a peer past that
+waits for the first thread to free. One source (``quota.py``: the address the decode's
+links come from) holds at most ``max_per_source`` of them: a review named 1,000 silent
+sessions from one host, each holding a writer for its handshake's bound, and another
+decode's fetch waited 28 s.
+
+A thread whose peer has no job left gives the peer up and waits ``IDLE_S`` for another
+peer's job before it ends (issue 52): under steady load a thread per request was created
+and destroyed, and the soak's prefill workers grew (BENCHMARKS.md, "Soak"). An idle
+thread holds no peer, so it counts against neither cap: the caps bound the peers whose
+writes hold threads (a black hole holds one by blocking inside a job, never while idle),
+and an idle thread takes the next peer of any source at once. Threads alive, idle ones
+included, stay at most ``max_threads``: a thread is started only when none is idle.
+
+Each job returns whether it left an outcome for the owner (the ``SendLedger``'s answers);
+the writer then rings ``done`` (the owner's I/O thread's ``sockets.Waker``), which takes
+it. Nothing here calls into the owner.
 
 Public API
 ----------
-``Writers(name, max_threads=MAX_THREADS, after=None, max_per_source=MAX_PER_SOURCE)``
-    ``.submit(peer: str, job: Callable[[], None], source="")``  run ``job`` after ``peer``'s earlier jobs.
-    ``.close(timeout_s)``                              stop taking jobs; join the threads.
+``Writers(name, done=None, max_threads=MAX_THREADS, max_per_source=MAX_PER_SOURCE)``
+    ``.submit(peer: str, job: Callable[[], bool | None], source="")``  run ``job`` after ``peer``'s earlier jobs.
+    ``.close(timeout_s)``                              stop taking jobs; end the idle threads, join all.
     ``.alive() -> bool``                               whether a thread still runs.
     ``.failed -> str``                                 why a thread died ("" while all run).
-``after`` is called (no arguments) on the writer's thread after every job.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["Writers", "MAX_THREADS"]
+__all__ = ["Writers", "MAX_THREADS", "MAX_PER_SOURCE", "IDLE_S"]
 
 log = logging.getLogger(__name__)
 MAX_THREADS = 64  # writer threads of one prefill rank at once (one per decode rank writing)
 MAX_PER_SOURCE = 16  # ... of them for the peers of one source
+IDLE_S = 5.0  # how long a thread with no job waits for one before it ends
 
 
 class Writers:
-    """Jobs by peer, each peer's in order on its own thread (see the module doc)."""
+    """Jobs by peer, each peer's in order on one thread at a time (see the module doc).
 
-    def __init__(self, name: str, max_threads: int = MAX_THREADS, after: Callable[[], None] | None = None,
-                 max_per_source: int = MAX_PER_SOURCE):
-        self.name, self.max_threads, self.after, self.max_per_source = name, max_threads, after, max_per_source
+    done: what a job that returns True wakes (``.wake()``, any thread), or None.
+    """
+
+    def __init__(self, name: str, done=None, max_threads: int = MAX_THREADS, max_per_source: int = MAX_PER_SOURCE):
+        self.name, self.done, self.max_threads, self.max_per_source = name, done, max_threads, max_per_source
         self.failed = ""
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # idle threads wait on it for a peer handed to them
         self._queues: dict[str, deque] = {}   # peer -> jobs not started
-        self._running: set[str] = set()       # peers with a thread
+        self._running: set[str] = set()       # peers holding a thread
         self._source: dict[str, str] = {}     # peer -> its source, while it has jobs or a thread
-        self._per_source: dict[str, int] = {}  # source -> its peers with a thread
+        self._per_source: dict[str, int] = {}  # source -> its peers holding a thread
         self._threads: set[threading.Thread] = set()
+        self._idle = 0                         # idle threads no peer was handed to yet
+        self._handed: deque[str] = deque()     # peers handed to an idle thread, not taken yet
         self._closed = False
 
-    def submit(self, peer: str, job: Callable[[], None], source: str = "") -> None:
+    def submit(self, peer: str, job: Callable[[], bool | None], source: str = "") -> None:
         with self._lock:
             if self._closed:
                 return
@@ -58,7 +75,13 @@ class Writers:
             self._source.setdefault(peer, source)
             if peer in self._running or not self._may_run(peer):
                 return  # its thread takes it, or the first thread to free does
-            self._start(peer)
+            self._run_as(peer)
+            if self._idle:
+                self._idle -= 1
+                self._handed.append(peer)
+                self._lock.notify()
+            else:
+                self._start(peer)
 
     def _may_run(self, peer: str) -> bool:
         """Under ``_lock``: a thread is free for ``peer``, and its source may have one more."""
@@ -83,15 +106,15 @@ class Writers:
             del self._per_source[src]
 
     def _start(self, peer: str) -> None:
-        """Under ``_lock``: a thread for ``peer``."""
-        self._run_as(peer)
+        """Under ``_lock``: a new thread for ``peer`` (which holds it already)."""
         t = threading.Thread(target=self._run, args=(peer,), name=f"dcp2d-write-{self.name}", daemon=True)
         self._threads.add(t)
         t.start()
 
     def _next(self, peer: str):
         """``(peer, job)`` this thread runs next: its peer's next job, else a waiting peer's
-        (one that found every thread busy), else ``(None, None)``: the thread ends."""
+        (one that found every thread busy), else one handed to it within ``IDLE_S``, else
+        ``(None, None)``: the thread ends."""
         with self._lock:
             q = self._queues.get(peer)
             if q and not self._closed:
@@ -101,6 +124,15 @@ class Writers:
                 if jobs and other not in self._running and not self._closed and self._may_run(other):
                     self._run_as(other)
                     return other, jobs.popleft()
+            self._idle += 1
+            until = time.monotonic() + IDLE_S
+            while not self._handed and not self._closed and (left := until - time.monotonic()) > 0:
+                self._lock.wait(left)
+            if self._handed and not self._closed:
+                other = self._handed.popleft()
+                return other, self._queues[other].popleft()
+            if not self._handed:  # else the peer handed out counted this thread already
+                self._idle -= 1
             self._threads.discard(threading.current_thread())
             return None, None
 
@@ -111,11 +143,12 @@ class Writers:
                 if job is None:
                     return
                 try:
-                    job()
+                    wake = job()
                 except Exception:  # the jobs answer their own failures; this is a bug in one of them
                     log.exception("%s: a write job failed", self.name)
-                if self.after is not None:
-                    self.after()
+                    wake = True
+                if wake and self.done is not None:
+                    self.done.wake()
         except Exception as e:  # outside every job: the owner fails the engine on it
             self.failed = f"a writer of {self.name} died: {type(e).__name__}: {e}"
             log.exception("%s", self.failed)
@@ -123,6 +156,7 @@ class Writers:
     def close(self, timeout_s: float = 5.0) -> None:
         with self._lock:
             self._closed = True
+            self._lock.notify_all()  # the idle threads end now, not after IDLE_S
             threads = list(self._threads)
         for t in threads:
             t.join(timeout_s)
