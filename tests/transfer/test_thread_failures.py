@@ -25,7 +25,7 @@ from tests.support.pair import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now,
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, rank_name
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer import fetch as fetch_mod
+from vllm_dcp2d.transfer import directory as directory_mod
 from vllm_dcp2d.transfer import sender as sender_mod
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.codec import fields_to_wire
@@ -73,7 +73,7 @@ def test_dead_rank_with_a_full_queue_never_blocks_the_receiver(stack, monkeypatc
     """Defect 2: quarantined fetches re-send their cancels to a rank that is gone.
     Once its queue is full (SNDHWM; 4 here instead of 1000), a blocking send would
     stop the receiver thread for good. Fetches to a live prefill must still work."""
-    monkeypatch.setattr(fetch_mod, "SEND_HWM", 4)  # each rank's DEALER takes it as its SNDHWM
+    monkeypatch.setattr(directory_mod, "SEND_HWM", 4)  # each rank's DEALER takes it as its SNDHWM
     r = receiver(stack)
     dead_server = stack.enter_context(BootstrapServer())
     dead = FakeRank(dead_server.address, FP, None)  # silent: never answers, never confirms a cancel

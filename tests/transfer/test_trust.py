@@ -297,7 +297,7 @@ def test_idle_table_queries_and_links_are_closed(stack, monkeypatch):
         d.recv.start(f"k{i}", f"tcp://127.0.0.1:{9 + i}", DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     errors = [wait_fetch(d.recv, f"k{i}", 20).error.reason for i in range(6)]
     assert sum("talks to 4 prefill instances already (at most 4)" in e for e in errors) == 2, errors
-    wait_until(lambda: not d.recv._dir.queries and not d.recv._dir.ranks, 10)
+    wait_until(lambda: not d.recv._dir.tables() and not d.recv._dir.links(), 10)
     d.recv.start("again", "tcp://127.0.0.1:9", DST_IDS, num_tokens=TOKENS, prompt_digest=PD)  # room again
     assert "no rank table" in wait_fetch(d.recv, "again", 20).error.reason
 

@@ -6,6 +6,9 @@ every fetch is waiting for and decides when a fetch ends and when its blocks may
 be used again. The receiver's background thread is the only writer; ``poll`` and
 ``poll_lifted`` may be called from any thread. The methods that can end a fetch or
 lift a quarantine say so in what they return; the receiver then tells its owner.
+An answer is decided and acted on here in one call (``answered``); what is left for
+the receiver is socket work (cancels to send, a link to back off) and the checks of
+an answer's content (``Answer``).
 
 Every attempt is known by where it was sent: ``(rank address, attempt_id)``.
 An answer is matched by that pair only, never by the CP rank or transfer key
@@ -32,12 +35,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 from vllm_dcp2d.transfer.fetch import Fetch, FetchError
 
-__all__ = ["FetchLedger"]
+__all__ = ["FetchLedger", "Answer"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Answer:
+    """What ``FetchLedger.answered`` left for the receiver to do about one answer.
+
+    fetch:       the running fetch the answer belongs to, for the receiver to check its
+                 content (ok, lengths, checksum); None: nothing more (late, already
+                 failing, or decided here).
+    cp_rank:     the CP rank ``fetch``'s attempt went to (-1 with no ``fetch``).
+    cancels:     ``(rank address, attempt_id)`` to cancel: the answer failed fetch ``key``.
+    quarantined: the answer quarantined its attempt (a write timed out): back off the link.
+    output:      a fetch ended or a quarantine lifted (``poll``/``poll_lifted`` return it).
+    requery:     a bootstrap whose rank table is asked again (a rank may have moved), or "".
+    """
+
+    fetch: Fetch | None = None
+    cp_rank: int = -1
+    cancels: list = field(default_factory=list)
+    key: str = ""
+    quarantined: bool = False
+    output: bool = False
+    requery: str = ""
 
 
 class FetchLedger:
@@ -110,19 +137,44 @@ class FetchLedger:
 
     # ---- attempts ----
 
-    def answered(self, addr: str, attempt: int) -> tuple[str, Fetch | None, int]:
-        """An answer came from ``addr`` for ``attempt``: ``("inflight", fetch, cp_rank)``
-        (no longer in flight), ``("quarantined", fetch, cp_rank)`` (quarantined; the caller
-        settles it if the answer is settled), or ``("unknown", None, -1)`` (late)."""
-        hit = self._inflight.pop((addr, attempt), None)
-        if hit is not None:
-            f, cp_rank = hit
-            f.inflight.pop(cp_rank, None)
-            return "inflight", f, cp_rank
-        hit = self._unsettled.get((addr, attempt))
-        if hit is not None:
-            return "quarantined", hit[0], hit[1]
-        return "unknown", None, -1
+    def answered(self, addr: str, outcome, grace_s: float) -> Answer:
+        """``outcome`` (a ``TransferOutcome``: ``attempt_id``, ``cp_rank``, ``settled``)
+        came from ``addr``; matched by ``(addr, attempt_id)`` only. Decides and acts:
+
+        * late (no such attempt in flight or quarantined): nothing;
+        * naming another CP rank than its attempt went to: not that process's answer, it
+          proves nothing: an attempt in flight is quarantined and its fetch fails;
+        * to a quarantined attempt: settles it if ``settled``;
+        * in flight and not ``settled`` (a write may still land): quarantined;
+        * the fetch was failing already: it ends once no attempt is in flight;
+        * else the fetch is handed back (``Answer.fetch``) for its content to be checked.
+        """
+        where = (addr, outcome.attempt_id)
+        hit = self._inflight.pop(where, None)
+        if hit is None:
+            hit = self._unsettled.get(where)
+            if hit is None or outcome.cp_rank != hit[1] or not outcome.settled:
+                return Answer()  # late, or not from the process it went to
+            return Answer(output=self.settle(where, "answered"))
+        f, cp_rank = hit
+        f.inflight.pop(cp_rank, None)
+        if outcome.cp_rank != cp_rank:
+            why = f"an answer from {addr} names cp rank {outcome.cp_rank}, the attempt went to cp rank {cp_rank}"
+            self.quarantine(f, cp_rank, where, why)
+            cancels, ended = self.fail(f, FetchError(f.transfer_key, cp_rank, why), grace_s, peer_fault=True)
+            return Answer(cancels=cancels, key=f.transfer_key, output=ended)
+        answer = Answer()
+        if not outcome.settled:
+            why = outcome.reason or "a Mooncake write attempt stalled, then its retry succeeded"  # may still land
+            self.quarantine(f, cp_rank, where, f"a write timed out: {why}")
+            answer.quarantined = True
+        if f.failing is not None:  # any answer means that rank writes nothing more
+            if not f.inflight:
+                answer.output = self.finish(f, f.failing, peer_fault=f.peer_fault)
+                answer.requery = f.bootstrap if f.peer_fault else ""
+            return answer
+        answer.fetch, answer.cp_rank = f, cp_rank
+        return answer
 
     def on_rank(self, addr: str) -> list[tuple[Fetch, int, int]]:
         """``(fetch, cp_rank, attempt)`` in flight to ``addr``."""
