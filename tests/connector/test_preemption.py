@@ -75,7 +75,7 @@ class Probe:
 
         self.llm = llm.llm_engine
         self.sched = self.llm.engine_core.engine_core.scheduler
-        self.sender = get_kv_transfer_group()._worker.producer.sender
+        self.sender = get_kv_transfer_group()._producer.sender
         self.final: dict[str, np.ndarray] = {}
         self.computing: dict[str, list[int]] = {}
         side = self.sched.connector._scheduler

@@ -287,14 +287,16 @@ def test_sender_thread_that_dies_is_reported(stack):
 
 
 def test_worker_fails_the_engine_when_a_connector_thread_died():
-    from vllm_dcp2d.connector.worker import WorkerSide
+    from vllm_dcp2d.connector.producer import ProducerWorker
+    from vllm_dcp2d.connector.worker import WorkerBase
 
-    w = WorkerSide.__new__(WorkerSide)
-    sender = type("Sender", (), {"failed": "dcp2d-send-io-1 died: boom"})()
-    w.tp_rank, w.consumer = 1, None
-    w.producer = type("ProducerWorker", (), {"threads": lambda self: (sender,)})()
+    base = WorkerBase.__new__(WorkerBase)  # what check_alive reads only: no vLLM config
+    base.tp_rank = 1
+    p = ProducerWorker.__new__(ProducerWorker)
+    p.base, p.bootstrap = base, None
+    p.sender = type("Sender", (), {"failed": "dcp2d-send-io-1 died: boom"})()
     with pytest.raises(RuntimeError, match="Sender of TP rank 1 stopped: dcp2d-send-io-1 died: boom"):
-        w._check_threads()
+        p.check_alive()
 
 
 # ---- requests that would write outside the decode's memory ----

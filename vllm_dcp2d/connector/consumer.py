@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 import time
 
-from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
-from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
-from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.connector.worker import KVCaches, WorkerBase, close_all
+from vllm_dcp2d.reshard.layout import kv_head_range
 from vllm_dcp2d.transfer.receiver import Fetch, Receiver
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
@@ -26,19 +25,18 @@ __all__ = ["ConsumerWorker"]
 
 
 class ConsumerWorker:
-    """One consumer TP rank's side of the transfer (see module doc). ``stats`` and
-    ``stats_file`` are the worker's, shared with its producer role on a kv_both instance."""
+    """One consumer TP rank's side of the transfer (see module doc), over the rank's
+    ``WorkerBase`` (shared with its producer role on a kv_both instance)."""
 
-    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, tp_rank: int, tp_size: int,
-                 dcp_rank: int, dcp_size: int, heads: range, num_kv_heads: int, group_sharded: list[bool],
-                 page_size: int, auth: Auth, stats: DCP2DStats, stats_file: StatsFile):
-        compat.check_interleave(vllm_config)
-        self.cfg, self.engine_id = cfg, engine_id
-        self.tp_rank, self.tp_size, self.dcp_rank, self.dcp_size = tp_rank, tp_size, dcp_rank, dcp_size
-        self.heads, self.num_kv_heads, self.group_sharded = heads, num_kv_heads, group_sharded
-        self.page_size, self.auth, self.stats, self.stats_file = page_size, auth, stats, stats_file
+    def __init__(self, base: WorkerBase):
+        compat.check_interleave(base.vllm_config)
+        self.base, self.cfg, self.engine_id = base, base.cfg, base.engine_id
+        self.dcp_rank, self.dcp_size = compat.dcp_rank_size()
+        self.tp_rank, self.tp_size, self.num_kv_heads = base.tp_rank, base.tp_size, base.num_kv_heads
+        self.heads = kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
+        self.group_sharded, self.page_size = base.group_sharded, compat.page_size(base.vllm_config)
+        self.stats, self.stats_file = base.stats, base.stats_file
         self.receiver: Receiver | None = None
-        self._loading: dict[str, tuple[str, list[int], int]] = {}  # transfer key -> (req id, blocks, first page)
         self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
         self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
         self._reported_quarantines = False  # the last step reported an age: report 0 once none is left
@@ -47,17 +45,18 @@ class ConsumerWorker:
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
 
-    def start(self, transport, regions, fingerprint, ring, kv_bytes=None) -> None:
-        """Start this rank's receiver on ``transport`` (the KV memory behind ``regions``
-        registered); ``ring()`` is called whenever a fetch ended or a quarantine lifted."""
-        self.receiver = Receiver(transport, regions, fingerprint, engine_id=self.engine_id,
+    def start(self, kv: KVCaches) -> None:
+        """Start this rank's receiver on the base's transport (``kv``'s memory registered).
+        It rings the step bell whenever a fetch ended or a quarantine lifted: the idle
+        step wakes."""
+        self.receiver = Receiver(self.base.transport, kv.regions, kv.fingerprint, engine_id=self.engine_id,
                                  consumer_rank=self.tp_rank, consumer_size=self.tp_size,
                                  dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
                                  timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
-                                 cancel_grace_s=self.cfg.cancel_grace_s, on_output=ring,
-                                 heads=self.heads, auth=self.auth, verify=self.cfg.verify_kv,
+                                 cancel_grace_s=self.cfg.cancel_grace_s, on_output=self.base.rope.ring,
+                                 heads=self.heads, auth=self.base.auth, verify=self.cfg.verify_kv,
                                  fence_s=self.cfg.fence_s, max_quarantined_blocks=self.cfg.max_quarantined_blocks,
-                                 kv_bytes=kv_bytes)
+                                 kv_bytes=kv.kv_bytes)
         log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d, KV heads [%d, %d) of %d", self.tp_rank,
                  self.dcp_rank, self.dcp_size, self.heads.start, self.heads.stop, self.num_kv_heads)
 
@@ -73,23 +72,22 @@ class ConsumerWorker:
             self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id,
                           spec.prompt_digest)
         for req_id, spec in meta.loads.items():
-            if self.receiver is None:
-                raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
             key = spec.transfer_key
             if spec.refused:  # nowhere to fetch from, or not what the wire takes: fail it now
                 self._refused.append((req_id, spec, spec.refused))
                 continue
-            if key in self._loading:
-                why = (f"transfer key {key!r} is already being fetched by request {self._loading[key][0]} on "
+            running = self.receiver.fetching(key)
+            if running is not None:
+                why = (f"transfer key {key!r} is already being fetched by request {running.tag} on "
                        f"this decode instance; each request needs its own (kv_transfer_params['remote_request_id'])")
             elif spec.remote_num_tokens is not None and spec.remote_num_tokens != spec.num_tokens:
                 why = (f"length mismatch: the prefill computed remote_num_tokens={spec.remote_num_tokens} prompt "
                        f"tokens, this decode has {spec.num_tokens}")
             else:
-                self._loading[key] = (req_id, spec.block_ids, spec.first_page)
                 self.receiver.start(key, spec.bootstrap_addr, spec.block_ids, spec.first_page,
                                     timeout_s=spec.timeout_s, num_tokens=spec.num_tokens,
-                                    remote_engine_id=spec.remote_engine_id, prompt_digest=spec.prompt_digest)
+                                    remote_engine_id=spec.remote_engine_id, prompt_digest=spec.prompt_digest,
+                                    tag=req_id)
                 continue
             self._refused.append((req_id, spec, why))
             # no-op for the duplicate key
@@ -100,7 +98,7 @@ class ConsumerWorker:
         """This rank will never fetch ``key``; the producer may free it
         (``Receiver.release``). Not while this instance fetches the same key for
         another request: that fetch still needs it."""
-        if self.cfg.release_unfetched and self.receiver is not None and key not in self._loading:
+        if self.cfg.release_unfetched and self.receiver is not None and self.receiver.fetching(key) is None:
             self.receiver.release(key, bootstrap, num_tokens, remote_engine_id, prompt_digest)
 
     def pop_finished(self) -> tuple[set[str], set[str]]:
@@ -115,14 +113,11 @@ class ConsumerWorker:
             # just below or in an earlier call, whose quarantine is registered first.
             lifted = self.receiver.poll_lifted()
             for f in self.receiver.poll():
-                req_id, block_ids, first_page = self._loading.pop(f.transfer_key, (None, None, 0))
-                if req_id is None:
-                    continue
-                recving.add(req_id)
+                recving.add(f.tag)
                 if f.ok:
                     self._record(f)
                 else:
-                    self._fail(req_id, f.transfer_key, f, block_ids, first_page)
+                    self._fail(f.tag, f.transfer_key, f, [t.tolist() for t in f.block_ids], f.first_page)
                     self._release(f.transfer_key, f.bootstrap, f.num_tokens, f.remote_engine_id, f.prompt_digest)
             now = time.monotonic()
             for f in lifted:
@@ -204,6 +199,14 @@ class ConsumerWorker:
         log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
                     what)
 
-    def threads(self) -> tuple:
-        """What runs threads of this role (each has ``.failed``)."""
-        return () if self.receiver is None else (self.receiver,)
+    def identity(self) -> bytes:
+        """The routing id this rank's receiver fetches under (kv_both: its own sender trusts it)."""
+        return self.receiver.identity
+
+    def check_alive(self) -> None:
+        """Raise if this role's receiver thread died (``WorkerBase.check_alive``)."""
+        self.base.check_alive(() if self.receiver is None else (self.receiver,))
+
+    def close(self) -> None:
+        close_all((self.receiver,))
+        self.receiver = None
