@@ -7,6 +7,8 @@ import time
 from types import SimpleNamespace as NS
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -591,3 +593,27 @@ def test_a_waiting_request_s_prompt_is_hashed_once(monkeypatch):
     assert s.get_num_new_matched_tokens(other, 0) == (0, False)
     s.request_finished(other, ([],))  # never admitted: its digest goes with it
     assert s.siblings._digests == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from("abc"), st.sampled_from("xyz")), max_size=30))
+def test_transfer_keys_give_each_key_one_owner(ops):
+    """``TransferKeys`` against a model: a bind moves the key to its new request, an
+    unbind of a request that lost its key leaves the new owner's binding alone."""
+    from vllm_dcp2d.connector.params import TransferKeys
+
+    keys, key_of, owner = TransferKeys(), {}, {}
+    for bind, req, key in ops:
+        if bind:
+            keys.bind(req, key)
+            if owner.get(key_of.get(req)) == req:
+                del owner[key_of[req]]
+            key_of[req], owner[key] = key, req
+        else:
+            got = key_of.pop(req, None)
+            assert keys.unbind(req) == got
+            if got is not None and owner.get(got) == req:
+                del owner[got]
+        assert len(keys) == len(key_of)
+        assert all(keys.key(r) == k for r, k in key_of.items()) and keys.key("none", "d") == "d"
+        assert all(keys.owner(k) == owner.get(k) for k in "xyz")

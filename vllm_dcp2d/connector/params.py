@@ -15,7 +15,7 @@ from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.connector.metadata import LoadSpec
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip
 
-__all__ = ["REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "key_of",
+__all__ = ["REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "key_of", "TransferKeys",
            "bootstrap_addr", "check_bootstrap_addr", "load_params", "timeout_s", "flag"]
 
 # The transfer key travels in two kv_transfer_params fields whose names others chose (the
@@ -66,6 +66,41 @@ def key_field(params: dict) -> str:
 def key_of(params: dict):
     """What ``params`` give as the transfer key (``key_field``), unchecked: None if absent."""
     return params.get(key_field(params))
+
+
+class TransferKeys:
+    """Transfer key <-> request id, for the requests one side moves now: the only such map
+    of its side (the scheduler's sends, ``SchedulerSide.keys``; its fetches,
+    ``Siblings.fetching``; a producer worker's sends, ``ProducerWorker.keys``). A key has
+    at most one owner: ``bind`` moves it, and ``unbind`` of a request that no longer owns
+    its key leaves the new owner's binding alone. Single-threaded (each owner's thread)."""
+
+    def __init__(self):
+        self._key: dict[str, str] = {}    # request id -> transfer key
+        self._owner: dict[str, str] = {}  # transfer key -> request id
+
+    def bind(self, req_id: str, key: str) -> None:
+        """``req_id`` is moved by ``key`` from now on (and owns it; its former key is let go)."""
+        self.unbind(req_id)
+        self._key[req_id] = key
+        self._owner[key] = req_id
+
+    def key(self, req_id: str, default: str | None = None) -> str | None:
+        return self._key.get(req_id, default)
+
+    def owner(self, key: str, default: str | None = None) -> str | None:
+        """The request that owns ``key`` now."""
+        return self._owner.get(key, default)
+
+    def unbind(self, req_id: str) -> str | None:
+        """Forget ``req_id``; returns its key (None: it had none)."""
+        key = self._key.pop(req_id, None)
+        if key is not None and self._owner.get(key) == req_id:
+            del self._owner[key]
+        return key
+
+    def __len__(self) -> int:
+        return len(self._key)
 
 
 def _name(params: dict, key: str) -> str:

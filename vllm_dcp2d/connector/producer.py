@@ -44,7 +44,7 @@ import time
 
 from vllm_dcp2d.config import ConfigError
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec
-from vllm_dcp2d.connector.params import bootstrap_addr
+from vllm_dcp2d.connector.params import TransferKeys, bootstrap_addr
 from vllm_dcp2d.connector.worker import KVCaches, WorkerBase, close_all
 from vllm_dcp2d.reshard.layout import cp_layer_range, send_shard
 from vllm_dcp2d.prefill import layer_split
@@ -83,7 +83,7 @@ class ProducerWorker:
         self.http_bootstrap: HttpBootstrap | None = None
         self.layer_split: layer_split.LayerSplit | None = None
         self.layer_ids: dict[str, int] = {}
-        self._sending: dict[str, str] = {}  # transfer key -> request id, until finished
+        self.keys = TransferKeys()  # request id <-> transfer key, until the sender finished it
         # transfer key -> (when its blocks went to the sender, seconds since request_finished)
         self._handed: dict[str, tuple[float, float | None]] = {}
         self._finished: set[str] = set()  # request ids finished without the sender
@@ -212,7 +212,7 @@ class ProducerWorker:
             if self.sender is None:
                 self._finished.add(req_id)
             else:
-                self._sending[key] = req_id
+                self.keys.bind(req_id, key)
                 self.sender.abort(key)
         # After every kernel of the step that finished them: the draft's KV writes included
         # (module doc, "The draft's KV"); None on CPU.
@@ -221,7 +221,7 @@ class ProducerWorker:
             if self.sender is None:
                 self._finished.add(req_id)
                 continue
-            self._sending[spec.transfer_key] = req_id
+            self.keys.bind(req_id, spec.transfer_key)
             self._unwritten.append((event, req_id, spec))
         self._send_written()
 
@@ -263,7 +263,8 @@ class ProducerWorker:
         if self.sender is None:
             return sending
         for key, why in self.sender.pop_finished().items():
-            req_id = self._sending.pop(key, key)
+            req_id = self.keys.owner(key, key)
+            self.keys.unbind(req_id)
             sending.add(req_id)
             handed, handover = self._handed.pop(key, (None, None))
             held = None if handed is None else time.monotonic() - handed

@@ -66,8 +66,8 @@ import numpy as np
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
-from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, bootstrap_addr, check_bootstrap_addr, flag,
-                                         load_params, key_of)
+from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, TransferKeys, bootstrap_addr,
+                                         check_bootstrap_addr, flag, load_params, key_of)
 from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
@@ -110,8 +110,7 @@ class SchedulerSide:
         self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
         self._digests: dict[str, str] = {}  # producer: prompt digest of each request it will send
         self._refused: dict[str, str] = {}  # producer: why a request's do_remote_decode was refused
-        self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
-        self._key_owner: dict[str, str] = {}  # transfer key -> request id
+        self.keys = TransferKeys()  # producer: request id <-> transfer key, until its blocks are freed
         self.siblings = Siblings()  # consumer: engine requests sharing one transfer key (n > 1, batches)
         self.bell = StepBell() if is_consumer else None  # ends an idle step when a fetch ends
         # consumer: admit, resume and first step of each loaded request (issue 29)
@@ -220,18 +219,12 @@ class SchedulerSide:
         """``asked``: the transfer key the client gave (``CLIENT_KEY_FIELD``), if any."""
         key = req_id
         if isinstance(asked, str) and 0 < len(asked) <= MAX_NAME:
-            if self._key_owner.get(asked, req_id) == req_id:
+            if self.keys.owner(asked, req_id) == req_id:
                 key = asked
             else:
                 log.warning("request %s: transfer key %r is in use by request %s; decode must fetch it as %r",
-                            req_id, asked, self._key_owner[asked], req_id)
-        self._keys[req_id] = key
-        self._key_owner[key] = req_id
-
-    def _unbind_key(self, req_id: str) -> None:
-        key = self._keys.pop(req_id, None)
-        if key is not None and self._key_owner.get(key) == req_id:
-            del self._key_owner[key]
+                            req_id, asked, self.keys.owner(asked), req_id)
+        self.keys.bind(req_id, key)
 
     def update_connector_output(self, connector_output) -> None:
         """Called by the scheduler with the workers' merged output every step,
@@ -239,7 +232,7 @@ class SchedulerSide:
         Producer: requests whose blocks are now freed release their transfer key.
         Consumer: blocks go into quarantine or come out of it (``DCP2DWorkerMeta``)."""
         for req_id in connector_output.finished_sending or ():
-            self._unbind_key(req_id)
+            self.keys.unbind(req_id)
         meta = connector_output.kv_connector_worker_meta
         if self.is_consumer:  # fetches that ended: their siblings stop waiting
             for req_id in (*(connector_output.finished_recving or ()), *(connector_output.failed_recving or ()),
@@ -301,13 +294,13 @@ class SchedulerSide:
                              dropped=self._dropped, bell=self.bell.address if self.bell is not None else "")
         self._loads, self._ready, self._aborted, self._releases, self._dropped = {}, {}, {}, {}, {}
         for req_id in meta.dropped:  # the workers learn of it in this step: its key may be reused now
-            self._unbind_key(req_id)
+            self.keys.unbind(req_id)
         if self.layer_split:
             meta.context_blocks = self._context_blocks(scheduler_output)
         for req_id in compat.preempted(scheduler_output):
             prompt_len = self._computed.pop(req_id, None)
             if prompt_len is not None:  # layer writes may have read its freed blocks
-                meta.preempted[req_id] = self._keys.get(req_id, req_id)
+                meta.preempted[req_id] = self.keys.key(req_id, req_id)
                 self._remote_decode[req_id] = prompt_len  # its re-prefill lists it in computing again
         if self.is_producer and self._remote_decode:
             for req_id, num_tokens in compat.scheduled_tokens(scheduler_output):
@@ -316,7 +309,7 @@ class SchedulerSide:
                     del self._remote_decode[req_id]
                     self._computed[req_id] = prompt_len
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
-                                                      self._keys.get(req_id, req_id),
+                                                      self.keys.key(req_id, req_id),
                                                       prompt_digest=self._digests.get(req_id, ""))
         if self.timeline is not None:
             meta.first_run = self.timeline.scheduled(req_id for req_id, _ in compat.scheduled_tokens(scheduler_output))
@@ -373,14 +366,14 @@ class SchedulerSide:
             return False, None
         has_blocks = any(block_ids)
         if not compat.finished_normally(request) or not has_blocks:
-            key = self._keys.get(request.request_id, request.request_id)
+            key = self.keys.key(request.request_id, request.request_id)
             if computed and has_blocks:  # layer writes may read the blocks: free them once none can
                 self._aborted[request.request_id] = key
                 return True, None
             self._dropped[request.request_id] = key  # fetches may wait for it: they fail now
             return False, None
         num_tokens = request.num_prompt_tokens
-        key = self._keys.get(request.request_id, request.request_id)
+        key = self.keys.key(request.request_id, request.request_id)
         if digest is None:
             digest = prompt_digest(**compat.prompt_inputs(request))
         self._ready[request.request_id] = SendSpec(self._pages(block_ids, num_tokens), num_tokens, key,

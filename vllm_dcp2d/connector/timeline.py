@@ -49,7 +49,12 @@ class DecodeTimeline:
     def __init__(self, stats_file: StatsFile):
         self.stats = DCP2DStats()
         self.stats_file = stats_file
-        self._reqs: dict[str, dict] = {}  # request id -> {"key", "admit", "loaded", "scheduled"}
+        # request id -> {"key", "admit", "loaded", "scheduled"}. "key" is the one copy of a transfer
+        # key outside ``TransferKeys``, on purpose: the stats_file line is written once the first
+        # step's output is back, after the fetch ended (``Siblings.fetching`` let it go) and, for
+        # a one-token answer, after the request finished (vLLM frees it before it hands the
+        # connector that output).
+        self._reqs: dict[str, dict] = {}
 
     def admitted(self, req_id: str, transfer_key: str, arrival_time: float | None) -> None:
         """Blocks allocated and the load recorded (``update_state_after_alloc``).
