@@ -21,7 +21,7 @@ def outcome(attempt: int, cp_rank: int, settled: bool = True) -> TransferOutcome
 
 
 def fetch(key="k", bootstrap="tcp://p:1") -> Fetch:
-    return Fetch(key, bootstrap, None, (np.arange(2),), 32, 0, deadline=1e18, wait_s=0.0)
+    return Fetch(key, bootstrap, None, (np.arange(2),), 32, 0, deadline=1e18, prefill_wait_s=0.0)
 
 
 def sent_to_two(ledger: FetchLedger, f: Fetch) -> None:
@@ -120,7 +120,7 @@ def test_finish_and_settle_say_what_they_output_once_poll_sees_it():
     assert led.finish(g, FetchError("g", 1, "deadline")) is True
     assert (led.poll(), led.poll_lifted()) == ([g], [])  # ended, its blocks still quarantined
     assert led.settle((B, 9), "answered") is False  # no such attempt
-    assert led.settle((B, 2), "cancel confirmed") is True
+    assert led.settle((B, 2), "cancel answered, settled") is True
     assert (led.poll(), led.poll_lifted()) == ([], [g])
     h = fetch("h")
     assert led.begin(h)

@@ -55,7 +55,7 @@ def receiver(stack, **kw) -> Receiver:
     dst = np.zeros((2, 8, 256), np.uint8)
     stack.callback(lambda: dst)  # keep the buffer alive until the receiver is closed
     r = Receiver(t, regions(dst), FP, engine_id="D", buffers=[(dst.ctypes.data, dst.nbytes)],
-                 **({"timeout_s": 10.0, "cancel_grace_s": 0.2} | kw))
+                 **({"transfer_timeout_s": 10.0, "cancel_grace_s": 0.2} | kw))
     stack.callback(r.close)
     return r
 
@@ -119,7 +119,7 @@ def test_a_key_the_wire_refuses_fails_only_its_fetch(stack):
     a fetch waiting at the same rank is not touched (a peer's Reply used to fail
     every fetch in flight to it)."""
     s = Side(stack)
-    s.recv.start("waiting", s.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=30.0, prompt_digest=PD)
+    s.recv.start("waiting", s.boot.address, DST_IDS, num_tokens=TOKENS, prefill_wait_s=30.0, prompt_digest=PD)
     wait_until(lambda: s.sender.waiting("waiting") == 1)
     s.recv.start("k" * 600, s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(s.recv, "k" * 600, 10)
@@ -164,7 +164,7 @@ def test_engine_id_of_the_rank_table_must_match(stack):
 def test_an_unreadable_answer_fails_only_by_its_deadline(stack, monkeypatch):
     """A bug while reading one answer (injected into the first answer's decoding): that
     fetch fails at its deadline; the thread goes on."""
-    r = receiver(stack, timeout_s=1.0)
+    r = receiver(stack, transfer_timeout_s=1.0)
     server = stack.enter_context(BootstrapServer())
     rank = ok_rank(server)
     stack.callback(rank.close)
@@ -189,7 +189,7 @@ def test_receiver_thread_that_dies_fails_its_fetches_and_refuses_new_ones(stack)
     server = stack.enter_context(BootstrapServer())
     rank = FakeRank(server.address, FP, None)
     stack.callback(rank.close)
-    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, timeout_s=60.0, prompt_digest=PD)
+    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, transfer_timeout_s=60.0, prompt_digest=PD)
     wait_until(lambda: rank.seen)
 
     def broken(*a):

@@ -86,7 +86,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             from vllm_dcp2d.connector.consumer import ConsumerWorker
             from vllm_dcp2d.connector.producer import ProducerWorker
             from vllm_dcp2d.connector.worker import WorkerBase
-            self._base = WorkerBase(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, kv_cache_config)
+            self._base = WorkerBase.of(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, kv_cache_config)
             self._producer = ProducerWorker(self._base) if is_producer else None
             self._consumer = ConsumerWorker(self._base) if is_consumer else None
 
@@ -179,10 +179,10 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if self._producer is not None:
             self._producer.hand_over(meta)
         if self._consumer is not None:
-            self._consumer.start_loads(meta)
-        elif meta.loads:
-            req_id = next(iter(meta.loads))
-            raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
+            self._consumer.start_fetches(meta)
+        elif meta.fetches:
+            req_id = next(iter(meta.fetches))
+            raise RuntimeError(f"request {req_id} asks to fetch KV but this instance is not a kv_consumer")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Fetches are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS
@@ -228,7 +228,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if self._consumer is None:
             return None
         m = self._consumer.take_meta()
-        return m if (m.quarantine or m.lifted or m.ran or m.failed_loads) else None
+        return m if (m.quarantine or m.lifted or m.ran or m.failed_fetches) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Called by the model runner after ``get_finished``; returns and clears."""

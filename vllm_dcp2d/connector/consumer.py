@@ -1,5 +1,5 @@
-"""The consumer (decode) role of a worker: its receiver, the loads it starts,
-the releases it sends, and what it reports back (ended fetches, load errors,
+"""The consumer (decode) role of a worker: its receiver, the fetches it starts,
+the releases it sends, and what it reports back (ended fetches, vLLM's load errors,
 quarantines).
 
 Consumer TP rank = DCP rank ``d`` of ``dcp_size`` (vLLM's DCP group): its
@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
+from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, FetchSpec
 from vllm_dcp2d.connector.worker import KVCaches, WorkerBase, close_all
 from vllm_dcp2d.reshard.layout import kv_head_range
 from vllm_dcp2d.transfer.receiver import Fetch, Receiver
-from vllm_dcp2d.vllm_compat import connector_api as compat
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +28,14 @@ class ConsumerWorker:
     ``WorkerBase`` (shared with its producer role on a kv_both instance)."""
 
     def __init__(self, base: WorkerBase):
-        compat.check_interleave(base.vllm_config)
         self.base, self.cfg, self.engine_id = base, base.cfg, base.engine_id
-        self.dcp_rank, self.dcp_size = compat.dcp_rank_size()
+        self.dcp_rank, self.dcp_size = base.dcp_rank, base.dcp_size
         self.tp_rank, self.tp_size, self.num_kv_heads = base.tp_rank, base.tp_size, base.num_kv_heads
         self.heads = kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
-        self.group_sharded, self.page_size = base.group_sharded, compat.page_size(base.vllm_config)
+        self.group_sharded, self.page_size = base.group_sharded, base.page_size
         self.stats, self.stats_file = base.stats, base.stats_file
         self.receiver: Receiver | None = None
-        self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
+        self._refused: list[tuple[str, FetchSpec, str]] = []  # fetches failed before they started: (req id, spec, why)
         self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
         self._reported_quarantines = False  # the last step reported an age: report 0 once none is left
         self._meta = DCP2DWorkerMeta()
@@ -52,9 +50,10 @@ class ConsumerWorker:
         self.receiver = Receiver(self.base.transport, kv.regions, kv.fingerprint, engine_id=self.engine_id,
                                  consumer_rank=self.tp_rank, consumer_size=self.tp_size,
                                  dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
-                                 timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
+                                 transfer_timeout_s=self.cfg.transfer_timeout_s,
+                                 prefill_wait_s=self.cfg.prefill_wait_s,
                                  cancel_grace_s=self.cfg.cancel_grace_s, on_output=self.base.rope.ring,
-                                 heads=self.heads, auth=self.base.auth, verify=self.cfg.verify_kv,
+                                 heads=self.heads, auth=self.base.auth, verify_kv=self.cfg.verify_kv,
                                  fence_s=self.cfg.fence_s, max_quarantined_blocks=self.cfg.max_quarantined_blocks,
                                  kv_bytes=kv.kv_bytes)
         log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d, KV heads [%d, %d) of %d", self.tp_rank,
@@ -66,12 +65,12 @@ class ConsumerWorker:
         if isinstance(meta, DCP2DMetadata):
             self._first_run = meta.first_run
 
-    def start_loads(self, meta: DCP2DMetadata) -> None:
+    def start_fetches(self, meta: DCP2DMetadata) -> None:
         """Start this step's fetches; tell the producers about requests this rank will not fetch."""
         for spec in meta.releases.values():
             self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id,
                           spec.prompt_digest)
-        for req_id, spec in meta.loads.items():
+        for req_id, spec in meta.fetches.items():
             key = spec.transfer_key
             if spec.refused:  # nowhere to fetch from, or not what the wire takes: fail it now
                 self._refused.append((req_id, spec, spec.refused))
@@ -85,7 +84,7 @@ class ConsumerWorker:
                        f"tokens, this decode has {spec.num_tokens}")
             else:
                 self.receiver.start(key, spec.bootstrap_addr, spec.block_ids, spec.first_page,
-                                    timeout_s=spec.timeout_s, num_tokens=spec.num_tokens,
+                                    transfer_timeout_s=spec.transfer_timeout_s, num_tokens=spec.num_tokens,
                                     remote_engine_id=spec.remote_engine_id, prompt_digest=spec.prompt_digest,
                                     tag=req_id)
                 continue
@@ -141,7 +140,7 @@ class ConsumerWorker:
         return out
 
     def take_meta(self) -> DCP2DWorkerMeta:
-        """Blocks to quarantine and quarantines lifted, failed loads, and the bound
+        """Blocks to quarantine and quarantines lifted, failed fetches, and the bound
         step's ``first_run`` echoed as ``ran`` (the scheduler side times a request's
         first step by its own output: ``timeline``); a fresh one starts."""
         m, self._meta = self._meta, DCP2DWorkerMeta()
@@ -165,13 +164,13 @@ class ConsumerWorker:
 
     def _fail(self, req_id: str, key: str, f: Fetch | None, block_ids: list[int], first_page: int,
               why: str = "") -> None:
-        """The KV of ``req_id`` did not load (fetch ``f`` failed, or ``why``): vLLM
+        """The KV of ``req_id`` was not fetched (fetch ``f`` failed, or ``why``): vLLM
         fails or recomputes it (``kv_load_failure_policy``)."""
         expired = f is not None and f.error.timed_out
         self.stats.count("expired" if expired else "failed")
         if f is not None and f.error.corrupt:
             self.stats.count("corrupt")
-        self._meta.failed_loads.add(req_id)
+        self._meta.failed_fetches.add(req_id)
         # Undefined from the first fetched page on, in every group.
         blocks = [b for ids, sharded in zip(block_ids, self.group_sharded)
                   for b in ids[first_page // (self.dcp_size if sharded else 1):]]
@@ -196,7 +195,7 @@ class ConsumerWorker:
         self.stats_file.write(transfer_key=key, dcp_rank=self.dcp_rank, ok=False, expired=expired, reason=reason,
                               fetch_seconds=0.0 if f is None else f.seconds,
                               quarantined=len(blocks) if f is not None and f.quarantined else 0)
-        log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
+        log.warning("DCP2D: KV of request %s not fetched on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
                     what)
 
     def identity(self) -> bytes:

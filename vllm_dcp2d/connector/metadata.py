@@ -1,25 +1,14 @@
 """What the connector's two halves tell each other every engine step.
 
 vLLM builds the connector once in the engine core (``scheduler.SchedulerSide``)
-and once per worker (``worker.WorkerSide``). They never share memory: the
-scheduler side hands ``DCP2DMetadata`` to every worker with each step's
+and once per worker (``connector.DCP2DConnector`` driving the worker's roles). They
+never share memory: the scheduler side hands ``DCP2DMetadata`` to every worker with each step's
 ``SchedulerOutput``, and every worker hands ``DCP2DWorkerMeta`` back in its
 ``KVConnectorOutput`` (vLLM aggregates it over the TP ranks). This module is
 that contract; neither side imports the other.
 
-Words used on both sides (docs/connector.md, "Request flow"):
-
-* **transfer key**: what decode ranks fetch a producer request by
-  (``kv_transfer_params["remote_request_id"]``).
-* **load**: a consumer request whose KV the workers fetch from a producer.
-* **release**: a consumer tells the producer it will never fetch a request
-  (``ReleaseTransfer``); the producer may free those blocks at once.
-* **quarantine**: consumer blocks a prefill rank may still write into; kept out
-  of vLLM's free queue until it is **lifted** (the rank confirmed, or was seen
-  restarted).
-* **preempted**: a producer request vLLM preempted after its prompt completed;
-  layer writes of the freed blocks are void and every layer is written again
-  after the re-prefill.
+The words both sides use (transfer key, fetch, release, quarantine, lifted, preempted)
+are docs/connector.md's glossary.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ from dataclasses import dataclass, field
 
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
-__all__ = ["SendSpec", "LoadSpec", "ReleaseSpec", "DCP2DMetadata", "DCP2DWorkerMeta"]
+__all__ = ["SendSpec", "FetchSpec", "ReleaseSpec", "DCP2DMetadata", "DCP2DWorkerMeta"]
 
 
 @dataclass
@@ -52,8 +41,8 @@ class SendSpec:
 
 
 @dataclass
-class LoadSpec:
-    """What a consumer worker fetches for one request.
+class FetchSpec:
+    """What a consumer worker fetches for one request (a **fetch**, docs/connector.md).
 
     transfer_key:      what the producer knows the request by (``kv_transfer_params["remote_request_id"]``).
     bootstrap_addr:    producer's bootstrap server, "tcp://host:port".
@@ -65,10 +54,10 @@ class LoadSpec:
     first_page:        first page to fetch (earlier ones are cached locally).
     num_tokens:        prompt tokens of the request here; each prefill rank must hold as many.
     remote_num_tokens: what the producer said it computed (``kv_transfer_params``), None if absent.
-    timeout_s:         deadline of the fetch (``params.load_params``).
+    transfer_timeout_s: deadline of the fetch (``params.fetch_params``).
     prompt_digest:     ``messages.prompt_digest`` of the prompt here; the producer refuses another.
     refused:           why the request's ``kv_transfer_params`` were refused ("" if they were
-                       not): the worker reports the load failed, so ``kv_load_failure_policy``
+                       not): the worker reports the fetch failed, so ``kv_load_failure_policy``
                        ends or recomputes the request at once.
     """
 
@@ -79,7 +68,7 @@ class LoadSpec:
     first_page: int
     num_tokens: int
     remote_num_tokens: int | None
-    timeout_s: float
+    transfer_timeout_s: float
     prompt_digest: str = ""
     refused: str = ""
 
@@ -103,7 +92,7 @@ class ReleaseSpec:
 class DCP2DMetadata(compat.KVConnectorMetadata):
     """Scheduler -> workers, once per step (request id -> spec in every dict).
 
-    loads:     consumer requests to fetch.
+    fetches:   consumer requests to fetch.
     releases:  consumer requests that will never be fetched (tell the producer).
     computing: producer requests whose prompt completes in this step: each layer
                goes to the fetches already waiting right after it is computed.
@@ -120,11 +109,11 @@ class DCP2DMetadata(compat.KVConnectorMetadata):
                owners broadcast them; else None).
     bell:      consumer: the scheduler's ``StepBell`` address; workers ring it when
                a fetch ends, to end an idle step's sleep (``step_bell``). "" = none.
-    first_run: consumer requests this step runs for the first time on their loaded
+    first_run: consumer requests this step runs for the first time on their fetched
                KV; workers echo them back with the step's output (``timeline``).
     """
 
-    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    fetches: dict[str, FetchSpec] = field(default_factory=dict)
     releases: dict[str, ReleaseSpec] = field(default_factory=dict)
     computing: dict[str, SendSpec] = field(default_factory=dict)
     ready: dict[str, SendSpec] = field(default_factory=dict)
@@ -143,15 +132,15 @@ class DCP2DWorkerMeta(compat.KVConnectorWorkerMetadata):
     quarantine: ``(request id, tp rank) -> block ids`` to keep out of the free queue.
     lifted:     ``(request id, tp rank)`` quarantines that ended.
     ran:        the step's ``DCP2DMetadata.first_run``, echoed: their first step is done.
-    failed_loads: requests whose fetch failed on this rank (block-level load errors
+    failed_fetches: requests whose fetch failed on this rank (block-level load errors
                 included), whichever step their last rank reports them in.
     """
 
     quarantine: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     lifted: set[tuple[str, int]] = field(default_factory=set)
     ran: set[str] = field(default_factory=set)
-    failed_loads: set[str] = field(default_factory=set)
+    failed_fetches: set[str] = field(default_factory=set)
 
     def aggregate(self, other: DCP2DWorkerMeta) -> DCP2DWorkerMeta:
         return DCP2DWorkerMeta({**self.quarantine, **other.quarantine}, self.lifted | other.lifted,
-                               self.ran | other.ran, self.failed_loads | other.failed_loads)
+                               self.ran | other.ran, self.failed_fetches | other.failed_fetches)

@@ -2,7 +2,7 @@
 
 They come from the client (or a router, or the prefill's answer copied
 verbatim), so nothing in them is trusted: the scheduler side turns them into a
-``LoadSpec`` here, or into the reason it prefills the request locally instead.
+``FetchSpec`` here, or into the reason it prefills the request locally instead.
 Workers only ever see a spec that passed. The limits are the wire's
 (``messages``): a key or engine id the wire would refuse is refused here, by name.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 
 from vllm_dcp2d.config import DCP2DConfig
-from vllm_dcp2d.connector.metadata import LoadSpec
+from vllm_dcp2d.connector.metadata import FetchSpec
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip
 
 __all__ = ["REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "key_of", "TransferKeys",
-           "bootstrap_addr", "check_bootstrap_addr", "load_params", "timeout_s", "flag"]
+           "bootstrap_addr", "check_bootstrap_addr", "fetch_params", "transfer_timeout_s", "flag"]
 
 # The transfer key travels in two kv_transfer_params fields whose names others chose (the
 # only places those names appear): "remote_request_id", the prefill's answer (vLLM's NIXL
@@ -112,7 +112,7 @@ def _name(params: dict, key: str) -> str:
     return v
 
 
-def timeout_s(params: dict, cfg: DCP2DConfig) -> tuple[float, str]:
+def transfer_timeout_s(params: dict, cfg: DCP2DConfig) -> tuple[float, str]:
     """The fetch deadline a request asks for, within ``max_transfer_timeout_s``:
     ``(seconds, warning or "")``."""
     v = params.get("transfer_timeout_s", cfg.transfer_timeout_s)
@@ -125,9 +125,9 @@ def timeout_s(params: dict, cfg: DCP2DConfig) -> tuple[float, str]:
     return float(v), ""
 
 
-def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], ...], num_tokens: int,
-                first_page: int, prompt_digest: str = "") -> tuple[LoadSpec, str]:
-    """A ``LoadSpec`` from a consumer request's ``params`` plus what the scheduler
+def fetch_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], ...], num_tokens: int,
+                first_page: int, prompt_digest: str = "") -> tuple[FetchSpec, str]:
+    """A ``FetchSpec`` from a consumer request's ``params`` plus what the scheduler
     allocated, and a warning ("" if none). Raises ValueError naming the first bad
     field: the request is then prefilled locally."""
     missing = ([" or ".join(KEY_FIELDS)] if not set(KEY_FIELDS) & set(params) else []) + [k for k in REQUIRED if k not in params]
@@ -136,11 +136,11 @@ def load_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], .
     key = _name(params, key_field(params))
     engine = _name(params, "remote_engine_id")
     addr = check_bootstrap_addr(params["remote_bootstrap_addr"])
-    timeout, warning = timeout_s(params, cfg)
+    timeout, warning = transfer_timeout_s(params, cfg)
     remote = params.get("remote_num_tokens")
     if remote is not None and (type(remote) is not int or remote < 0):
         raise ValueError(f"remote_num_tokens = {clip(repr(remote), 40)}: expected an int >= 0 (the prefill's "
                          f"prompt length)")
-    return LoadSpec(transfer_key=key, bootstrap_addr=addr, remote_engine_id=engine, block_ids=block_ids,
-                    first_page=first_page, num_tokens=num_tokens, timeout_s=timeout, remote_num_tokens=remote,
+    return FetchSpec(transfer_key=key, bootstrap_addr=addr, remote_engine_id=engine, block_ids=block_ids,
+                    first_page=first_page, num_tokens=num_tokens, transfer_timeout_s=timeout, remote_num_tokens=remote,
                     prompt_digest=prompt_digest), warning

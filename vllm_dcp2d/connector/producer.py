@@ -52,7 +52,7 @@ from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.vllm_compat import connector_api as compat
-from vllm_dcp2d.vllm_compat import dsa, instance
+from vllm_dcp2d.vllm_compat import dsa
 from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,11 @@ class ProducerWorker:
         self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, base.engine_id
         self.tp_rank, self.tp_size, num_kv_heads = tp_rank, tp_size, base.num_kv_heads
         self.num_kv_heads, self.stats, self.stats_file = num_kv_heads, base.stats, base.stats_file
-        self._one_host = compat.single_host(vllm_config)  # the handover is timed across processes
+        self._one_host = base.single_host  # the handover is timed across processes
         try:  # the layer count does not matter for the check
             send_shard(1, num_kv_heads, tp_size, tp_rank, cfg.cp_size)
         except ValueError as e:
             raise ConfigError(f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}: {e}") from None
-        if tp_rank == 0:
-            cp, why = instance.cp_size(vllm_config)
-            log.info("DCP2D producer: cp_size %d (%s)", cp, why)
         self.sender: Sender | None = None  # None on a TP rank that sends nothing (layout.send_shard)
         self.bootstrap: BootstrapServer | None = None  # TP rank 0
         self.http_bootstrap: HttpBootstrap | None = None
@@ -299,8 +296,9 @@ class ProducerWorker:
 
     def close(self) -> None:
         """Unhook the KV writes, then close the sender and the bootstrap servers."""
-        dsa.unhook_fused_writes(self.vllm_config, self._fused)
-        self._fused = []
+        if self._fused:
+            dsa.unhook_fused_writes(self.vllm_config, self._fused)
+            self._fused = []
         if self.layer_split is not None:
             unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
             self.layer_split = None

@@ -1,4 +1,4 @@
-"""Scheduler side of DCP2DConnector: which request loads or sends what.
+"""Scheduler side of DCP2DConnector: which request fetches or sends what.
 
 Runs in vLLM's engine-core process, once per instance. No I/O: it only turns
 the scheduler's decisions into ``DCP2DMetadata`` for the workers, and reads
@@ -30,12 +30,12 @@ Producer (prefill, ``kv_role="kv_producer"``), per request that came with
 Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
 ``kv_transfer_params={"do_remote_prefill": true, ...}`` from a producer:
   * ``get_num_new_matched_tokens`` counts the prompt tokens not cached
-    locally, loaded asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
-  * ``update_state_after_alloc`` checks the params (``params.load_params``)
-    and records the load for the next step's ``loads``; refused params go there
-    too, with the reason, and every worker reports that load failed, so
+    locally, fetched asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
+  * ``update_state_after_alloc`` checks the params (``params.fetch_params``)
+    and records the fetch for the next step's ``fetches``; refused params go there
+    too, with the reason, and every worker reports that fetch failed, so
     ``kv_load_failure_policy`` ends or recomputes the request in that step (it
-    must not wait for a load that never starts); each worker (DCP rank) fetches its
+    must not wait for a fetch that never starts); each worker (DCP rank) fetches its
     pages from every prefill CP rank and reports ``finished_recving``, or the
     blocks as load errors;
   * a fetch that ended while a prefill rank may still write into its blocks is
@@ -47,7 +47,7 @@ Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
     request's params to each) fetch it once: the others wait for that fetch and
     prefill locally on the prefix cache, or at once when their prompt is not the
     key's (``siblings``);
-  * a request this instance will not fetch (nothing left to load after its
+  * a request this instance will not fetch (nothing left to fetch after its
     prefix-cache hit, or finished before it was admitted: an abort while it
     waited, the proxy giving up) is listed in ``releases``: each worker tells
     every prefill CP rank (``ReleaseTransfer``), which frees its blocks now
@@ -65,9 +65,9 @@ import numpy as np
 
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
+from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, FetchSpec, ReleaseSpec, SendSpec
 from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, TransferKeys, bootstrap_addr,
-                                         check_bootstrap_addr, flag, load_params, key_of)
+                                         check_bootstrap_addr, flag, fetch_params, key_of)
 from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
@@ -100,7 +100,7 @@ class SchedulerSide:
         self.failure_policy = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_load_failure_policy", "fail")
         self.bootstrap_addr = bootstrap_addr(cfg)
         self.kv_cache_manager = None
-        self._loads: dict[str, LoadSpec] = {}
+        self._fetches: dict[str, FetchSpec] = {}
         self._releases: dict[str, ReleaseSpec] = {}
         self._ready: dict[str, SendSpec] = {}
         self._aborted: dict[str, str] = {}
@@ -113,7 +113,7 @@ class SchedulerSide:
         self.keys = TransferKeys()  # producer: request id <-> transfer key, until its blocks are freed
         self.siblings = Siblings()  # consumer: engine requests sharing one transfer key (n > 1, batches)
         self.bell = StepBell() if is_consumer else None  # ends an idle step when a fetch ends
-        # consumer: admit, resume and first step of each loaded request (issue 29)
+        # consumer: admit, resume and first step of each fetched request (issue 29)
         self.timeline = DecodeTimeline(StatsFile(cfg.stats_file, "consumer", engine_id)) if is_consumer else None
         self._was_idle = False  # the last step had nothing to compute or hand over
 
@@ -123,7 +123,7 @@ class SchedulerSide:
         """Called by the scheduler for a waiting request, possibly several times
         before it is admitted; changes no state but a cache of the prompt's digest. Returns the prompt tokens
         the producer will write beyond the ``num_computed_tokens`` cached locally,
-        and True (loaded asynchronously)."""
+        and True (fetched asynchronously: vLLM's "load" flag)."""
         params = transfer_params(request.kv_transfer_params)
         if not (self.is_consumer and flag(params, "do_remote_prefill")[0]):
             return 0, False
@@ -135,7 +135,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Called by the scheduler once blocks are allocated for a newly admitted
-        request (``blocks``: all its blocks). Records the load for the next step."""
+        request (``blocks``: all its blocks). Records the fetch for the next step."""
         params = transfer_params(request.kv_transfer_params)
         sends, refused = flag(params, "do_remote_decode")
         if self.is_producer and refused:  # not prefilled for a decode; its answer says why (request_finished)
@@ -153,16 +153,16 @@ class SchedulerSide:
             self.siblings.admitted(request.request_id)
 
     def _admit(self, request, params: dict, blocks, num_external_tokens: int) -> None:
-        """Consumer: record the load of a newly admitted ``request`` (or why it has none)."""
+        """Consumer: record the fetch of a newly admitted ``request`` (or why it has none)."""
         bad = flag(params, "do_remote_prefill")[1]  # refused below, whatever else the params hold
         # One transfer per request: a preempted request recomputes locally.
         params["do_remote_prefill"] = False
-        if bad and num_external_tokens == 0:  # nothing to load to fail: served from the local cache
+        if bad and num_external_tokens == 0:  # nothing to fetch to fail: served from the local cache
             log.warning("request %s: %s; its prompt is cached here, so nothing is fetched", request.request_id, bad)
             return
         if not bad and self.siblings.verdict(request, params) is not None:
             key = key_of(params)
-            holder = self.siblings.loading(key) or self.siblings.ended(key) if isinstance(key, str) else None
+            holder = self.siblings.fetcher(key) or self.siblings.ended(key) if isinstance(key, str) else None
             why = (f"transfer key {clip(repr(key), 80)} is fetched by request {holder} on this instance" if holder
                    else "its kv_transfer_params carry another prompt's digest")
             log.info("request %s: prefilled here, reusing what the prefix cache holds: %s (n > 1, or a batch "
@@ -177,17 +177,17 @@ class SchedulerSide:
         try:
             if bad:
                 raise ValueError(bad)
-            spec, warning = load_params(params, self.cfg, block_ids=ids, num_tokens=num_tokens, first_page=first_page,
+            spec, warning = fetch_params(params, self.cfg, block_ids=ids, num_tokens=num_tokens, first_page=first_page,
                                         prompt_digest=self.siblings.prompt_digest(request))
         except ValueError as e:
             log.warning("request %s: %s; its load fails (kv_load_failure_policy %r applies)", request.request_id,
                         clip(str(e), 400), self.failure_policy)
-            self._loads[request.request_id] = LoadSpec("", "", "", ids, first_page, num_tokens, None, 0.0,
+            self._fetches[request.request_id] = FetchSpec("", "", "", ids, first_page, num_tokens, None, 0.0,
                                                        refused=f"kv_transfer_params refused: {e}")
             return
         if warning:
             log.warning("request %s: %s", request.request_id, warning)
-        self._loads[request.request_id] = spec
+        self._fetches[request.request_id] = spec
         self.siblings.start(spec.transfer_key, request.request_id)
         self.timeline.admitted(request.request_id, spec.transfer_key, getattr(request, "arrival_time", None))
 
@@ -236,14 +236,14 @@ class SchedulerSide:
         meta = connector_output.kv_connector_worker_meta
         if self.is_consumer:  # fetches that ended: their siblings stop waiting
             for req_id in (*(connector_output.finished_recving or ()), *(connector_output.failed_recving or ()),
-                           *(meta.failed_loads if isinstance(meta, DCP2DWorkerMeta) else ())):
+                           *(meta.failed_fetches if isinstance(meta, DCP2DWorkerMeta) else ())):
                 self.siblings.end(req_id)
         if self.timeline is not None:
             self.timeline.failed(connector_output.failed_recving or ())
             if isinstance(meta, DCP2DWorkerMeta):
-                self.timeline.failed(meta.failed_loads)
+                self.timeline.failed(meta.failed_fetches)
                 self.timeline.ran(meta.ran)
-            self.timeline.loaded(connector_output.finished_recving or ())
+            self.timeline.fetched(connector_output.finished_recving or ())
         if not isinstance(meta, DCP2DWorkerMeta):
             return
         for key, ids in meta.quarantine.items():
@@ -268,7 +268,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
         """Called by the scheduler at the end of ``schedule()``; resets the pending sets."""
         idle = scheduler_output.total_num_scheduled_tokens == 0 and not (
-            self._loads or self._ready or self._aborted or self._releases or self._dropped)
+            self._fetches or self._ready or self._aborted or self._releases or self._dropped)
         if idle and self._was_idle:
             # Nothing to compute: vLLM keeps stepping only to poll transfers (held
             # blocks, remote KV). Unthrottled, that loop and the TP workers it drives
@@ -290,9 +290,9 @@ class SchedulerSide:
                 time.sleep(IDLE_POLL_S)
             idle = not rung
         self._was_idle = idle
-        meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted, releases=self._releases,
+        meta = DCP2DMetadata(fetches=self._fetches, ready=self._ready, aborted=self._aborted, releases=self._releases,
                              dropped=self._dropped, bell=self.bell.address if self.bell is not None else "")
-        self._loads, self._ready, self._aborted, self._releases, self._dropped = {}, {}, {}, {}, {}
+        self._fetches, self._ready, self._aborted, self._releases, self._dropped = {}, {}, {}, {}, {}
         for req_id in meta.dropped:  # the workers learn of it in this step: its key may be reused now
             self.keys.unbind(req_id)
         if self.layer_split:
@@ -343,7 +343,7 @@ class SchedulerSide:
 
         Producer: returns ``(True, params for decode)`` to keep the blocks until the
         workers report ``finished_sending``. Consumer: nothing to keep; a request
-        that finished before it was admitted (its load never started) is released
+        that finished before it was admitted (its fetch never started) is released
         on the producer."""
         self._remote_decode.pop(request.request_id, None)
         digest = self._digests.pop(request.request_id, None)

@@ -50,7 +50,7 @@ class Siblings:
             return False  # a batch answered with one prompt's params: the KV is another prompt's
         if not isinstance(key, str):
             return None
-        holder = self.loading(key)
+        holder = self.fetcher(key)
         if holder is not None and holder != request.request_id:
             return True
         ended = self.ended(key)
@@ -69,7 +69,7 @@ class Siblings:
         """``req_id`` was admitted (or finished): vLLM asks no more about it."""
         self._digests.pop(req_id, None)
 
-    def loading(self, key: str) -> str | None:
+    def fetcher(self, key: str) -> str | None:
         """The request fetching ``key`` now, if any."""
         return self.fetching.owner(key)
 
@@ -84,7 +84,7 @@ class Siblings:
         self.fetching.bind(req_id, key)
 
     def end(self, req_id: str) -> None:
-        """``req_id``'s fetch ended (loaded, failed, or the request finished); no-op if it had none."""
+        """``req_id``'s fetch ended (ok, failed, or the request finished); no-op if it had none."""
         owned = self.fetching.owner(self.fetching.key(req_id, ""))
         key = self.fetching.unbind(req_id)
         if key is None or owned != req_id:

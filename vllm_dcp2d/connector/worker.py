@@ -34,6 +34,7 @@ from vllm_dcp2d.transfer.checksum import KVBytes
 from vllm_dcp2d.transfer.messages import Fingerprint
 from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.vllm_compat import connector_api as compat
+from vllm_dcp2d.vllm_compat import instance
 from vllm_dcp2d.vllm_compat.fingerprint import kv_fingerprint
 
 log = logging.getLogger(__name__)
@@ -64,17 +65,28 @@ class KVCaches:
 
 
 class WorkerBase:
-    """What both roles of one TP rank share (see module doc)."""
+    """What both roles of one TP rank share (see module doc). ``of`` builds it from vLLM's
+    config; the constructor takes what it reads there, so a role can be driven without an
+    engine (tests/connector/test_producer.py, test_consumer.py).
 
-    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool,
-                 kv_cache_config=None):
+    tp_rank, tp_size: this worker among the instance's TP ranks; dcp_rank, dcp_size: its
+    DCP group (a consumer's; (0, 1) without DCP). num_kv_heads: the model's. page_size:
+    tokens per KV block. num_blocks: KV blocks per layer. groups: layer name -> KV cache
+    group; group_sharded: per group, DCP-sharded or replicated. single_host: the engine
+    core and every worker share one ``time.monotonic()`` (the handover is timed across them).
+    """
+
+    def __init__(self, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool, *,
+                 tp_rank: int = 0, tp_size: int = 1, dcp_rank: int = 0, dcp_size: int = 1, num_kv_heads: int,
+                 page_size: int, num_blocks: int, groups: dict | None = None, group_sharded: list | None = None,
+                 single_host: bool = True, vllm_config=None):
         self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
-        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
-        self.groups = compat.layer_groups(kv_cache_config)  # layer name -> KV cache group
-        self.group_sharded = compat.group_sharded(kv_cache_config)
-        self.tp_rank, self.tp_size = compat.tp_rank_size()
-        self.num_kv_heads = compat.num_kv_heads(vllm_config)
+        self.tp_rank, self.tp_size, self.dcp_rank, self.dcp_size = tp_rank, tp_size, dcp_rank, dcp_size
+        self.num_kv_heads, self.page_size, self.num_blocks = num_kv_heads, page_size, num_blocks
+        self.groups = groups or {}
+        self.group_sharded = group_sharded or [True]
+        self.single_host = single_host
         self.auth = Auth(load_secret(cfg.auth_secret_file))  # raises ConfigError for a bad secret file
         if self.tp_rank == 0:  # one line per instance (docs/security.md)
             hosts = {"local_hostname": cfg.local_hostname}
@@ -89,6 +101,26 @@ class WorkerBase:
         self.registration: Registration | None = None  # with vllm-router's discovery (TP rank 0)
         self.rope = BellRope("")  # rings the scheduler's step bell once a step names it
         self._kv_ptrs: dict[str, int] = {}
+
+    @classmethod
+    def of(cls, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool,
+           kv_cache_config=None) -> WorkerBase:
+        """This worker's base, from vLLM's config (a worker process: its TP and DCP groups
+        are up). Raises ``ConfigError`` for a DCP interleave that splits pages."""
+        tp_rank, tp_size = compat.tp_rank_size()
+        dcp_rank, dcp_size = 0, 1
+        if is_consumer:
+            compat.check_interleave(vllm_config)
+            dcp_rank, dcp_size = compat.dcp_rank_size()
+        if is_producer and tp_rank == 0:
+            cp, why = instance.cp_size(vllm_config)
+            log.info("DCP2D producer: cp_size %d (%s)", cp, why)
+        return cls(cfg, engine_id, is_producer, is_consumer, tp_rank=tp_rank, tp_size=tp_size, dcp_rank=dcp_rank,
+                   dcp_size=dcp_size, num_kv_heads=compat.num_kv_heads(vllm_config),
+                   page_size=compat.page_size(vllm_config),
+                   num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
+                   groups=compat.layer_groups(kv_cache_config), group_sharded=compat.group_sharded(kv_cache_config),
+                   single_host=compat.single_host(vllm_config), vllm_config=vllm_config)
 
     def kv_caches(self, tensors: dict) -> KVCaches:
         """What ``register_kv_caches`` hands over (``{layer_name: tensor}``), described and
@@ -105,8 +137,8 @@ class WorkerBase:
         # The send staging gathers through numpy: host memory only. The checksum reads the KV
         # as tensors where they are (the same code on a CPU and a GPU).
         host_kv = next(iter(tensors.values())).device.type == "cpu"
-        return KVCaches(tensors, layer_ids, regions, memory, fingerprint, num_layers, KVBytes.of_tensors(tensors.values()),
-                        self.cfg.send_staging_mib << 20 if host_kv else 0)
+        return KVCaches(tensors, layer_ids, regions, memory, fingerprint, num_layers,
+                        KVBytes.of_tensors(tensors.values()), self.cfg.send_staging_mib << 20 if host_kv else 0)
 
     def open_transport(self, kv: KVCaches) -> MooncakeTransport:
         """This rank's Mooncake engine, with ``kv``'s memory registered. A producer's engine

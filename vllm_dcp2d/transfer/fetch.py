@@ -44,7 +44,7 @@ class Fetch:
     num_tokens: int
     first_page: int
     deadline: float   # monotonic; the fence (``TransferRequest.not_after_ns``) is the same instant
-    wait_s: float
+    prefill_wait_s: float
     prompt_digest: str = ""  # messages.prompt_digest of the prompt here
     tag: object = None  # the caller's (``Receiver.start``): what it knows this fetch by
     started: float = field(default_factory=time.monotonic)
@@ -54,7 +54,7 @@ class Fetch:
     outcomes: dict = field(default_factory=dict)     # cp_rank -> TransferOutcome
     error: FetchError | None = None
     seconds: float = 0.0
-    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to confirm the cancel
+    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to answer the cancel
     peer_fault: bool = False
     settle_by: float = 0.0
     quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land

@@ -86,14 +86,15 @@ class Receiver:
     heads:       the KV heads this rank holds (default: all of ``fingerprint.num_kv_heads``);
                  it fetches from the CP ranks that hold them (``head_split.senders_for``).
     auth:        seals and opens every frame (``auth.py``).
-    verify:      ask every prefill rank for a checksum of what it wrote and check this
+    verify_kv:   ask every prefill rank for a checksum of what it wrote and check this
                  rank's KV against it before a fetch ends ok (``checksum.py``).
     kv_bytes:    the KV as tensors on the device that holds it (``KVBytes.of_tensors``), which
-                 ``verify``'s checksum reads; None: host memory (``transport``'s).
+                 ``verify_kv``'s checksum reads; None: host memory (``transport``'s).
     consumer_rank, consumer_size: this worker among the decode instance's workers.
-    timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
-                 may hold the request while its prefill is still running.
-    cancel_grace_s: how long a failing fetch waits for its cancels to be confirmed.
+    transfer_timeout_s: default deadline of one fetch; prefill_wait_s: default time a prefill
+                 rank may hold the request while its prefill is still running.
+    cancel_grace_s: how long a failing fetch waits for the answers to its cancels.
+    (Each setting is named as its config key, ``config.KEYS``.)
     fence_s:     a quarantine lifts at the latest this long after its fetch's deadline: no
                  prefill rank starts a write after the deadline (``TransferRequest.not_after_ns``),
                  and one started before it has ended by then (docs/connector.md, "Block lifetime").
@@ -107,9 +108,9 @@ class Receiver:
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
-                 dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
+                 dcp_rank: int = 0, buffers=(), transfer_timeout_s: float = 30.0, prefill_wait_s: float = 0.0,
                  cancel_grace_s: float = 2.0, on_output=None, heads: range | None = None,
-                 auth: Auth = NO_AUTH, verify: bool = False, fence_s: float = 120.0,
+                 auth: Auth = NO_AUTH, verify_kv: bool = False, fence_s: float = 120.0,
                  max_quarantined_blocks: int = 0, kv_bytes: KVBytes | None = None):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
@@ -118,8 +119,9 @@ class Receiver:
         self.engine_id, self.consumer_rank, self.consumer_size = engine_id, consumer_rank, consumer_size
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
         self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
-        self.auth, self.verify, self.kv_bytes = auth, verify, kv_bytes
-        self.timeout_s, self.wait_s, self.cancel_grace_s, self.fence_s = timeout_s, wait_s, cancel_grace_s, fence_s
+        self.auth, self.verify_kv, self.kv_bytes = auth, verify_kv, kv_bytes
+        self.transfer_timeout_s, self.prefill_wait_s = transfer_timeout_s, prefill_wait_s
+        self.cancel_grace_s, self.fence_s = cancel_grace_s, fence_s
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
             transport.register(a, n)
@@ -148,7 +150,7 @@ class Receiver:
         self.close()
 
     def start(self, transfer_key: str, bootstrap: str, block_ids, first_page: int = 0,
-              timeout_s: float | None = None, wait_s: float | None = None, *, num_tokens: int,
+              transfer_timeout_s: float | None = None, prefill_wait_s: float | None = None, *, num_tokens: int,
               remote_engine_id: str | None = None, prompt_digest: str = "", tag=None) -> None:
         """Begin fetching ``transfer_key`` from the prefill instance at ``bootstrap``.
 
@@ -169,8 +171,8 @@ class Receiver:
         if self._stop.is_set():
             raise RuntimeError("receiver is closed")
         ids = tuple(t.copy() for t in block_tables("block_ids", block_ids, self.regions.num_groups))
-        t = self.timeout_s if timeout_s is None else timeout_s
-        w = self.wait_s if wait_s is None else wait_s
+        t = self.transfer_timeout_s if transfer_timeout_s is None else transfer_timeout_s
+        w = self.prefill_wait_s if prefill_wait_s is None else prefill_wait_s
         f = Fetch(transfer_key, bootstrap, remote_engine_id, ids, int(num_tokens), int(first_page),
                   time.monotonic() + t, w, prompt_digest, tag)
         with self._started_lock:
@@ -189,12 +191,12 @@ class Receiver:
         from the prefill instance at ``bootstrap``: send every CP rank a
         ``ReleaseTransfer`` so it frees the request now instead of at its
         ``send_timeout_s``. Fire and forget: if the rank table cannot be had within
-        ``timeout_s``, the prefill's timeout frees it; if the instance at ``bootstrap``
+        ``transfer_timeout_s``, the prefill's timeout frees it; if the instance at ``bootstrap``
         is not ``remote_engine_id`` (restarted, or another one on that address), it is
         not told (None: any). The caller must not release a key it is still fetching."""
         if self._stop.is_set() or self.failed:
             return
-        self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.timeout_s,
+        self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.transfer_timeout_s,
                             remote_engine_id, prompt_digest))
         self._waker.wake()
 
@@ -338,9 +340,9 @@ class Receiver:
                 regions=self.regions, transfer_key=f.transfer_key, attempt_id=attempt, engine_id=self.engine_id,
                 consumer_rank=consumer_rank, consumer_size=consumer_size, dcp_size=self.dcp_size,
                 dcp_rank=self.dcp_rank, block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
-                num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s,
+                num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.prefill_wait_s,
                 head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,
-                verify=self.verify, not_after_ns=not_after, budget_ns=budget)
+                verify=self.verify_kv, not_after_ns=not_after, budget_ns=budget)
             try:
                 link = self._dir.link(addr, table, cp_rank)
                 sent = link.register(me) and link.send(msg)  # in order on the link: registered first
@@ -421,13 +423,13 @@ class Receiver:
                 f"wrote {msg.num_tokens} tokens ({msg.num_pages} pages)")))
         f.outcomes[cp_rank] = msg
         if not f.inflight:
-            bad = self._check(f) if self.verify else None
+            bad = self._check(f) if self.verify_kv else None
             if bad is not None:
                 return self._fail(f, bad)
             self._finish(f, None)
 
     def _check(self, f: Fetch) -> FetchError | None:
-        """``verify``: the first CP rank whose checksum this rank's KV does not match, as
+        """``verify_kv``: the first CP rank whose checksum this rank's KV does not match, as
         the fetch's error (None: every path's bytes are what its rank wrote)."""
         pages = -(-f.num_tokens // self.fingerprint.page_size)
         for cp_rank in f.senders:
@@ -541,7 +543,8 @@ class Receiver:
         self._announce(self.ledger.settle_fenced(now, self.fence_s))
         for f in [f for f in self.ledger.active() if f.failing is None and f.deadline <= now]:
             if f.table is None:
-                cp_rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({self._dir.why_no_table(f.bootstrap)})"
+                why = f"no rank table from bootstrap {f.bootstrap} ({self._dir.why_no_table(f.bootstrap)})"
+                cp_rank = None
             else:
                 pending = sorted(f.inflight)
                 cp_rank, why = (pending[0] if pending else None), f"no outcome from cp ranks {pending}"
