@@ -15,7 +15,7 @@ import pytest
 
 from vllm_dcp2d.connector import producer as producer_mod
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec
-from vllm_dcp2d.connector.params import TransferKeys
+from vllm_dcp2d.connector.metadata import TransferKeys
 from vllm_dcp2d.connector.producer import ProducerWorker
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 

@@ -600,7 +600,7 @@ def test_a_waiting_request_s_prompt_is_hashed_once(monkeypatch):
 def test_transfer_keys_give_each_key_one_owner(ops):
     """``TransferKeys`` against a model: a bind moves the key to its new request, an
     unbind of a request that lost its key leaves the new owner's binding alone."""
-    from vllm_dcp2d.connector.params import TransferKeys
+    from vllm_dcp2d.connector.metadata import TransferKeys
 
     keys, key_of, owner = TransferKeys(), {}, {}
     for bind, req, key in ops:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dcp2d.transfer.fetch import Fetch, FetchError
-from vllm_dcp2d.transfer.fetch_ledger import Answer, FetchLedger
+from vllm_dcp2d.transfer.fetch_ledger import Answer, Fetch, FetchError, FetchLedger
 from vllm_dcp2d.transfer.messages import TransferOutcome
 
 A, B = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"

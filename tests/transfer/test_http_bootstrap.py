@@ -25,7 +25,7 @@ from tests.support.pipelined import DST_IDS, FP, NUM_TOKENS, SRC_IDS, expected_l
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, check_http_addr, start_http_bootstrap
-from vllm_dcp2d.connector.params import check_bootstrap_addr, fetch_params
+from vllm_dcp2d.connector.metadata import check_bootstrap_addr, fetch_params
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport

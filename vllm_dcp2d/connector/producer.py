@@ -43,8 +43,7 @@ import secrets
 import time
 
 from vllm_dcp2d.config import ConfigError
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec
-from vllm_dcp2d.connector.params import TransferKeys, bootstrap_addr
+from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec, TransferKeys, bootstrap_addr
 from vllm_dcp2d.connector.worker import KVCaches, WorkerBase, close_all
 from vllm_dcp2d.reshard.layout import cp_layer_range, send_shard
 from vllm_dcp2d.prefill import layer_split

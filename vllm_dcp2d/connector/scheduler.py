@@ -31,7 +31,7 @@ Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
 ``kv_transfer_params={"do_remote_prefill": true, ...}`` from a producer:
   * ``get_num_new_matched_tokens`` counts the prompt tokens not cached
     locally, fetched asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
-  * ``update_state_after_alloc`` checks the params (``params.fetch_params``)
+  * ``update_state_after_alloc`` checks the params (``metadata.fetch_params``)
     and records the fetch for the next step's ``fetches``; refused params go there
     too, with the reason, and every worker reports that fetch failed, so
     ``kv_load_failure_policy`` ends or recomputes the request in that step (it
@@ -65,9 +65,9 @@ import numpy as np
 
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, FetchSpec, ReleaseSpec, SendSpec
-from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, TransferKeys, bootstrap_addr,
-                                         check_bootstrap_addr, flag, fetch_params, key_of)
+from vllm_dcp2d.connector.metadata import (CLIENT_KEY_FIELD, KEY_FIELD, DCP2DMetadata, DCP2DWorkerMeta, FetchSpec,
+                                           ReleaseSpec, SendSpec, TransferKeys, bootstrap_addr, check_bootstrap_addr,
+                                           fetch_params, flag, key_of)
 from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from vllm_dcp2d.connector.params import TransferKeys, key_of
+from vllm_dcp2d.connector.metadata import TransferKeys, key_of
 from vllm_dcp2d.transfer.messages import prompt_digest
 from vllm_dcp2d.vllm_compat import connector_api as compat
 

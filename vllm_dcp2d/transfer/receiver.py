@@ -16,8 +16,8 @@ writing and may end with some of them quarantined. The ``FetchLedger``
 (``fetch_ledger.py``, with its invariants) records every attempt by the address
 it went to and decides when a fetch ends and when its blocks may be used again
 (``poll_lifted``), and decides what an answer means for them (``FetchLedger.answered``);
-``directory.Directory`` owns the rank tables and the links to the prefill ranks; ``fetch``
-holds the state of one fetch. This module holds the fetch protocol: the public API, the
+it also holds what one ``Fetch`` is. ``directory.Directory`` owns the rank tables and the
+links to the prefill ranks. This module holds the fetch protocol: the public API, the
 socket loop, dispatch, checking answers, cancels and deadlines. Over ~400 lines on purpose: those steps are one
 state machine on one thread, each acting on the same fetches and ledger.
 
@@ -31,7 +31,7 @@ The owner's calls: ``start`` a fetch (with the owner's ``tag``, which the ended
 ``Fetch`` carries back), ``fetching`` a key, ``release`` a request this rank will never
 fetch, ``poll`` the fetches that ended and ``poll_lifted`` the quarantines that
 lifted (any thread), ``failed``, ``close``. What a ``Fetch`` and a ``FetchError``
-hold: ``fetch.py``.
+hold: ``fetch_ledger.py``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
 from vllm_dcp2d.transfer.bootstrap import RankTableQuery
 from vllm_dcp2d.transfer.checksum import KVBytes, checksum, path_ranges
 from vllm_dcp2d.transfer.directory import Directory, Link, link_events
-from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError
-from vllm_dcp2d.transfer.fetch_ledger import Answer, FetchLedger
+from vllm_dcp2d.transfer.fetch_ledger import CORRUPT, Answer, Fetch, FetchError, FetchLedger
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
                                            RegisterConsumer, Reply, TransferOutcome, TransferRequest)
 from vllm_dcp2d.reshard.head_split import senders_for
