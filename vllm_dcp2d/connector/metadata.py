@@ -211,11 +211,13 @@ def key_of(params: dict):
 
 
 class TransferKeys:
-    """Transfer key <-> request id, for the requests one side moves now: the only such map
-    of its side (the scheduler's sends, ``SchedulerSide.keys``; its fetches,
-    ``Siblings.fetching``; a producer worker's sends, ``ProducerWorker.keys``). A key has
-    at most one owner: ``bind`` moves it, and ``unbind`` of a request that no longer owns
-    its key leaves the new owner's binding alone. Single-threaded (each owner's thread)."""
+    """Transfer key <-> request id, for the requests one side moves now; one map per key
+    space and process, and no other: the scheduler's sends (``SchedulerSide.keys``) and
+    fetches (``Siblings.fetching``; separate, as a kv_both instance may fetch a key it
+    sends), a producer worker's sends (``ProducerWorker.keys``); a consumer worker keeps
+    none (``Fetch.tag``). A key has at most one owner: ``bind`` moves it, and ``unbind`` of
+    a request that no longer owns its key leaves the new owner's binding alone.
+    Single-threaded (each owner's thread)."""
 
     def __init__(self):
         self._key: dict[str, str] = {}    # request id -> transfer key
