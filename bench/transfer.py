@@ -92,7 +92,7 @@ class Decode:
         self.t = MooncakeTransport()
         self.r = Receiver(self.t, kv_regions(self.kv, range(a.layers)), fingerprint(a), engine_id="bench-decode",
                           consumer_rank=dcp_rank, consumer_size=a.dcp, dcp_size=a.dcp, dcp_rank=dcp_rank,
-                          buffers=[(self.kv.ctypes.data, self.kv.nbytes)], timeout_s=600)
+                          buffers=[(self.kv.ctypes.data, self.kv.nbytes)], transfer_timeout_s=600)
         self.scratch = None
 
     def start(self, rid, bootstrap, dst):

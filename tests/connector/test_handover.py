@@ -15,6 +15,7 @@ import pytest
 
 from vllm_dcp2d.connector import producer as producer_mod
 from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec
+from vllm_dcp2d.connector.metadata import TransferKeys
 from vllm_dcp2d.connector.producer import ProducerWorker
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 
@@ -41,7 +42,7 @@ def _producer(on_gpu: bool) -> ProducerWorker:
     p = ProducerWorker.__new__(ProducerWorker)  # the hand-over's state only: no vLLM config, no transport
     p.sender, p.stats, p.stats_file, p._one_host, p._on_gpu = Sender(), DCP2DStats(), StatsFile("", "producer", "e"), \
         True, on_gpu
-    p._sending, p._handed, p._finished, p._unwritten = {}, {}, set(), []
+    p.keys, p._handed, p._finished, p._unwritten = TransferKeys(), {}, set(), []
     return p
 
 
@@ -74,4 +75,4 @@ def test_a_request_reaches_the_sender_after_the_event_of_its_step(monkeypatch, o
     assert p.sender.added == ["a", "b"] and set(p._handed) == {"a", "b"}
     gates[1].done = True
     p.hand_over(DCP2DMetadata())
-    assert p.sender.added == ["a", "b", "c"] and p._sending == {"a": "req-a", "b": "req-b", "c": "req-c"}
+    assert p.sender.added == ["a", "b", "c"] and [p.keys.owner(k) for k in "abc"] == ["req-a", "req-b", "req-c"]

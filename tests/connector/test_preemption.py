@@ -75,7 +75,7 @@ class Probe:
 
         self.llm = llm.llm_engine
         self.sched = self.llm.engine_core.engine_core.scheduler
-        self.sender = get_kv_transfer_group()._worker.producer.sender
+        self.sender = get_kv_transfer_group()._producer.sender
         self.final: dict[str, np.ndarray] = {}
         self.computing: dict[str, list[int]] = {}
         side = self.sched.connector._scheduler
@@ -145,7 +145,7 @@ class Decode:
         t = MooncakeTransport()
         stack.callback(t.close)
         self.recv = Receiver(t, regions, sender.fingerprint, engine_id="decode",
-                             buffers=[(self.buf.ctypes.data, self.buf.nbytes)], timeout_s=120.0, cancel_grace_s=1.0)
+                             buffers=[(self.buf.ctypes.data, self.buf.nbytes)], transfer_timeout_s=120.0, cancel_grace_s=1.0)
         stack.callback(self.recv.close)
         self.bootstrap = f"tcp://127.0.0.1:{port}"
         self.regions = src
@@ -201,7 +201,7 @@ def race(engine, key: str):
             kv = engine.llm_engine.vllm_config.kv_transfer_config
             decode = Decode(stack, probe.sender, kv.kv_connector_extra_config["bootstrap_port"])
             dst_ids = np.array([3, 6])
-            decode.recv.start(key, decode.bootstrap, dst_ids, num_tokens=A_TOKENS, wait_s=120.0,
+            decode.recv.start(key, decode.bootstrap, dst_ids, num_tokens=A_TOKENS, prefill_wait_s=120.0,
                               remote_engine_id=kv.engine_id,
                               prompt_digest=prompt_digest(prompt(A_TOKENS, 2)["prompt_token_ids"]))
             deadline = time.monotonic() + 20

@@ -7,6 +7,8 @@ import time
 from types import SimpleNamespace as NS
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -73,13 +75,13 @@ def test_consumer_load_spec_and_one_shot():
     blocks = NS(get_block_ids=lambda: ([7, 3, 9, 1],))
     s.update_state_after_alloc(req, blocks, num_external_tokens=100 - 64)  # 64 tokens cached locally
     meta = s.build_connector_meta(sched_out())
-    spec = meta.loads["r"]
+    spec = meta.fetches["r"]
     assert (spec.transfer_key, spec.bootstrap_addr, spec.remote_engine_id) == ("p-1", "tcp://h:1", "pe")
     assert spec.block_ids == ([7, 3, 9, 1],) and spec.first_page == 2 and spec.num_tokens == 100
     assert spec.remote_num_tokens is None
-    assert spec.timeout_s == 60.0
+    assert spec.transfer_timeout_s == 60.0
     assert params["do_remote_prefill"] is False          # a preempted request recomputes locally
-    assert s.build_connector_meta(sched_out()).loads == {}  # handed over once
+    assert s.build_connector_meta(sched_out()).fetches == {}  # handed over once
 
 
 def test_consumer_times_admit_resume_and_first_step_through_the_workers_echo(tmp_path):
@@ -95,10 +97,10 @@ def test_consumer_times_admit_resume_and_first_step_through_the_workers_echo(tmp
         req = request(rid, params=dict(REMOTE, remote_request_id=f"p-{rid}"))
         req.arrival_time = time.time() - 0.25
         s.update_state_after_alloc(req, blocks, num_external_tokens=100)
-    assert s.build_connector_meta(sched_out()).first_run == []  # the step that dispatches the loads
+    assert s.build_connector_meta(sched_out()).first_run == []  # the step that dispatches the fetches
     out = lambda **kw: NS(finished_sending=None, **{"finished_recving": None, "failed_recving": set(),  # noqa: E731
                                                      "kv_connector_worker_meta": None, **kw})
-    s.update_connector_output(out(kv_connector_worker_meta=DCP2DWorkerMeta(failed_loads={"bad"})))
+    s.update_connector_output(out(kv_connector_worker_meta=DCP2DWorkerMeta(failed_fetches={"bad"})))
     s.update_connector_output(out(finished_recving={"r", "bad"}))
     meta = s.build_connector_meta(sched_out(new=[("r", 0), ("bad", 0)], tokens={"r": 1, "bad": 100}))
     assert meta.first_run == ["r"]
@@ -120,14 +122,14 @@ def test_consumer_per_request_timeout(given, used):
     s = side(consumer=True)
     s.update_state_after_alloc(request(params=dict(REMOTE, transfer_timeout_s=given)),
                                NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
-    assert s.build_connector_meta(sched_out()).loads["r"].timeout_s == used
+    assert s.build_connector_meta(sched_out()).fetches["r"].transfer_timeout_s == used
 
 
 def test_consumer_per_request_timeout_cap_is_a_config_key():
     s = side(consumer=True, max_transfer_timeout_s=30.0, transfer_timeout_s=10.0)
     s.update_state_after_alloc(request(params=dict(REMOTE, transfer_timeout_s=3600)),
                                NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
-    assert s.build_connector_meta(sched_out()).loads["r"].timeout_s == 30.0
+    assert s.build_connector_meta(sched_out()).fetches["r"].transfer_timeout_s == 30.0
 
 
 @pytest.mark.parametrize("params,why", [
@@ -149,7 +151,7 @@ def test_consumer_bad_params_fail_the_load(params, why, caplog):
     s = side(consumer=True)
     req = request(params=dict(params))
     s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1],)), 100)
-    spec = s.build_connector_meta(sched_out()).loads["r"]
+    spec = s.build_connector_meta(sched_out()).fetches["r"]
     assert why in spec.refused and spec.block_ids == ([1],)
     assert why in caplog.text and "its load fails" in caplog.text
 
@@ -165,7 +167,7 @@ def test_a_boolean_field_that_is_not_a_json_boolean_ends_the_load(value, caplog)
     req = request(params=dict(REMOTE, do_remote_prefill=value))
     assert s.get_num_new_matched_tokens(req, 0) == (100, True)
     s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
-    spec = s.build_connector_meta(sched_out()).loads["r"]
+    spec = s.build_connector_meta(sched_out()).fetches["r"]
     want = f"kv_transfer_params['do_remote_prefill'] = {value!r}: expected a JSON boolean (true or false)"
     assert want in spec.refused and spec.block_ids == ([1, 2, 3, 4],), spec.refused
     assert want in caplog.text and "its load fails" in caplog.text
@@ -304,7 +306,7 @@ def test_consumer_load_spec_carries_the_producers_token_count(remote, want):
     s = side(consumer=True)
     params = dict(REMOTE) if remote is None else dict(REMOTE, remote_num_tokens=remote)
     s.update_state_after_alloc(request(params=params), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
-    spec = s.build_connector_meta(sched_out()).loads["r"]
+    spec = s.build_connector_meta(sched_out()).fetches["r"]
     assert (spec.num_tokens, spec.remote_num_tokens) == (100, want)
     assert spec.prompt_digest == ("" if spec.refused else prompt_digest(range(100)))
     assert bool(spec.refused) == (remote is not None and want is None)
@@ -368,7 +370,7 @@ def test_consumer_keeps_every_groups_block_table():
     (replicated, a block per page) and the target's (DCP-sharded)."""
     s = side(consumer=True)
     s.update_state_after_alloc(request(params=dict(REMOTE)), NS(get_block_ids=lambda: ([4, 8, 1, 2], [5, 3])), 36)
-    spec = s.build_connector_meta(sched_out()).loads["r"]
+    spec = s.build_connector_meta(sched_out()).fetches["r"]
     assert spec.block_ids == ([4, 8, 1, 2], [5, 3]) and spec.first_page == 2
 
 
@@ -386,7 +388,7 @@ def test_consumer_releases_a_fully_cached_request():
     params = dict(REMOTE)
     s.update_state_after_alloc(request(params=params), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 0)
     meta = s.build_connector_meta(sched_out())
-    assert meta.loads == {}
+    assert meta.fetches == {}
     spec = meta.releases["r"]
     assert (spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id) == (
         "p-1", "tcp://h:1", 100, "pe")  # the engine: released only to that instance
@@ -423,12 +425,12 @@ def test_a_request_the_front_end_refused_is_released_with_the_producers_count():
         assert s.build_connector_meta(sched_out()).releases["r"].num_tokens == 1, bad
 
 
-def test_consumer_does_not_release_what_it_loads_or_cannot_address():
+def test_consumer_does_not_release_what_it_fetches_or_cannot_address():
     s = side(consumer=True)
     s.update_state_after_alloc(request(params=dict(REMOTE)), NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 36)
     s.request_finished(request("q", params={"do_remote_prefill": True}, status=RequestStatus.FINISHED_ABORTED), ([],))
     meta = s.build_connector_meta(sched_out())
-    assert set(meta.loads) == {"r"} and meta.releases == {}
+    assert set(meta.fetches) == {"r"} and meta.releases == {}
 
 
 def test_release_can_be_turned_off():
@@ -505,7 +507,7 @@ def test_siblings_of_one_key_fetch_once_and_the_others_wait_then_prefill_locally
     assert s.get_num_new_matched_tokens(second, 0) == (None, False)
     assert s.get_num_new_matched_tokens(first, 0) == (0, False)  # one transfer per request, as before
     meta = s.build_connector_meta(sched_out())
-    assert set(meta.loads) == {"c-0"} and meta.releases == {}
+    assert set(meta.fetches) == {"c-0"} and meta.releases == {}
     if how == "loaded":
         s.update_connector_output(_ended("c-0"))
     elif how == "failed":
@@ -517,7 +519,7 @@ def test_siblings_of_one_key_fetch_once_and_the_others_wait_then_prefill_locally
     assert s.get_num_new_matched_tokens(second, 0) == (0, False)
     s.update_state_after_alloc(second, NS(get_block_ids=lambda: ([5, 6, 7, 8],)), 0)
     meta = s.build_connector_meta(sched_out())
-    assert meta.loads == {} and meta.releases == {}
+    assert meta.fetches == {} and meta.releases == {}
     third = request("c-2", params=dict(params))  # a late sibling: not a second fetch of a freed key
     assert s.get_num_new_matched_tokens(third, 0) == (0, False)
     s.request_finished(request("c-3", params=dict(params), status=RequestStatus.FINISHED_ABORTED), ([],))
@@ -536,7 +538,7 @@ def test_a_prompt_whose_digest_is_not_the_params_one_prefills_locally_and_releas
         s.update_state_after_alloc(other, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 0)
     assert "another prompt's digest" in caplog.text
     meta = s.build_connector_meta(sched_out())
-    assert meta.loads == {} and meta.releases == {}
+    assert meta.fetches == {} and meta.releases == {}
     own = request("b-0", params=dict(params))
     assert s.get_num_new_matched_tokens(own, 0) == (100, True)  # the prompt whose KV it is fetches it
 
@@ -548,7 +550,7 @@ def test_siblings_remember_ended_keys_for_a_while_and_within_a_bound():
     sib = Siblings(max_ended=3, ttl_s=10.0, clock=lambda: now[0])
     for i in range(5):
         sib.start(f"k{i}", f"r{i}")
-        assert sib.loading(f"k{i}") == f"r{i}"
+        assert sib.fetcher(f"k{i}") == f"r{i}"
         sib.end(f"r{i}")
         sib.end(f"r{i}")  # twice: no-op
     assert [sib.ended(f"k{i}") for i in range(5)] == [None, None, "r2", "r3", "r4"] and len(sib) == 3
@@ -586,8 +588,32 @@ def test_a_waiting_request_s_prompt_is_hashed_once(monkeypatch):
         assert s.get_num_new_matched_tokens(req, 0) == (100, True)
     s.update_state_after_alloc(req, NS(get_block_ids=lambda: ([1, 2, 3, 4],)), 100)
     assert len(calls) == 1 and s.siblings._digests == {}
-    assert s.build_connector_meta(sched_out()).loads["r"].prompt_digest == prompt_digest(list(range(100)))
+    assert s.build_connector_meta(sched_out()).fetches["r"].prompt_digest == prompt_digest(list(range(100)))
     other = request("o", params={**REMOTE, "remote_prompt_digest": "0" * 32})  # another prompt's KV
     assert s.get_num_new_matched_tokens(other, 0) == (0, False)
     s.request_finished(other, ([],))  # never admitted: its digest goes with it
     assert s.siblings._digests == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from("abc"), st.sampled_from("xyz")), max_size=30))
+def test_transfer_keys_give_each_key_one_owner(ops):
+    """``TransferKeys`` against a model: a bind moves the key to its new request, an
+    unbind of a request that lost its key leaves the new owner's binding alone."""
+    from vllm_dcp2d.connector.metadata import TransferKeys
+
+    keys, key_of, owner = TransferKeys(), {}, {}
+    for bind, req, key in ops:
+        if bind:
+            keys.bind(req, key)
+            if owner.get(key_of.get(req)) == req:
+                del owner[key_of[req]]
+            key_of[req], owner[key] = key, req
+        else:
+            got = key_of.pop(req, None)
+            assert keys.unbind(req) == got
+            if got is not None and owner.get(got) == req:
+                del owner[got]
+        assert len(keys) == len(key_of)
+        assert all(keys.key(r) == k for r, k in key_of.items()) and keys.key("none", "d") == "d"
+        assert all(keys.owner(k) == owner.get(k) for k in "xyz")

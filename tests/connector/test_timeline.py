@@ -65,7 +65,7 @@ def test_first_step_is_paired_with_its_own_output(lag, resume_steps, tokens_one,
         mp.setattr(tl.time, "monotonic", clock)
         t.admitted("r", "key-r", time.time() - 2.0)
         loaded_at = clock.now
-        t.loaded({"r"})
+        t.fetched({"r"})
         for i, reqs in enumerate([[]] * k + [["r", "other"]] + [["r"]] * 3):
             clock.now += 0.5  # scheduling
             sched_at.append(clock.now)
@@ -92,7 +92,7 @@ def test_only_the_first_step_on_loaded_kv_is_listed(clock, tmp_path):
     t = DecodeTimeline(StatsFile(str(tmp_path / "s"), "consumer", "D"))
     t.admitted("r", "k", None)
     assert t.scheduled(["r"]) == []   # not loaded yet (vLLM would not schedule it; nothing to time)
-    t.loaded({"r"})
+    t.fetched({"r"})
     clock.now += 2
     assert t.scheduled(["r", "x"]) == ["r"]
     assert t.scheduled(["r"]) == []   # its later steps
@@ -109,7 +109,7 @@ def test_failed_and_unloaded_requests_are_not_timed(clock, tmp_path):
     for r in ("failed", "finished_early", "never_loaded"):
         t.admitted(r, r, time.time() + 5)  # an API server's clock ahead of this one: no admit
     t.failed({"failed"})
-    t.loaded({"failed", "unknown"})
+    t.fetched({"failed", "unknown"})
     t.forget("finished_early")
     assert t.scheduled(["failed", "finished_early", "never_loaded"]) == []
     t.ran(["failed", "finished_early", "never_loaded"])

@@ -50,7 +50,7 @@ class Decode:
         self.dst = np.zeros((L, 8, PAGE_BYTES), np.uint8)
         self.transport = MooncakeTransport()
         stack.callback(self.transport.close)
-        kw = {"timeout_s": 20.0, "cancel_grace_s": 0.5} | kw
+        kw = {"transfer_timeout_s": 20.0, "cancel_grace_s": 0.5} | kw
         self.recv = Receiver(self.transport, regions(self.dst), FP, engine_id="D", auth=auth,
                              buffers=[(self.dst.ctypes.data, self.dst.nbytes)], **kw)
         stack.callback(self.recv.close)

@@ -89,7 +89,7 @@ class Side:
         stack.callback(self.sender.close)
         if rank_address:  # the decode reaches the rank through rank_address(sender.address)
             register_rank(self.boot.address, RegisterRank("P", 0, 1, rank_address(self.sender.address), FP), 5)
-        kw = dict(timeout_s=30.0, cancel_grace_s=0.5) | (receiver_kw or {})
+        kw = dict(transfer_timeout_s=30.0, cancel_grace_s=0.5) | (receiver_kw or {})
         self.recv = Receiver(td, regions(self.dst), FP, engine_id="D", buffers=[(self.dst.ctypes.data,
                                                                                  self.dst.nbytes)], **kw)
         stack.callback(self.recv.close)

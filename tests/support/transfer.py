@@ -10,7 +10,7 @@ import weakref
 
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
-from vllm_dcp2d.transfer.fetch import Fetch
+from vllm_dcp2d.transfer.fetch_ledger import Fetch
 from vllm_dcp2d.transfer.messages import QueryRanks, RankTable, Reply, prompt_digest
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.send_ledger import SendLedger

@@ -138,7 +138,7 @@ class DecodeRank:
                          dcp_rank=dcp_rank)
         self.regions = regions(self.kv, range(num_layers))
         self.receiver = Receiver(self.transport, self.regions, fingerprint(**fp),
-                                 buffers=[(self.kv.ctypes.data, self.kv.nbytes)], timeout_s=20.0, **self.args)
+                                 buffers=[(self.kv.ctypes.data, self.kv.nbytes)], transfer_timeout_s=20.0, **self.args)
 
     def start(self, request_id, bootstrap, block_ids, first_page=0, timeout_s=None, wait_s=None, num_pages=None):
         """num_pages: of the request (default: every page the block table holds at this DCP size)."""
@@ -156,7 +156,7 @@ class DecodeRank:
     def fetch_with_fingerprint(self, fp: dict, request_id, bootstrap, block_ids):
         """Fetch through a second receiver that claims another KV format."""
         from vllm_dcp2d.transfer.receiver import Receiver
-        with Receiver(self.transport, self.regions, fingerprint(**fp), timeout_s=10.0, **self.args) as r:
+        with Receiver(self.transport, self.regions, fingerprint(**fp), transfer_timeout_s=10.0, **self.args) as r:
             r.start(request_id, bootstrap, block_ids, num_tokens=PAGE_SIZE * len(block_ids) * self.args["dcp_size"], prompt_digest=PD)
             return _fetch_dict(wait_fetch(r, request_id, 15.0))
 

@@ -109,7 +109,7 @@ def test_a_strangers_own_request_cannot_be_written_into_another_decode(stack):
     The prefill refuses the registration, naming why, and writes nothing: the victim's
     bytes stay what it fetched and verified. The victim then fetches again, exact."""
     p = Prefill(stack)
-    victim = Decode(stack, verify=True)
+    victim = Decode(stack, verify_kv=True)
     p.add("victim-key")
     assert victim.fetch(p.boot.address, "victim-key").ok
     before = victim.dst.copy()
@@ -142,7 +142,7 @@ def test_a_stranger_cannot_make_the_prefill_write_into_its_own_memory(stack):
     assert "this prefill rank's own session (a prefill never writes into its own memory for a peer)" in got, got
     time.sleep(0.5)
     assert np.array_equal(p.src, src)
-    d = Decode(stack, verify=True)
+    d = Decode(stack, verify_kv=True)
     f = d.fetch(p.boot.address, "other-request")
     assert f.ok and np.array_equal(d.dst, d.expected(src))
 

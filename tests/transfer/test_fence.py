@@ -54,7 +54,7 @@ def test_a_silent_ranks_quarantine_lifts_at_its_fence(stack):
     boot = stack.enter_context(BootstrapServer())
     rank = FakeRank(boot.address, FP, None)
     stack.callback(rank.close)
-    r, _ = receiver(stack, timeout_s=1.0, cancel_grace_s=0.2, fence_s=2.0)
+    r, _ = receiver(stack, transfer_timeout_s=1.0, cancel_grace_s=0.2, fence_s=2.0)
     r.start("q", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(r, "q", 20)
     assert f.error.timed_out and list(f.quarantined) == [0]
@@ -79,7 +79,7 @@ def test_one_prefill_instance_may_keep_only_so_many_blocks_quarantined(stack):
     other_boot = stack.enter_context(BootstrapServer())
     other = FakeRank(other_boot.address, FP, lambda m: outcome(m, True, num_tokens=m.num_tokens, layers=L))
     stack.callback(other.close)
-    r, _ = receiver(stack, timeout_s=1.0, cancel_grace_s=0.2, fence_s=1.5, max_quarantined_blocks=4)
+    r, _ = receiver(stack, transfer_timeout_s=1.0, cancel_grace_s=0.2, fence_s=1.5, max_quarantined_blocks=4)
     r.start("a", silent_boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     assert list(wait_fetch(r, "a", 20).quarantined) == [0]
     r.start("b", silent_boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
@@ -181,7 +181,7 @@ def test_all_prefill_instances_together_keep_at_most_twice_one_instances_share(s
         rank = FakeRank(boot.address, FP, None)
         stack.callback(rank.close)
         ranks.append(boot.address)
-    r, _ = receiver(stack, timeout_s=3.0, cancel_grace_s=0.2, fence_s=60.0, max_quarantined_blocks=4)
+    r, _ = receiver(stack, transfer_timeout_s=3.0, cancel_grace_s=0.2, fence_s=60.0, max_quarantined_blocks=4)
     for key, boot in zip("ab", ranks):
         r.start(key, boot, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
         assert list(wait_fetch(r, key, 20).quarantined) == [0]

@@ -84,7 +84,7 @@ def decode(stack, tp: int, nhd: bool):
         stack.callback(t.close)
         r = Receiver(t, regions(dst, heads, nhd), fingerprint(heads, nhd), engine_id="D", consumer_rank=rank,
                      consumer_size=tp, heads=range(rank * heads, (rank + 1) * heads),
-                     buffers=[(dst.ctypes.data, dst.nbytes)], timeout_s=30.0, verify=True)
+                     buffers=[(dst.ctypes.data, dst.nbytes)], transfer_timeout_s=30.0, verify_kv=True)
         stack.callback(r.close)
         out.append((r, dst))
     return out

@@ -25,7 +25,7 @@ from tests.support.pipelined import DST_IDS, FP, NUM_TOKENS, SRC_IDS, expected_l
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, check_http_addr, start_http_bootstrap
-from vllm_dcp2d.connector.params import check_bootstrap_addr, load_params
+from vllm_dcp2d.connector.metadata import check_bootstrap_addr, fetch_params
 from vllm_dcp2d.transfer.receiver import Receiver
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.transfer.transport import MooncakeTransport
@@ -47,7 +47,7 @@ def prefill():
     with BootstrapServer() as boot:
         http = HttpBootstrap("127.0.0.1", 0, boot, "prefill-engine")
         recv = Receiver(td, regions(dst), FP, engine_id="D", dcp_size=2, dcp_rank=1,
-                        buffers=[(dst.ctypes.data, dst.nbytes)], timeout_s=30.0, wait_s=20.0)
+                        buffers=[(dst.ctypes.data, dst.nbytes)], transfer_timeout_s=30.0, prefill_wait_s=20.0)
         try:
             yield {"src": src, "dst": dst, "tp": tp, "boot": boot, "http": http, "recv": recv,
                    "start_sender": lambda: Sender(tp, regions(src), FP, engine_id="prefill-engine", cp_rank=0,
@@ -102,7 +102,7 @@ def test_decode_asks_first_through_the_http_address_and_gets_every_byte(prefill)
 def test_an_http_address_that_does_not_answer_fails_only_its_fetch(prefill):
     recv = prefill["recv"]
     port = free_port()  # nobody listens
-    recv.start("lost", f"http://127.0.0.1:{port}", DST_IDS, timeout_s=5.0, num_tokens=NUM_TOKENS, prompt_digest=PD)
+    recv.start("lost", f"http://127.0.0.1:{port}", DST_IDS, transfer_timeout_s=5.0, num_tokens=NUM_TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "lost", 20)
     assert not f.ok and f.error.timed_out and f"GET http://127.0.0.1:{port}/query" in f.error.reason
     # the receiver serves the next fetch through the working address
@@ -127,7 +127,7 @@ def test_a_bootstrap_of_another_connector_is_named(prefill):
     try:
         recv = prefill["recv"]
         addr = f"http://127.0.0.1:{server.server_address[1]}"
-        recv.start("other", addr, DST_IDS, timeout_s=1.5, num_tokens=NUM_TOKENS, prompt_digest=PD)
+        recv.start("other", addr, DST_IDS, transfer_timeout_s=1.5, num_tokens=NUM_TOKENS, prompt_digest=PD)
         f = wait_fetch(recv, "other", 20)
         assert not f.ok and "KeyError: 'dcp2d'" in f.error.reason, f.error
     finally:
@@ -149,15 +149,15 @@ def test_addresses_routers_build_pass():
 
 def test_a_router_built_transfer_id_is_the_key():
     cfg = DCP2DConfig()
-    spec, _ = load_params({"do_remote_prefill": True, "transfer_id": "xfer-7", "remote_engine_id": "e",
+    spec, _ = fetch_params({"do_remote_prefill": True, "transfer_id": "xfer-7", "remote_engine_id": "e",
                            "remote_bootstrap_addr": "http://h:8998"}, cfg, block_ids=([1],), num_tokens=5,
                           first_page=0)
     assert (spec.transfer_key, spec.bootstrap_addr) == ("xfer-7", "http://h:8998")
-    spec, _ = load_params({"remote_request_id": "r", "transfer_id": "xfer-7", "remote_engine_id": "e",
+    spec, _ = fetch_params({"remote_request_id": "r", "transfer_id": "xfer-7", "remote_engine_id": "e",
                            "remote_bootstrap_addr": "tcp://h:1"}, cfg, block_ids=([1],), num_tokens=5, first_page=0)
     assert spec.transfer_key == "r"  # the prefill's answer, copied verbatim, wins
     with pytest.raises(ValueError, match=r"lack \['remote_request_id or transfer_id'\]"):
-        load_params({"remote_engine_id": "e", "remote_bootstrap_addr": "tcp://h:1"}, cfg, block_ids=([1],),
+        fetch_params({"remote_engine_id": "e", "remote_bootstrap_addr": "tcp://h:1"}, cfg, block_ids=([1],),
                     num_tokens=5, first_page=0)
 
 

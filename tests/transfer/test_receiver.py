@@ -23,7 +23,7 @@ def receiver():
     kv = np.zeros((2, 8, 256), np.uint8)
     regions = KVRegions.uniform([0, 1], kv.ctypes.data + np.arange(2) * 8 * 256, 256)
     r = Receiver(t, regions, FP, engine_id="D", dcp_size=2, dcp_rank=1,
-                 buffers=[(kv.ctypes.data, kv.nbytes)], timeout_s=1.0, cancel_grace_s=1.0)
+                 buffers=[(kv.ctypes.data, kv.nbytes)], transfer_timeout_s=1.0, cancel_grace_s=1.0)
     yield r
     r.close()
     assert t.registered() == {}
@@ -43,7 +43,7 @@ def _serve_one(server, reply):
 def test_malformed_outcome_fails_fetch_naming_rank(receiver, server):
     rank = _serve_one(server, lambda msg: b"\x93garbage")
     try:
-        receiver.start("q", server.address, [3, 4], timeout_s=30, num_tokens=20, prompt_digest=PD)  # ends on the reply
+        receiver.start("q", server.address, [3, 4], transfer_timeout_s=30, num_tokens=20, prompt_digest=PD)  # ends on the reply
         f = wait_fetch(receiver, "q", 40)
         assert not f.ok and f.error.cp_rank == 0 and "malformed reply" in f.error.reason
         assert not f.error.timed_out  # failed on the reply, not at the (1 s) deadline
@@ -61,7 +61,7 @@ def test_malformed_outcome_fails_fetch_naming_rank(receiver, server):
 def test_silent_rank_times_out(receiver, server):
     rank = _serve_one(server, None)
     try:
-        receiver.start("q", server.address, [0], timeout_s=3.0, num_tokens=20, prompt_digest=PD)
+        receiver.start("q", server.address, [0], transfer_timeout_s=3.0, num_tokens=20, prompt_digest=PD)
         f = wait_fetch(receiver, "q", 20)
         assert f.error.timed_out and f.error.cp_rank == 0 and "no outcome from cp ranks [0]" in f.error.reason
         # a silent rank never confirms the cancel: the fetch ends cancel_grace_s (1 s) later,
@@ -78,7 +78,7 @@ def test_silent_rank_times_out(receiver, server):
 def test_incomplete_or_missing_bootstrap(receiver, server):
     register_rank(server.address, RegisterRank("P", 0, 2, "tcp://127.0.0.1:9", FP), 5)
     receiver.start("a", server.address, [0], num_tokens=20, prompt_digest=PD)
-    receiver.start("b", "tcp://127.0.0.1:9", [0], timeout_s=0.5, num_tokens=20, prompt_digest=PD)
+    receiver.start("b", "tcp://127.0.0.1:9", [0], transfer_timeout_s=0.5, num_tokens=20, prompt_digest=PD)
     got = {f.transfer_key: f for f in (wait_fetch(receiver, "a", 10), wait_fetch(receiver, "b", 10))}
     assert "1 of 2 cp ranks registered, missing [1]" in got["a"].error.reason
     assert got["a"].error.timed_out and got["a"].error.cp_rank is None
@@ -88,8 +88,8 @@ def test_incomplete_or_missing_bootstrap(receiver, server):
 def test_duplicate_start_and_close_fail_cleanly(receiver, server):
     rank = _serve_one(server, None)
     try:
-        receiver.start("dup", server.address, [0], timeout_s=30, num_tokens=20, prompt_digest=PD)
-        receiver.start("dup", server.address, [0], timeout_s=30, num_tokens=20, prompt_digest=PD)
+        receiver.start("dup", server.address, [0], transfer_timeout_s=30, num_tokens=20, prompt_digest=PD)
+        receiver.start("dup", server.address, [0], transfer_timeout_s=30, num_tokens=20, prompt_digest=PD)
         f = wait_fetch(receiver, "dup", 10)
         assert "already running" in f.error.reason
         receiver.close()

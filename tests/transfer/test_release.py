@@ -36,7 +36,7 @@ def finished_within(sender, timeout_s: float = 10.0) -> dict:
 def receiver(stack, engine_id: str, dst: np.ndarray, fingerprint=FP, **kw) -> Receiver:
     t = MooncakeTransport()
     stack.callback(t.close)
-    kw = {"timeout_s": 30.0, "cancel_grace_s": 0.5} | kw
+    kw = {"transfer_timeout_s": 30.0, "cancel_grace_s": 0.5} | kw
     r = Receiver(t, regions(dst), fingerprint, engine_id=engine_id, buffers=[(dst.ctypes.data, dst.nbytes)], **kw)
     stack.callback(r.close)
     return r
@@ -123,7 +123,7 @@ def test_a_release_for_another_prefill_engine_is_not_sent(stack):
     s = Side(stack, sender_kw={"send_timeout_s": 120.0})
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
     s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P-old", prompt_digest=PD)
-    wait_until(lambda: "x" not in str(s.recv._dir.unsent))  # the table came and the release was dropped
+    wait_until(lambda: "x" not in str(s.recv._dir._unsent))  # the table came and the release was dropped
     time.sleep(0.5)
     assert s.sender.pop_finished() == {} and not s.sender.ledger._early
     s.recv.release("x", s.boot.address, TOKENS, remote_engine_id="P", prompt_digest=PD)
@@ -172,7 +172,7 @@ def test_remembered_releases_expire(stack):
 def test_release_without_a_prefill_gives_up(stack):
     """No bootstrap answers: the release waits for the rank table at most the
     receiver's timeout, then is dropped (the prefill's send_timeout_s is the backstop)."""
-    r = receiver(stack, "D", np.zeros((2, 8, 256), np.uint8), timeout_s=0.3)
+    r = receiver(stack, "D", np.zeros((2, 8, 256), np.uint8), transfer_timeout_s=0.3)
     r.release("x", "tcp://127.0.0.1:1", TOKENS, prompt_digest=PD)
-    wait_until(lambda: r._dir.unsent)
-    wait_until(lambda: not r._dir.unsent, 3.0)
+    wait_until(lambda: r._dir._unsent)
+    wait_until(lambda: not r._dir._unsent, 3.0)

@@ -84,7 +84,7 @@ def test_stalled_write_past_the_deadline_is_quarantined_until_it_ends(stack):
     are released only after the write ended and the rank settled."""
     s = Side(stack)
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
-    s.recv.start("x", s.boot.address, DST_IDS, timeout_s=60.0, num_tokens=TOKENS, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, transfer_timeout_s=60.0, num_tokens=TOKENS, prompt_digest=PD)
     assert s.gate.entered.wait(20)
     (active,) = s.recv.ledger.active()
     active.deadline = time.monotonic()  # the deadline passes now, with the write in flight (not by luck)
@@ -109,7 +109,7 @@ def silent(stack):
     stack.callback(t.close)
     dst = np.zeros((L, BLOCKS, PAGE_BYTES), np.uint8)
     recv = Receiver(t, regions(dst), FP, engine_id="D", buffers=[(dst.ctypes.data, dst.nbytes)],
-                    timeout_s=30.0, cancel_grace_s=0.3)
+                    transfer_timeout_s=30.0, cancel_grace_s=0.3)
     stack.callback(recv.close)
     rank = FakeRank(boot.address, FP)
     stack.callback(rank.close)
@@ -156,7 +156,7 @@ def test_unsettled_answer_keeps_the_quarantine(silent):
     first = rank.registered[0].session
     assert recv.transport.session_id != first
     rank.reply = lambda msg: outcome(msg, ok=True, num_tokens=msg.num_tokens, layers=L)
-    recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10, prompt_digest=PD)
+    recv.start("y", boot.address, DST_IDS, num_tokens=TOKENS, transfer_timeout_s=10, prompt_digest=PD)
     assert wait_fetch(recv, "y", 20).ok
     assert [m.session for m in rank.registered] == [first, recv.transport.session_id]
 
@@ -268,7 +268,7 @@ def test_length_mismatch_is_a_fetch_error(stack):
     s = Side(stack)
     s.gate.open()
     s.sender.add_request("x", SRC_IDS, TOKENS, prompt_digest=PD)
-    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS + 9, timeout_s=10, prompt_digest=PD)
+    s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS + 9, transfer_timeout_s=10, prompt_digest=PD)
     f = wait_fetch(s.recv, "x", 20)
     assert not f.ok and not f.quarantined
     assert f.error.reason == "no request 'x' for this prompt on cp rank 0 (not added yet, finished, expired, or " \
@@ -282,7 +282,7 @@ def test_decode_checks_the_count_the_prefill_answers(silent):
     """Item 4, decode side: an ok answer for another token count is a fetch error."""
     boot, recv, rank = silent
     rank.reply = lambda msg: outcome(msg, ok=True, num_tokens=msg.num_tokens - 16, layers=L)
-    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, timeout_s=10, prompt_digest=PD)
+    recv.start("x", boot.address, DST_IDS, num_tokens=TOKENS, transfer_timeout_s=10, prompt_digest=PD)
     f = wait_fetch(recv, "x", 20)
     assert not f.ok and not f.quarantined and f.error.cp_rank == 0
     assert (f"this decode expects {TOKENS} tokens (4 pages), the prefill wrote {TOKENS - 16} tokens (3 pages)"
@@ -292,7 +292,7 @@ def test_decode_checks_the_count_the_prefill_answers(silent):
 def test_abort_waits_for_layer_writes(stack):
     """A prefill aborted while a pipelined layer write reads its blocks: the held fetch
     fails, and the sender reports the request only after that write ended."""
-    s = Side(stack, receiver_kw={"wait_s": 20.0})
+    s = Side(stack, receiver_kw={"prefill_wait_s": 20.0})
     s.recv.start("x", s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     wait_until(lambda: s.sender.waiting("x") == 1)
     s.sender.layer_ready("x", 0, SRC_IDS, TOKENS, prompt_digest=PD)

@@ -34,7 +34,7 @@ def pair():
     with BootstrapServer() as boot:
         sender = Sender(tp, regions(src), FP, engine_id="P", cp_rank=0, cp_size=1, bootstrap=boot.address)
         recv = Receiver(td, regions(dst), FP, engine_id="D", dcp_size=2, dcp_rank=1,
-                        buffers=[(dst.ctypes.data, dst.nbytes)], timeout_s=30.0, wait_s=20.0)
+                        buffers=[(dst.ctypes.data, dst.nbytes)], transfer_timeout_s=30.0, prefill_wait_s=20.0)
         try:
             yield src, dst, sender, recv, boot.address
         finally:
@@ -85,7 +85,7 @@ def test_held_fetch_expires_after_early_layers(pair):
     """Past wait_s the held fetch fails "not ready" even with layers written; a late
     layer_ready writes nothing more, and the sender serves the next request."""
     src, dst, sender, recv, boot = pair
-    recv.start("late", boot, DST_IDS, num_tokens=NUM_TOKENS, wait_s=0.5, prompt_digest=PD)
+    recv.start("late", boot, DST_IDS, num_tokens=NUM_TOKENS, prefill_wait_s=0.5, prompt_digest=PD)
     wait_until(lambda: sender.waiting("late") == 1)
     sender.layer_ready("late", 0, SRC_IDS, NUM_TOKENS, prompt_digest=PD)
     f = wait_fetch(recv, "late", 20)

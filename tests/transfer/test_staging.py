@@ -163,7 +163,7 @@ class Pair:
                              bootstrap=boot.address, **sender_kw)
         stack.callback(self.sender.close)
         self.recv = Receiver(td, regions(self.dst), FP, engine_id="D", dcp_size=dcp_size, dcp_rank=dcp_size - 1,
-                             buffers=[(self.dst.ctypes.data, self.dst.nbytes)], timeout_s=30.0, cancel_grace_s=0.5)
+                             buffers=[(self.dst.ctypes.data, self.dst.nbytes)], transfer_timeout_s=30.0, cancel_grace_s=0.5)
         stack.callback(self.recv.close)
         self.boot, self.dcp_size = boot.address, dcp_size
 

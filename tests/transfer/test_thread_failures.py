@@ -25,7 +25,7 @@ from tests.support.pair import DST_IDS, FP, SRC_IDS, TOKENS, Side, deadline_now,
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth, rank_name
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer import fetch as fetch_mod
+from vllm_dcp2d.transfer import directory as directory_mod
 from vllm_dcp2d.transfer import sender as sender_mod
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.codec import fields_to_wire
@@ -55,7 +55,7 @@ def receiver(stack, **kw) -> Receiver:
     dst = np.zeros((2, 8, 256), np.uint8)
     stack.callback(lambda: dst)  # keep the buffer alive until the receiver is closed
     r = Receiver(t, regions(dst), FP, engine_id="D", buffers=[(dst.ctypes.data, dst.nbytes)],
-                 **({"timeout_s": 10.0, "cancel_grace_s": 0.2} | kw))
+                 **({"transfer_timeout_s": 10.0, "cancel_grace_s": 0.2} | kw))
     stack.callback(r.close)
     return r
 
@@ -73,7 +73,7 @@ def test_dead_rank_with_a_full_queue_never_blocks_the_receiver(stack, monkeypatc
     """Defect 2: quarantined fetches re-send their cancels to a rank that is gone.
     Once its queue is full (SNDHWM; 4 here instead of 1000), a blocking send would
     stop the receiver thread for good. Fetches to a live prefill must still work."""
-    monkeypatch.setattr(fetch_mod, "SEND_HWM", 4)  # each rank's DEALER takes it as its SNDHWM
+    monkeypatch.setattr(directory_mod, "SEND_HWM", 4)  # each rank's DEALER takes it as its SNDHWM
     r = receiver(stack)
     dead_server = stack.enter_context(BootstrapServer())
     dead = FakeRank(dead_server.address, FP, None)  # silent: never answers, never confirms a cancel
@@ -119,7 +119,7 @@ def test_a_key_the_wire_refuses_fails_only_its_fetch(stack):
     a fetch waiting at the same rank is not touched (a peer's Reply used to fail
     every fetch in flight to it)."""
     s = Side(stack)
-    s.recv.start("waiting", s.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=30.0, prompt_digest=PD)
+    s.recv.start("waiting", s.boot.address, DST_IDS, num_tokens=TOKENS, prefill_wait_s=30.0, prompt_digest=PD)
     wait_until(lambda: s.sender.waiting("waiting") == 1)
     s.recv.start("k" * 600, s.boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     f = wait_fetch(s.recv, "k" * 600, 10)
@@ -164,7 +164,7 @@ def test_engine_id_of_the_rank_table_must_match(stack):
 def test_an_unreadable_answer_fails_only_by_its_deadline(stack, monkeypatch):
     """A bug while reading one answer (injected into the first answer's decoding): that
     fetch fails at its deadline; the thread goes on."""
-    r = receiver(stack, timeout_s=1.0)
+    r = receiver(stack, transfer_timeout_s=1.0)
     server = stack.enter_context(BootstrapServer())
     rank = ok_rank(server)
     stack.callback(rank.close)
@@ -189,7 +189,7 @@ def test_receiver_thread_that_dies_fails_its_fetches_and_refuses_new_ones(stack)
     server = stack.enter_context(BootstrapServer())
     rank = FakeRank(server.address, FP, None)
     stack.callback(rank.close)
-    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, timeout_s=60.0, prompt_digest=PD)
+    r.start("x", server.address, DST_IDS, num_tokens=TOKENS, transfer_timeout_s=60.0, prompt_digest=PD)
     wait_until(lambda: rank.seen)
 
     def broken(*a):
@@ -287,14 +287,16 @@ def test_sender_thread_that_dies_is_reported(stack):
 
 
 def test_worker_fails_the_engine_when_a_connector_thread_died():
-    from vllm_dcp2d.connector.worker import WorkerSide
+    from vllm_dcp2d.connector.producer import ProducerWorker
+    from vllm_dcp2d.connector.worker import WorkerBase
 
-    w = WorkerSide.__new__(WorkerSide)
-    sender = type("Sender", (), {"failed": "dcp2d-send-io-1 died: boom"})()
-    w.tp_rank, w.consumer = 1, None
-    w.producer = type("ProducerWorker", (), {"threads": lambda self: (sender,)})()
+    base = WorkerBase.__new__(WorkerBase)  # what check_alive reads only: no vLLM config
+    base.tp_rank = 1
+    p = ProducerWorker.__new__(ProducerWorker)
+    p.base, p.bootstrap = base, None
+    p.sender = type("Sender", (), {"failed": "dcp2d-send-io-1 died: boom"})()
     with pytest.raises(RuntimeError, match="Sender of TP rank 1 stopped: dcp2d-send-io-1 died: boom"):
-        w._check_threads()
+        p.check_alive()
 
 
 # ---- requests that would write outside the decode's memory ----

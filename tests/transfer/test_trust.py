@@ -220,7 +220,7 @@ def test_waits_and_open_attempts_are_bounded(stack):
     short = Prefill(stack, max_prefill_wait_s=0.5)
     d = Decode(stack)
     t0 = time.monotonic()
-    d.recv.start("never", short.boot.address, DST_IDS, num_tokens=TOKENS, wait_s=3600.0, prompt_digest=PD)
+    d.recv.start("never", short.boot.address, DST_IDS, num_tokens=TOKENS, prefill_wait_s=3600.0, prompt_digest=PD)
     f = wait_fetch(d.recv, "never", 20)
     assert "not ready on cp rank 0 after waiting 0.5s" in f.error.reason and time.monotonic() - t0 < 10
     big = stranger("big", p.boot.address)["big"][p.sender.address]
@@ -292,12 +292,12 @@ def test_idle_table_queries_and_links_are_closed(stack, monkeypatch):
     after IDLE_S, and at most MAX_QUERIES are open at once."""
     monkeypatch.setattr(directory, "IDLE_S", 0.5)
     monkeypatch.setattr(directory, "MAX_QUERIES", 4)
-    d = Decode(stack, timeout_s=0.3)
+    d = Decode(stack, transfer_timeout_s=0.3)
     for i in range(6):  # nobody listens at these ports
         d.recv.start(f"k{i}", f"tcp://127.0.0.1:{9 + i}", DST_IDS, num_tokens=TOKENS, prompt_digest=PD)
     errors = [wait_fetch(d.recv, f"k{i}", 20).error.reason for i in range(6)]
     assert sum("talks to 4 prefill instances already (at most 4)" in e for e in errors) == 2, errors
-    wait_until(lambda: not d.recv._dir.queries and not d.recv._dir.ranks, 10)
+    wait_until(lambda: not d.recv._dir.tables() and not d.recv._dir.links(), 10)
     d.recv.start("again", "tcp://127.0.0.1:9", DST_IDS, num_tokens=TOKENS, prompt_digest=PD)  # room again
     assert "no rank table" in wait_fetch(d.recv, "again", 20).error.reason
 
@@ -344,7 +344,7 @@ def test_verify_kv_catches_a_page_that_arrived_wrong(stack):
     of what it wrote: one flipped byte fails the fetch (then kv_load_failure_policy
     recomputes or fails it; vLLM never caches its blocks); the same fetch without the
     flip loads."""
-    d = Decode(stack, verify=True)
+    d = Decode(stack, verify_kv=True)
     wrap = []
     p = Prefill(stack, transport=lambda t: wrap.append(Corrupt(t, d.dst)) or wrap[0])
     p.add("x")
@@ -362,7 +362,7 @@ def test_verify_kv_catches_an_ok_answer_with_nothing_written(stack):
     from tests.support.fake_rank import FakeRank, outcome
 
     boot = stack.enter_context(BootstrapServer())
-    d = Decode(stack, verify=True)
+    d = Decode(stack, verify_kv=True)
     liar = FakeRank(boot.address, FP, reply=lambda m: outcome(m, ok=True, num_tokens=TOKENS, layers=L))
     stack.callback(liar.close)
     d.dst[:] = 3  # stale KV of an earlier request
@@ -398,7 +398,7 @@ def test_a_decode_rank_gets_the_kv_of_its_own_heads_or_a_refusal(stack):
         t = MooncakeTransport()
         stack.callback(t.close)
         r = Receiver(t, regions(dst), fp, engine_id=f"D{len(heads)}", heads=heads, consumer_size=2 // len(heads),
-                     buffers=[(dst.ctypes.data, dst.nbytes)], timeout_s=20.0)
+                     buffers=[(dst.ctypes.data, dst.nbytes)], transfer_timeout_s=20.0)
         stack.callback(r.close)
         r.start("x", boot.address, DST_IDS, num_tokens=TOKENS, prompt_digest=DIGEST)
         f = wait_fetch(r, "x", 20)

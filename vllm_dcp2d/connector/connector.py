@@ -6,9 +6,11 @@ each DCP rank receives only its pages, written straight into vLLM's DCP
 layout. The DCP size and rank travel with every request, so decode instances
 with different DCP sizes share one prefill instance.
 
-This class only dispatches: vLLM builds it twice per instance, once with
-``role=SCHEDULER`` (engine core: ``scheduler.SchedulerSide``) and once per
-worker with ``role=WORKER`` (``worker.WorkerSide``). Settings come from
+vLLM builds this class twice per instance: once with ``role=SCHEDULER`` (engine
+core), where it dispatches to ``scheduler.SchedulerSide``, and once per worker with
+``role=WORKER``, where it drives the worker's roles itself: ``producer.ProducerWorker``
+and ``consumer.ConsumerWorker`` (a kv_both instance has both) over the rank's
+``worker.WorkerBase`` (transport, auth, stats, step bell). Settings come from
 ``kv_connector_extra_config`` (``config.py``; an unknown key or a bad value
 stops start-up).
 
@@ -73,16 +75,20 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         is_producer = kv.kv_role in ("kv_producer", "kv_both")
         is_consumer = kv.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
-        self._worker = None
+        self._base = self._producer = self._consumer = None  # worker role
         compat.sleep_between_shm_polls(cfg.cpu_poll_sleep_us)
         if role == compat.KVConnectorRole.SCHEDULER:
             if is_consumer:
                 compat.check_interleave(vllm_config, resolved=False)
             self._scheduler = SchedulerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer,
                                             layer_split=compat.layer_split_applies(vllm_config, kv_cache_config))
-        else:
-            from vllm_dcp2d.connector.worker import WorkerSide  # Mooncake only in workers
-            self._worker = WorkerSide(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, kv_cache_config)
+        else:  # Mooncake only in workers
+            from vllm_dcp2d.connector.consumer import ConsumerWorker
+            from vllm_dcp2d.connector.producer import ProducerWorker
+            from vllm_dcp2d.connector.worker import WorkerBase
+            self._base = WorkerBase.of(vllm_config, cfg, kv.engine_id, is_producer, is_consumer, kv_cache_config)
+            self._producer = ProducerWorker(self._base) if is_producer else None
+            self._consumer = ConsumerWorker(self._base) if is_consumer else None
 
     # ---- scheduler side (engine core process) ----
 
@@ -114,47 +120,99 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         keeps stepping: yes while blocks are quarantined or releases wait to go out."""
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
-    # ---- worker side (one per TP rank) ----
+    # ---- worker side (one per TP rank; hook order: ``worker`` module doc) ----
+
+    def _roles(self) -> tuple:
+        return tuple(r for r in (self._producer, self._consumer) if r is not None)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        """Called once by the model runner after it allocated the paged KV
+        (``{layer_name: tensor}``, see ``compat.kv_regions`` for the layouts).
+        Registers the memory with Mooncake and starts this rank's roles."""
+        from vllm_dcp2d.transfer.transport import unpinned
+
+        kv = self._base.kv_caches(kv_caches)
+        token = self._producer.prepare(kv) if self._producer is not None else ""
+        # vLLM's CPU worker pins this thread to its cores; the threads started here must not inherit it
+        with unpinned():
+            self._base.open_transport(kv)
+            if self._producer is not None:
+                self._producer.start(kv, token)
+            if self._consumer is not None:
+                self._consumer.start(kv)
+            if self._producer is not None and self._consumer is not None:
+                # kv_both: this rank's receiver may fetch from its own sender, into the same engine's memory
+                self._producer.trust(self._consumer.identity())
+            self._base.announce()
 
     def bind_connector_metadata(self, connector_metadata) -> None:
-        """Called by the model runner before each step's forward."""
+        """Called by the model runner before each step's forward: the step bell to ring,
+        the context blocks the layer-split fill broadcasts, the step's ``first_run``."""
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None:
-            self._worker.bind(connector_metadata)
+        self._bind(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         """Called by the model runner after each step."""
         super().clear_connector_metadata()
-        if self._worker is not None:
-            self._worker.bind(None)
+        self._bind(None)
+
+    def _bind(self, meta) -> None:
+        if self._base is not None:
+            self._base.bind(meta)
+        for role in self._roles():
+            role.bind(meta)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Called by the model runner at the start of every step, before anything of
         the step's forward runs: requests preempted while this step was scheduled
-        lose the layers written from their (now free) blocks (``worker``)."""
-        self._worker.handle_preemptions(kv_connector_metadata)
+        lose the layers written from their (now free) blocks (``ProducerWorker.handle_preemptions``)."""
+        for role in self._roles():
+            role.check_alive()
+        if self._producer is not None and isinstance(kv_connector_metadata, DCP2DMetadata):
+            self._producer.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        """Called by the model runner every step with this step's metadata bound.
+        Producer: hands finished prefills to the sender, aborts aborted ones.
+        Consumer: starts fetches; tells the producers about requests it will not fetch."""
+        meta = self._get_connector_metadata()
+        if self._producer is not None:
+            self._producer.hand_over(meta)
+        if self._consumer is not None:
+            self._consumer.start_fetches(meta)
+        elif meta.fetches:
+            req_id = next(iter(meta.fetches))
+            raise RuntimeError(f"request {req_id} asks to fetch KV but this instance is not a kv_consumer")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS
+        """Fetches are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS
         until every page arrived): nothing to wait for inside the forward."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        """Called by each attention layer after computing its KV: layer pipelining,
-        see ``worker``. The writes run on the sender's threads."""
-        self._worker.save_kv_layer(layer_name, kv_layer, self._get_connector_metadata())
+        """Called by each attention layer right after it computed (and cached) the KV of
+        ``layer_name`` (``kv_layer``, its KV cache tensor): layer pipelining, see
+        ``producer``. The writes run on the sender's threads."""
+        self._base.check_kv(layer_name, kv_layer)
+        if self._producer is not None:
+            self._producer.save_kv_layer(layer_name, kv_layer, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
         """The sender reads the blocks of finished requests, which vLLM keeps
         until ``get_finished`` reports them: nothing to wait for per step."""
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> compat.KVConnectorTransferResults:
-        sending, recving, failed = self._worker.get_finished()
+        """Called by the model runner after every step. Three sets of request ids:
+
+        * sending: the producer may free their blocks (all decode ranks served,
+          expired or aborted; no write reads them any more);
+        * recving: their fetch ended on this consumer rank, ok or failed. A failed
+          one's blocks are in ``get_block_ids_with_load_errors``, unless it is in
+        * failed: failed as a whole, to be recomputed in fresh blocks while the
+          old ones are quarantined (``build_connector_worker_meta``)."""
+        for role in self._roles():
+            role.check_alive()
+        sending = set() if self._producer is None else self._producer.pop_finished()
+        recving, failed = (set(), set()) if self._consumer is None else self._consumer.pop_finished()
         return compat.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                                  failed_recving=failed)
 
@@ -164,17 +222,28 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return r.finished_sending or None, r.finished_recving or None
 
     def build_connector_worker_meta(self):
-        return self._worker.build_worker_meta()
+        """Called by the model runner after ``get_finished``, with the step's metadata
+        still bound: blocks to quarantine and quarantines lifted, failed fetches, and
+        the requests whose first step on fetched KV this was, for the scheduler side."""
+        if self._consumer is None:
+            return None
+        m = self._consumer.take_meta()
+        return m if (m.quarantine or m.lifted or m.ran or m.failed_fetches) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+        """Called by the model runner after ``get_finished``; returns and clears."""
+        return set() if self._consumer is None else self._consumer.pop_load_errors()
 
     def get_kv_connector_stats(self) -> DCP2DStats | None:
         """Workers: after every step (the model runner). Scheduler: after processing every
         step's output (``update_from_output``); vLLM merges both."""
         if self._scheduler is not None:
             return self._scheduler.get_stats()
-        return None if self._worker is None else self._worker.get_kv_connector_stats()
+        if self._base is None:
+            return None
+        if self._producer is not None:
+            self._producer.count_stats()
+        return self._base.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DCP2DStats:
@@ -186,7 +255,13 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return DCP2DPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
+        """Worker: leave the router, close each role (consumer first: no more fetches
+        into the KV), then the transport and the bell's rope."""
+        if self._base is not None:
+            self._base.withdraw()
+            for role in (self._consumer, self._producer):
+                if role is not None:
+                    role.close()
+            self._base.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()

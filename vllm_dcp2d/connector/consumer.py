@@ -1,5 +1,5 @@
-"""The consumer (decode) role of a worker: its receiver, the loads it starts,
-the releases it sends, and what it reports back (ended fetches, load errors,
+"""The consumer (decode) role of a worker: its receiver, the fetches it starts,
+the releases it sends, and what it reports back (ended fetches, vLLM's load errors,
 quarantines).
 
 Consumer TP rank = DCP rank ``d`` of ``dcp_size`` (vLLM's DCP group): its
@@ -13,12 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
-from vllm_dcp2d.config import DCP2DConfig
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec
-from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
-from vllm_dcp2d.transfer.auth import Auth
+from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, FetchSpec
+from vllm_dcp2d.connector.worker import KVCaches, WorkerBase, close_all
+from vllm_dcp2d.reshard.layout import kv_head_range
 from vllm_dcp2d.transfer.receiver import Fetch, Receiver
-from vllm_dcp2d.vllm_compat import connector_api as compat
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +24,18 @@ __all__ = ["ConsumerWorker"]
 
 
 class ConsumerWorker:
-    """One consumer TP rank's side of the transfer (see module doc). ``stats`` and
-    ``stats_file`` are the worker's, shared with its producer role on a kv_both instance."""
+    """One consumer TP rank's side of the transfer (see module doc), over the rank's
+    ``WorkerBase`` (shared with its producer role on a kv_both instance)."""
 
-    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, tp_rank: int, tp_size: int,
-                 dcp_rank: int, dcp_size: int, heads: range, num_kv_heads: int, group_sharded: list[bool],
-                 page_size: int, auth: Auth, stats: DCP2DStats, stats_file: StatsFile):
-        compat.check_interleave(vllm_config)
-        self.cfg, self.engine_id = cfg, engine_id
-        self.tp_rank, self.tp_size, self.dcp_rank, self.dcp_size = tp_rank, tp_size, dcp_rank, dcp_size
-        self.heads, self.num_kv_heads, self.group_sharded = heads, num_kv_heads, group_sharded
-        self.page_size, self.auth, self.stats, self.stats_file = page_size, auth, stats, stats_file
+    def __init__(self, base: WorkerBase):
+        self.base, self.cfg, self.engine_id = base, base.cfg, base.engine_id
+        self.dcp_rank, self.dcp_size = base.dcp_rank, base.dcp_size
+        self.tp_rank, self.tp_size, self.num_kv_heads = base.tp_rank, base.tp_size, base.num_kv_heads
+        self.heads = kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
+        self.group_sharded, self.page_size = base.group_sharded, base.page_size
+        self.stats, self.stats_file = base.stats, base.stats_file
         self.receiver: Receiver | None = None
-        self._loading: dict[str, tuple[str, list[int], int]] = {}  # transfer key -> (req id, blocks, first page)
-        self._refused: list[tuple[str, LoadSpec, str]] = []  # loads failed before fetching: (req id, spec, why)
+        self._refused: list[tuple[str, FetchSpec, str]] = []  # fetches failed before they started: (req id, spec, why)
         self._quarantines: dict[int, tuple[Fetch, str, int]] = {}  # id(fetch) -> (fetch, req id, blocks)
         self._reported_quarantines = False  # the last step reported an age: report 0 once none is left
         self._meta = DCP2DWorkerMeta()
@@ -47,17 +43,19 @@ class ConsumerWorker:
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
 
-    def start(self, transport, regions, fingerprint, ring, kv_bytes=None) -> None:
-        """Start this rank's receiver on ``transport`` (the KV memory behind ``regions``
-        registered); ``ring()`` is called whenever a fetch ended or a quarantine lifted."""
-        self.receiver = Receiver(transport, regions, fingerprint, engine_id=self.engine_id,
+    def start(self, kv: KVCaches) -> None:
+        """Start this rank's receiver on the base's transport (``kv``'s memory registered).
+        It rings the step bell whenever a fetch ended or a quarantine lifted: the idle
+        step wakes."""
+        self.receiver = Receiver(self.base.transport, kv.regions, kv.fingerprint, engine_id=self.engine_id,
                                  consumer_rank=self.tp_rank, consumer_size=self.tp_size,
                                  dcp_size=self.dcp_size, dcp_rank=self.dcp_rank,
-                                 timeout_s=self.cfg.transfer_timeout_s, wait_s=self.cfg.prefill_wait_s,
-                                 cancel_grace_s=self.cfg.cancel_grace_s, on_output=ring,
-                                 heads=self.heads, auth=self.auth, verify=self.cfg.verify_kv,
+                                 transfer_timeout_s=self.cfg.transfer_timeout_s,
+                                 prefill_wait_s=self.cfg.prefill_wait_s,
+                                 cancel_grace_s=self.cfg.cancel_grace_s, on_output=self.base.rope.ring,
+                                 heads=self.heads, auth=self.base.auth, verify_kv=self.cfg.verify_kv,
                                  fence_s=self.cfg.fence_s, max_quarantined_blocks=self.cfg.max_quarantined_blocks,
-                                 kv_bytes=kv_bytes)
+                                 kv_bytes=kv.kv_bytes)
         log.info("DCP2D consumer: TP rank %d = DCP rank %d/%d, KV heads [%d, %d) of %d", self.tp_rank,
                  self.dcp_rank, self.dcp_size, self.heads.start, self.heads.stop, self.num_kv_heads)
 
@@ -67,29 +65,28 @@ class ConsumerWorker:
         if isinstance(meta, DCP2DMetadata):
             self._first_run = meta.first_run
 
-    def start_loads(self, meta: DCP2DMetadata) -> None:
+    def start_fetches(self, meta: DCP2DMetadata) -> None:
         """Start this step's fetches; tell the producers about requests this rank will not fetch."""
         for spec in meta.releases.values():
             self._release(spec.transfer_key, spec.bootstrap_addr, spec.num_tokens, spec.remote_engine_id,
                           spec.prompt_digest)
-        for req_id, spec in meta.loads.items():
-            if self.receiver is None:
-                raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
+        for req_id, spec in meta.fetches.items():
             key = spec.transfer_key
             if spec.refused:  # nowhere to fetch from, or not what the wire takes: fail it now
                 self._refused.append((req_id, spec, spec.refused))
                 continue
-            if key in self._loading:
-                why = (f"transfer key {key!r} is already being fetched by request {self._loading[key][0]} on "
+            running = self.receiver.fetching(key)
+            if running is not None:
+                why = (f"transfer key {key!r} is already being fetched by request {running.tag} on "
                        f"this decode instance; each request needs its own (kv_transfer_params['remote_request_id'])")
             elif spec.remote_num_tokens is not None and spec.remote_num_tokens != spec.num_tokens:
                 why = (f"length mismatch: the prefill computed remote_num_tokens={spec.remote_num_tokens} prompt "
                        f"tokens, this decode has {spec.num_tokens}")
             else:
-                self._loading[key] = (req_id, spec.block_ids, spec.first_page)
                 self.receiver.start(key, spec.bootstrap_addr, spec.block_ids, spec.first_page,
-                                    timeout_s=spec.timeout_s, num_tokens=spec.num_tokens,
-                                    remote_engine_id=spec.remote_engine_id, prompt_digest=spec.prompt_digest)
+                                    transfer_timeout_s=spec.transfer_timeout_s, num_tokens=spec.num_tokens,
+                                    remote_engine_id=spec.remote_engine_id, prompt_digest=spec.prompt_digest,
+                                    tag=req_id)
                 continue
             self._refused.append((req_id, spec, why))
             # no-op for the duplicate key
@@ -100,7 +97,7 @@ class ConsumerWorker:
         """This rank will never fetch ``key``; the producer may free it
         (``Receiver.release``). Not while this instance fetches the same key for
         another request: that fetch still needs it."""
-        if self.cfg.release_unfetched and self.receiver is not None and key not in self._loading:
+        if self.cfg.release_unfetched and self.receiver is not None and self.receiver.fetching(key) is None:
             self.receiver.release(key, bootstrap, num_tokens, remote_engine_id, prompt_digest)
 
     def pop_finished(self) -> tuple[set[str], set[str]]:
@@ -115,14 +112,11 @@ class ConsumerWorker:
             # just below or in an earlier call, whose quarantine is registered first.
             lifted = self.receiver.poll_lifted()
             for f in self.receiver.poll():
-                req_id, block_ids, first_page = self._loading.pop(f.transfer_key, (None, None, 0))
-                if req_id is None:
-                    continue
-                recving.add(req_id)
+                recving.add(f.tag)
                 if f.ok:
                     self._record(f)
                 else:
-                    self._fail(req_id, f.transfer_key, f, block_ids, first_page)
+                    self._fail(f.tag, f.transfer_key, f, [t.tolist() for t in f.block_ids], f.first_page)
                     self._release(f.transfer_key, f.bootstrap, f.num_tokens, f.remote_engine_id, f.prompt_digest)
             now = time.monotonic()
             for f in lifted:
@@ -146,7 +140,7 @@ class ConsumerWorker:
         return out
 
     def take_meta(self) -> DCP2DWorkerMeta:
-        """Blocks to quarantine and quarantines lifted, failed loads, and the bound
+        """Blocks to quarantine and quarantines lifted, failed fetches, and the bound
         step's ``first_run`` echoed as ``ran`` (the scheduler side times a request's
         first step by its own output: ``timeline``); a fresh one starts."""
         m, self._meta = self._meta, DCP2DWorkerMeta()
@@ -170,13 +164,13 @@ class ConsumerWorker:
 
     def _fail(self, req_id: str, key: str, f: Fetch | None, block_ids: list[int], first_page: int,
               why: str = "") -> None:
-        """The KV of ``req_id`` did not load (fetch ``f`` failed, or ``why``): vLLM
+        """The KV of ``req_id`` was not fetched (fetch ``f`` failed, or ``why``): vLLM
         fails or recomputes it (``kv_load_failure_policy``)."""
         expired = f is not None and f.error.timed_out
         self.stats.count("expired" if expired else "failed")
         if f is not None and f.error.corrupt:
             self.stats.count("corrupt")
-        self._meta.failed_loads.add(req_id)
+        self._meta.failed_fetches.add(req_id)
         # Undefined from the first fetched page on, in every group.
         blocks = [b for ids, sharded in zip(block_ids, self.group_sharded)
                   for b in ids[first_page // (self.dcp_size if sharded else 1):]]
@@ -201,9 +195,17 @@ class ConsumerWorker:
         self.stats_file.write(transfer_key=key, dcp_rank=self.dcp_rank, ok=False, expired=expired, reason=reason,
                               fetch_seconds=0.0 if f is None else f.seconds,
                               quarantined=len(blocks) if f is not None and f.quarantined else 0)
-        log.warning("DCP2D: KV of request %s not loaded on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
+        log.warning("DCP2D: KV of request %s not fetched on DCP rank %d (%s); %s", req_id, self.dcp_rank, reason,
                     what)
 
-    def threads(self) -> tuple:
-        """What runs threads of this role (each has ``.failed``)."""
-        return () if self.receiver is None else (self.receiver,)
+    def identity(self) -> bytes:
+        """The routing id this rank's receiver fetches under (kv_both: its own sender trusts it)."""
+        return self.receiver.identity
+
+    def check_alive(self) -> None:
+        """Raise if this role's receiver thread died (``WorkerBase.check_alive``)."""
+        self.base.check_alive(() if self.receiver is None else (self.receiver,))
+
+    def close(self) -> None:
+        close_all((self.receiver,))
+        self.receiver = None

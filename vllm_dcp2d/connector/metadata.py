@@ -1,34 +1,35 @@
-"""What the connector's two halves tell each other every engine step.
+"""What crosses the connector's boundaries: a request's ``kv_transfer_params`` on the
+way in, checked, and what the connector's two halves tell each other every engine step.
 
 vLLM builds the connector once in the engine core (``scheduler.SchedulerSide``)
-and once per worker (``worker.WorkerSide``). They never share memory: the
-scheduler side hands ``DCP2DMetadata`` to every worker with each step's
+and once per worker (``connector.DCP2DConnector`` driving the worker's roles). They
+never share memory: the scheduler side hands ``DCP2DMetadata`` to every worker with each step's
 ``SchedulerOutput``, and every worker hands ``DCP2DWorkerMeta`` back in its
 ``KVConnectorOutput`` (vLLM aggregates it over the TP ranks). This module is
 that contract; neither side imports the other.
 
-Words used on both sides (docs/connector.md, "Request flow"):
+The words both sides use (transfer key, fetch, release, quarantine, lifted, preempted)
+are docs/connector.md's glossary.
 
-* **transfer key**: what decode ranks fetch a producer request by
-  (``kv_transfer_params["remote_request_id"]``).
-* **load**: a consumer request whose KV the workers fetch from a producer.
-* **release**: a consumer tells the producer it will never fetch a request
-  (``ReleaseTransfer``); the producer may free those blocks at once.
-* **quarantine**: consumer blocks a prefill rank may still write into; kept out
-  of vLLM's free queue until it is **lifted** (the rank confirmed, or was seen
-  restarted).
-* **preempted**: a producer request vLLM preempted after its prompt completed;
-  layer writes of the freed blocks are void and every layer is written again
-  after the re-prefill.
+``kv_transfer_params`` come from the client (or a router, or the prefill's answer copied
+verbatim), so nothing in them is trusted: the scheduler side turns a consumer request's
+into a ``FetchSpec`` here (``fetch_params``), or into the reason it prefills the request
+locally instead. Workers only ever see a spec that passed. The limits are the wire's
+(``messages``): a key or engine id the wire would refuse is refused here, by name.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+from vllm_dcp2d.config import DCP2DConfig
+from vllm_dcp2d.transfer.messages import MAX_NAME, clip
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
-__all__ = ["SendSpec", "LoadSpec", "ReleaseSpec", "DCP2DMetadata", "DCP2DWorkerMeta"]
+__all__ = ["SendSpec", "FetchSpec", "ReleaseSpec", "DCP2DMetadata", "DCP2DWorkerMeta",
+           "REQUIRED", "KEY_FIELD", "CLIENT_KEY_FIELD", "KEY_FIELDS", "key_field", "key_of", "TransferKeys",
+           "bootstrap_addr", "check_bootstrap_addr", "fetch_params", "transfer_timeout_s", "flag"]
 
 
 @dataclass
@@ -52,8 +53,8 @@ class SendSpec:
 
 
 @dataclass
-class LoadSpec:
-    """What a consumer worker fetches for one request.
+class FetchSpec:
+    """What a consumer worker fetches for one request (a **fetch**, docs/connector.md).
 
     transfer_key:      what the producer knows the request by (``kv_transfer_params["remote_request_id"]``).
     bootstrap_addr:    producer's bootstrap server, "tcp://host:port".
@@ -65,10 +66,10 @@ class LoadSpec:
     first_page:        first page to fetch (earlier ones are cached locally).
     num_tokens:        prompt tokens of the request here; each prefill rank must hold as many.
     remote_num_tokens: what the producer said it computed (``kv_transfer_params``), None if absent.
-    timeout_s:         deadline of the fetch (``params.load_params``).
+    transfer_timeout_s: deadline of the fetch (``fetch_params``).
     prompt_digest:     ``messages.prompt_digest`` of the prompt here; the producer refuses another.
     refused:           why the request's ``kv_transfer_params`` were refused ("" if they were
-                       not): the worker reports the load failed, so ``kv_load_failure_policy``
+                       not): the worker reports the fetch failed, so ``kv_load_failure_policy``
                        ends or recomputes the request at once.
     """
 
@@ -79,7 +80,7 @@ class LoadSpec:
     first_page: int
     num_tokens: int
     remote_num_tokens: int | None
-    timeout_s: float
+    transfer_timeout_s: float
     prompt_digest: str = ""
     refused: str = ""
 
@@ -103,7 +104,7 @@ class ReleaseSpec:
 class DCP2DMetadata(compat.KVConnectorMetadata):
     """Scheduler -> workers, once per step (request id -> spec in every dict).
 
-    loads:     consumer requests to fetch.
+    fetches:   consumer requests to fetch.
     releases:  consumer requests that will never be fetched (tell the producer).
     computing: producer requests whose prompt completes in this step: each layer
                goes to the fetches already waiting right after it is computed.
@@ -120,11 +121,11 @@ class DCP2DMetadata(compat.KVConnectorMetadata):
                owners broadcast them; else None).
     bell:      consumer: the scheduler's ``StepBell`` address; workers ring it when
                a fetch ends, to end an idle step's sleep (``step_bell``). "" = none.
-    first_run: consumer requests this step runs for the first time on their loaded
+    first_run: consumer requests this step runs for the first time on their fetched
                KV; workers echo them back with the step's output (``timeline``).
     """
 
-    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    fetches: dict[str, FetchSpec] = field(default_factory=dict)
     releases: dict[str, ReleaseSpec] = field(default_factory=dict)
     computing: dict[str, SendSpec] = field(default_factory=dict)
     ready: dict[str, SendSpec] = field(default_factory=dict)
@@ -143,15 +144,147 @@ class DCP2DWorkerMeta(compat.KVConnectorWorkerMetadata):
     quarantine: ``(request id, tp rank) -> block ids`` to keep out of the free queue.
     lifted:     ``(request id, tp rank)`` quarantines that ended.
     ran:        the step's ``DCP2DMetadata.first_run``, echoed: their first step is done.
-    failed_loads: requests whose fetch failed on this rank (block-level load errors
+    failed_fetches: requests whose fetch failed on this rank (block-level load errors
                 included), whichever step their last rank reports them in.
     """
 
     quarantine: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     lifted: set[tuple[str, int]] = field(default_factory=set)
     ran: set[str] = field(default_factory=set)
-    failed_loads: set[str] = field(default_factory=set)
+    failed_fetches: set[str] = field(default_factory=set)
 
     def aggregate(self, other: DCP2DWorkerMeta) -> DCP2DWorkerMeta:
         return DCP2DWorkerMeta({**self.quarantine, **other.quarantine}, self.lifted | other.lifted,
-                               self.ran | other.ran, self.failed_loads | other.failed_loads)
+                               self.ran | other.ran, self.failed_fetches | other.failed_fetches)
+
+
+# ---- kv_transfer_params, checked at the boundary ----
+
+# The transfer key travels in two kv_transfer_params fields whose names others chose (the
+# only places those names appear): "remote_request_id", the prefill's answer (vLLM's NIXL
+# convention), copied by our proxy and by vLLM's router; or, failing that, "transfer_id",
+# what a Mooncake-style router gives both sides (the prefill keys the request by it too).
+REQUIRED = ("remote_bootstrap_addr", "remote_engine_id")
+KEY_FIELD = "remote_request_id"
+CLIENT_KEY_FIELD = "transfer_id"
+KEY_FIELDS = (KEY_FIELD, CLIENT_KEY_FIELD)
+_ADDR = re.compile(r"(?P<scheme>tcp|http)://(?P<host>[A-Za-z0-9._\-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})/?")
+
+
+def check_bootstrap_addr(addr) -> str:
+    """``addr`` if it is ``tcp://host:port`` (the ZMQ bootstrap, as the prefill answers) or
+    ``http://host:port`` (its HTTP bootstrap, as Mooncake-style routers build it), with a
+    port in [1, 65535]; raises ValueError naming the value and the forms expected."""
+    m = _ADDR.fullmatch(addr) if isinstance(addr, str) else None
+    if m is None or not 1 <= int(m["port"]) <= 65535 or (m["scheme"] == "tcp" and addr.endswith("/")):
+        raise ValueError(f"remote_bootstrap_addr = {clip(repr(addr), 80)}: expected 'tcp://<host>:<port>' or "
+                         f"'http://<host>:<port>' with a port in [1, 65535]")
+    return addr.rstrip("/")
+
+
+def bootstrap_addr(cfg: DCP2DConfig) -> str:
+    """The producer's bootstrap address, as it answers it (``remote_bootstrap_addr``) and
+    as its ranks register with it."""
+    return f"tcp://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
+
+
+def flag(params: dict, name: str) -> tuple[bool, str]:
+    """The boolean field ``name`` of ``params`` (``"do_remote_prefill"``, ``"do_remote_decode"``)
+    as ``(asked, refused)``: ``(False, "")`` when absent, null or false, ``(True, "")`` when
+    true; any other value asks too, and is refused: ``(True, reason)``, naming the field,
+    the value and a JSON boolean. Python's truth is never asked: ``"false"`` is true there."""
+    v = params.get(name)
+    if v is None or type(v) is bool:
+        return bool(v), ""
+    return True, (f"kv_transfer_params[{name!r}] = {clip(repr(v), 80)}: expected a JSON boolean (true or false), "
+                  f"got {type(v).__name__}")
+
+
+def key_field(params: dict) -> str:
+    """The field of ``params`` that carries the transfer key (the first of ``KEY_FIELDS`` present)."""
+    return KEY_FIELD if KEY_FIELD in params else CLIENT_KEY_FIELD
+
+
+def key_of(params: dict):
+    """What ``params`` give as the transfer key (``key_field``), unchecked: None if absent."""
+    return params.get(key_field(params))
+
+
+class TransferKeys:
+    """Transfer key <-> request id, for the requests one side moves now; one map per key
+    space and process, and no other: the scheduler's sends (``SchedulerSide.keys``) and
+    fetches (``Siblings.fetching``; separate, as a kv_both instance may fetch a key it
+    sends), a producer worker's sends (``ProducerWorker.keys``); a consumer worker keeps
+    none (``Fetch.tag``). A key has at most one owner: ``bind`` moves it, and ``unbind`` of
+    a request that no longer owns its key leaves the new owner's binding alone.
+    Single-threaded (each owner's thread)."""
+
+    def __init__(self):
+        self._key: dict[str, str] = {}    # request id -> transfer key
+        self._owner: dict[str, str] = {}  # transfer key -> request id
+
+    def bind(self, req_id: str, key: str) -> None:
+        """``req_id`` is moved by ``key`` from now on (and owns it; its former key is let go)."""
+        self.unbind(req_id)
+        self._key[req_id] = key
+        self._owner[key] = req_id
+
+    def key(self, req_id: str, default: str | None = None) -> str | None:
+        return self._key.get(req_id, default)
+
+    def owner(self, key: str, default: str | None = None) -> str | None:
+        """The request that owns ``key`` now."""
+        return self._owner.get(key, default)
+
+    def unbind(self, req_id: str) -> str | None:
+        """Forget ``req_id``; returns its key (None: it had none)."""
+        key = self._key.pop(req_id, None)
+        if key is not None and self._owner.get(key) == req_id:
+            del self._owner[key]
+        return key
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+
+def _name(params: dict, key: str) -> str:
+    v = params[key]
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_NAME:
+        shown = v if not isinstance(v, str) or len(v) <= 40 else v[:40] + "..."
+        raise ValueError(f"{key} = {shown!r}: expected a string of 1..{MAX_NAME} characters"
+                         + (f" (got {len(v)})" if isinstance(v, str) else f" (got {type(v).__name__})"))
+    return v
+
+
+def transfer_timeout_s(params: dict, cfg: DCP2DConfig) -> tuple[float, str]:
+    """The fetch deadline a request asks for, within ``max_transfer_timeout_s``:
+    ``(seconds, warning or "")``."""
+    v = params.get("transfer_timeout_s", cfg.transfer_timeout_s)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        return cfg.transfer_timeout_s, (f"kv_transfer_params['transfer_timeout_s'] = {v!r} is not seconds > 0; "
+                                        f"using transfer_timeout_s = {cfg.transfer_timeout_s}")
+    if v > cfg.max_transfer_timeout_s:
+        return cfg.max_transfer_timeout_s, (f"kv_transfer_params['transfer_timeout_s'] = {v!r} exceeds "
+                                            f"max_transfer_timeout_s; using {cfg.max_transfer_timeout_s}")
+    return float(v), ""
+
+
+def fetch_params(params: dict, cfg: DCP2DConfig, *, block_ids: tuple[list[int], ...], num_tokens: int,
+                first_page: int, prompt_digest: str = "") -> tuple[FetchSpec, str]:
+    """A ``FetchSpec`` from a consumer request's ``params`` plus what the scheduler
+    allocated, and a warning ("" if none). Raises ValueError naming the first bad
+    field: the request is then prefilled locally."""
+    missing = ([" or ".join(KEY_FIELDS)] if not set(KEY_FIELDS) & set(params) else []) + [k for k in REQUIRED if k not in params]
+    if missing:
+        raise ValueError(f"kv_transfer_params lack {missing} (got {clip(repr(sorted(map(str, params))), 200)})")
+    key = _name(params, key_field(params))
+    engine = _name(params, "remote_engine_id")
+    addr = check_bootstrap_addr(params["remote_bootstrap_addr"])
+    timeout, warning = transfer_timeout_s(params, cfg)
+    remote = params.get("remote_num_tokens")
+    if remote is not None and (type(remote) is not int or remote < 0):
+        raise ValueError(f"remote_num_tokens = {clip(repr(remote), 40)}: expected an int >= 0 (the prefill's "
+                         f"prompt length)")
+    return FetchSpec(transfer_key=key, bootstrap_addr=addr, remote_engine_id=engine, block_ids=block_ids,
+                    first_page=first_page, num_tokens=num_tokens, transfer_timeout_s=timeout, remote_num_tokens=remote,
+                    prompt_digest=prompt_digest), warning

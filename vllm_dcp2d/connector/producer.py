@@ -42,17 +42,16 @@ import logging
 import secrets
 import time
 
-from vllm_dcp2d.config import ConfigError, DCP2DConfig
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec
-from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
+from vllm_dcp2d.config import ConfigError
+from vllm_dcp2d.connector.metadata import DCP2DMetadata, SendSpec, TransferKeys, bootstrap_addr
+from vllm_dcp2d.connector.worker import KVCaches, WorkerBase, close_all
 from vllm_dcp2d.reshard.layout import cp_layer_range, send_shard
 from vllm_dcp2d.prefill import layer_split
-from vllm_dcp2d.transfer.auth import Auth
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, start_http_bootstrap
 from vllm_dcp2d.transfer.sender import Sender
 from vllm_dcp2d.vllm_compat import connector_api as compat
-from vllm_dcp2d.vllm_compat import dsa, instance
+from vllm_dcp2d.vllm_compat import dsa
 from vllm_dcp2d.vllm_compat.kv_cache import graphs_capture_cache_writes, hook_cache_writes, storage_plan, unhook_cache_writes
 
 log = logging.getLogger(__name__)
@@ -61,28 +60,26 @@ __all__ = ["ProducerWorker"]
 
 
 class ProducerWorker:
-    """One producer TP rank's side of the transfer (see module doc). ``stats`` and
-    ``stats_file`` are the worker's, shared with its consumer role on a kv_both instance."""
+    """One producer TP rank's side of the transfer (see module doc), over the rank's
+    ``WorkerBase`` (shared with its consumer role on a kv_both instance)."""
 
-    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, tp_rank: int, tp_size: int,
-                 num_kv_heads: int, auth: Auth, stats: DCP2DStats, stats_file: StatsFile):
-        self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, engine_id
-        self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
-        self.auth, self.stats, self.stats_file = auth, stats, stats_file
-        self._one_host = compat.single_host(vllm_config)  # the handover is timed across processes
+    def __init__(self, base: WorkerBase):
+        self.base = base
+        vllm_config, cfg, tp_rank, tp_size = base.vllm_config, base.cfg, base.tp_rank, base.tp_size
+        self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, base.engine_id
+        self.tp_rank, self.tp_size, num_kv_heads = tp_rank, tp_size, base.num_kv_heads
+        self.num_kv_heads, self.stats, self.stats_file = num_kv_heads, base.stats, base.stats_file
+        self._one_host = base.single_host  # the handover is timed across processes
         try:  # the layer count does not matter for the check
             send_shard(1, num_kv_heads, tp_size, tp_rank, cfg.cp_size)
         except ValueError as e:
             raise ConfigError(f"kv_connector_extra_config['cp_size'] = {cfg.cp_size}: {e}") from None
-        if tp_rank == 0:
-            cp, why = instance.cp_size(vllm_config)
-            log.info("DCP2D producer: cp_size %d (%s)", cp, why)
         self.sender: Sender | None = None  # None on a TP rank that sends nothing (layout.send_shard)
         self.bootstrap: BootstrapServer | None = None  # TP rank 0
         self.http_bootstrap: HttpBootstrap | None = None
         self.layer_split: layer_split.LayerSplit | None = None
         self.layer_ids: dict[str, int] = {}
-        self._sending: dict[str, str] = {}  # transfer key -> request id, until finished
+        self.keys = TransferKeys()  # request id <-> transfer key, until the sender finished it
         # transfer key -> (when its blocks went to the sender, seconds since request_finished)
         self._handed: dict[str, tuple[float, float | None]] = {}
         self._finished: set[str] = set()  # request ids finished without the sender
@@ -92,6 +89,14 @@ class ProducerWorker:
         self._unwritten: list[tuple[object, str, SendSpec]] = []
 
     # -- start-up -----------------------------------------------------------------------------
+
+    def prepare(self, kv: KVCaches) -> str:
+        """Before the transport starts: layer-split storage, where KV writes are seen, and
+        the instance's registration token (a collective: every TP rank calls it at the same
+        point, while it registers its KV caches)."""
+        self.start_layer_split(kv.tensors, kv.layer_ids, self.base.num_blocks, kv.num_layers)
+        self.watch_kv_writes(kv.tensors)
+        return self.token()
 
     def start_layer_split(self, kv_caches: dict, layer_ids: dict[str, int], num_blocks: int,
                           num_layers: int) -> None:
@@ -148,23 +153,22 @@ class ProducerWorker:
         TP rank calls it at the same point (while it registers its KV caches)."""
         return compat.tp_broadcast(secrets.token_hex(16) if self.tp_rank == 0 else None)
 
-    def start(self, transport, regions, fingerprint, num_layers: int, staging_bytes: int, token: str,
-              kv_bytes, bootstrap_addr: str) -> None:
-        """Start the bootstrap server (TP rank 0) and this rank's sender, on ``transport``
-        with the KV memory behind ``regions`` registered."""
+    def start(self, kv: KVCaches, token: str) -> None:
+        """Start the bootstrap server (TP rank 0) and this rank's sender, on the base's
+        transport (``kv``'s memory registered)."""
         if self.tp_rank == 0:
-            self.bootstrap = BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port, token, self.auth)
+            self.bootstrap = BootstrapServer(self.cfg.bootstrap_host, self.cfg.bootstrap_port, token, self.base.auth)
             self.http_bootstrap = start_http_bootstrap(self.cfg, self.bootstrap, self.engine_id)
-        shard = send_shard(num_layers, self.num_kv_heads, self.tp_size, self.tp_rank, self.cfg.cp_size)
+        shard = send_shard(kv.num_layers, self.num_kv_heads, self.tp_size, self.tp_rank, self.cfg.cp_size)
         if shard is None:
             return
         cp_rank, cp_size, layers, heads = shard
-        self.sender = Sender(transport, regions, fingerprint, engine_id=self.engine_id,
+        self.sender = Sender(self.base.transport, kv.regions, kv.fingerprint, engine_id=self.engine_id,
                              cp_rank=cp_rank, cp_size=cp_size, local_hostname=self.cfg.local_hostname,
-                             bootstrap=bootstrap_addr, send_timeout_s=self.cfg.send_timeout_s,
-                             claim_timeout_s=self.cfg.claim_timeout_s, staging_bytes=staging_bytes,
-                             layers=layers, heads=heads, token=token, auth=self.auth,
-                             max_prefill_wait_s=self.cfg.max_prefill_wait_s, kv_bytes=kv_bytes)
+                             bootstrap=bootstrap_addr(self.cfg), send_timeout_s=self.cfg.send_timeout_s,
+                             claim_timeout_s=self.cfg.claim_timeout_s, staging_bytes=kv.staging_bytes,
+                             layers=layers, heads=heads, token=token, auth=self.base.auth,
+                             max_prefill_wait_s=self.cfg.max_prefill_wait_s, kv_bytes=kv.kv_bytes)
         log.info("DCP2D producer: TP rank %d = CP rank %d/%d sends layers [%d, %d) of KV heads [%d, %d) "
                  "via %s", self.tp_rank, cp_rank, cp_size, layers.start, layers.stop, heads.start,
                  heads.stop, self.sender.address)
@@ -183,7 +187,11 @@ class ProducerWorker:
 
     def handle_preemptions(self, meta: DCP2DMetadata) -> None:
         """Attempts of requests preempted after their prompt completed start over
-        (``Sender.restart``); see ``WorkerSide.handle_preemptions``."""
+        (``Sender.restart``): a layer written, or being written, from the freed blocks
+        counts for nothing, and every layer is written again from the re-prefill's blocks.
+        Nothing waits here: writes of an attempt are ordered by its lock, so a stale write
+        that is still reading lands before its replacement, and no answer goes out until
+        the last one."""
         if self.sender is None:
             return
         for req_id, key in meta.preempted.items():
@@ -200,7 +208,7 @@ class ProducerWorker:
             if self.sender is None:
                 self._finished.add(req_id)
             else:
-                self._sending[key] = req_id
+                self.keys.bind(req_id, key)
                 self.sender.abort(key)
         # After every kernel of the step that finished them: the draft's KV writes included
         # (module doc, "The draft's KV"); None on CPU.
@@ -209,7 +217,7 @@ class ProducerWorker:
             if self.sender is None:
                 self._finished.add(req_id)
                 continue
-            self._sending[spec.transfer_key] = req_id
+            self.keys.bind(req_id, spec.transfer_key)
             self._unwritten.append((event, req_id, spec))
         self._send_written()
 
@@ -251,7 +259,8 @@ class ProducerWorker:
         if self.sender is None:
             return sending
         for key, why in self.sender.pop_finished().items():
-            req_id = self._sending.pop(key, key)
+            req_id = self.keys.owner(key, key)
+            self.keys.unbind(req_id)
             sending.add(req_id)
             handed, handover = self._handed.pop(key, (None, None))
             held = None if handed is None else time.monotonic() - handed
@@ -276,17 +285,21 @@ class ProducerWorker:
         if self.sender is not None:
             self.stats.count("refused_registrations", self.sender.consumers.take_refused())
 
-    def threads(self) -> tuple:
-        """What runs threads of this role (each has ``.failed``)."""
-        return tuple(p for p in (self.sender, self.bootstrap) if p is not None)
+    def check_alive(self) -> None:
+        """Raise if a thread of this role died (``WorkerBase.check_alive``)."""
+        self.base.check_alive(p for p in (self.sender, self.bootstrap) if p is not None)
 
-    def parts(self) -> tuple:
-        """What ``WorkerSide.shutdown`` closes, in order."""
-        return tuple(p for p in (self.sender, self.http_bootstrap, self.bootstrap) if p is not None)
+    def trust(self, identity: bytes) -> None:
+        """kv_both: this rank's own receiver (routing id ``identity``) may fetch from its sender."""
+        self.sender.consumers.trust(identity)
 
-    def unhook(self) -> None:
-        dsa.unhook_fused_writes(self.vllm_config, self._fused)
-        self._fused = []
+    def close(self) -> None:
+        """Unhook the KV writes, then close the sender and the bootstrap servers."""
+        if self._fused:
+            dsa.unhook_fused_writes(self.vllm_config, self._fused)
+            self._fused = []
         if self.layer_split is not None:
             unhook_cache_writes(self.vllm_config, list(self.layer_split.owners))
             self.layer_split = None
+        close_all((self.sender, self.http_bootstrap, self.bootstrap))
+        self.sender = self.bootstrap = self.http_bootstrap = None

@@ -1,4 +1,4 @@
-"""Scheduler side of DCP2DConnector: which request loads or sends what.
+"""Scheduler side of DCP2DConnector: which request fetches or sends what.
 
 Runs in vLLM's engine-core process, once per instance. No I/O: it only turns
 the scheduler's decisions into ``DCP2DMetadata`` for the workers, and reads
@@ -30,12 +30,12 @@ Producer (prefill, ``kv_role="kv_producer"``), per request that came with
 Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
 ``kv_transfer_params={"do_remote_prefill": true, ...}`` from a producer:
   * ``get_num_new_matched_tokens`` counts the prompt tokens not cached
-    locally, loaded asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
-  * ``update_state_after_alloc`` checks the params (``params.load_params``)
-    and records the load for the next step's ``loads``; refused params go there
-    too, with the reason, and every worker reports that load failed, so
+    locally, fetched asynchronously (the request waits in WAITING_FOR_REMOTE_KVS);
+  * ``update_state_after_alloc`` checks the params (``metadata.fetch_params``)
+    and records the fetch for the next step's ``fetches``; refused params go there
+    too, with the reason, and every worker reports that fetch failed, so
     ``kv_load_failure_policy`` ends or recomputes the request in that step (it
-    must not wait for a load that never starts); each worker (DCP rank) fetches its
+    must not wait for a fetch that never starts); each worker (DCP rank) fetches its
     pages from every prefill CP rank and reports ``finished_recving``, or the
     blocks as load errors;
   * a fetch that ended while a prefill rank may still write into its blocks is
@@ -47,7 +47,7 @@ Consumer (decode, ``kv_role="kv_consumer"``), per request that came with
     request's params to each) fetch it once: the others wait for that fetch and
     prefill locally on the prefix cache, or at once when their prompt is not the
     key's (``siblings``);
-  * a request this instance will not fetch (nothing left to load after its
+  * a request this instance will not fetch (nothing left to fetch after its
     prefix-cache hit, or finished before it was admitted: an abort while it
     waited, the proxy giving up) is listed in ``releases``: each worker tells
     every prefill CP rank (``ReleaseTransfer``), which frees its blocks now
@@ -65,9 +65,9 @@ import numpy as np
 
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta, LoadSpec, ReleaseSpec, SendSpec
-from vllm_dcp2d.connector.params import (CLIENT_KEY_FIELD, KEY_FIELD, bootstrap_addr, check_bootstrap_addr, flag,
-                                         load_params, key_of)
+from vllm_dcp2d.connector.metadata import (CLIENT_KEY_FIELD, KEY_FIELD, DCP2DMetadata, DCP2DWorkerMeta, FetchSpec,
+                                           ReleaseSpec, SendSpec, TransferKeys, bootstrap_addr, check_bootstrap_addr,
+                                           fetch_params, flag, key_of)
 from vllm_dcp2d.connector.siblings import Siblings
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
@@ -100,7 +100,7 @@ class SchedulerSide:
         self.failure_policy = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_load_failure_policy", "fail")
         self.bootstrap_addr = bootstrap_addr(cfg)
         self.kv_cache_manager = None
-        self._loads: dict[str, LoadSpec] = {}
+        self._fetches: dict[str, FetchSpec] = {}
         self._releases: dict[str, ReleaseSpec] = {}
         self._ready: dict[str, SendSpec] = {}
         self._aborted: dict[str, str] = {}
@@ -110,11 +110,10 @@ class SchedulerSide:
         self._remote_decode: dict[str, int] = {}  # producer: prompt length of requests still prefilling
         self._digests: dict[str, str] = {}  # producer: prompt digest of each request it will send
         self._refused: dict[str, str] = {}  # producer: why a request's do_remote_decode was refused
-        self._keys: dict[str, str] = {}  # producer: request id -> transfer key, until its blocks are freed
-        self._key_owner: dict[str, str] = {}  # transfer key -> request id
+        self.keys = TransferKeys()  # producer: request id <-> transfer key, until its blocks are freed
         self.siblings = Siblings()  # consumer: engine requests sharing one transfer key (n > 1, batches)
         self.bell = StepBell() if is_consumer else None  # ends an idle step when a fetch ends
-        # consumer: admit, resume and first step of each loaded request (issue 29)
+        # consumer: admit, resume and first step of each fetched request (issue 29)
         self.timeline = DecodeTimeline(StatsFile(cfg.stats_file, "consumer", engine_id)) if is_consumer else None
         self._was_idle = False  # the last step had nothing to compute or hand over
 
@@ -124,7 +123,7 @@ class SchedulerSide:
         """Called by the scheduler for a waiting request, possibly several times
         before it is admitted; changes no state but a cache of the prompt's digest. Returns the prompt tokens
         the producer will write beyond the ``num_computed_tokens`` cached locally,
-        and True (loaded asynchronously)."""
+        and True (fetched asynchronously: vLLM's "load" flag)."""
         params = transfer_params(request.kv_transfer_params)
         if not (self.is_consumer and flag(params, "do_remote_prefill")[0]):
             return 0, False
@@ -136,7 +135,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Called by the scheduler once blocks are allocated for a newly admitted
-        request (``blocks``: all its blocks). Records the load for the next step."""
+        request (``blocks``: all its blocks). Records the fetch for the next step."""
         params = transfer_params(request.kv_transfer_params)
         sends, refused = flag(params, "do_remote_decode")
         if self.is_producer and refused:  # not prefilled for a decode; its answer says why (request_finished)
@@ -154,16 +153,16 @@ class SchedulerSide:
             self.siblings.admitted(request.request_id)
 
     def _admit(self, request, params: dict, blocks, num_external_tokens: int) -> None:
-        """Consumer: record the load of a newly admitted ``request`` (or why it has none)."""
+        """Consumer: record the fetch of a newly admitted ``request`` (or why it has none)."""
         bad = flag(params, "do_remote_prefill")[1]  # refused below, whatever else the params hold
         # One transfer per request: a preempted request recomputes locally.
         params["do_remote_prefill"] = False
-        if bad and num_external_tokens == 0:  # nothing to load to fail: served from the local cache
+        if bad and num_external_tokens == 0:  # nothing to fetch to fail: served from the local cache
             log.warning("request %s: %s; its prompt is cached here, so nothing is fetched", request.request_id, bad)
             return
         if not bad and self.siblings.verdict(request, params) is not None:
             key = key_of(params)
-            holder = self.siblings.loading(key) or self.siblings.ended(key) if isinstance(key, str) else None
+            holder = self.siblings.fetcher(key) or self.siblings.ended(key) if isinstance(key, str) else None
             why = (f"transfer key {clip(repr(key), 80)} is fetched by request {holder} on this instance" if holder
                    else "its kv_transfer_params carry another prompt's digest")
             log.info("request %s: prefilled here, reusing what the prefix cache holds: %s (n > 1, or a batch "
@@ -178,17 +177,17 @@ class SchedulerSide:
         try:
             if bad:
                 raise ValueError(bad)
-            spec, warning = load_params(params, self.cfg, block_ids=ids, num_tokens=num_tokens, first_page=first_page,
+            spec, warning = fetch_params(params, self.cfg, block_ids=ids, num_tokens=num_tokens, first_page=first_page,
                                         prompt_digest=self.siblings.prompt_digest(request))
         except ValueError as e:
             log.warning("request %s: %s; its load fails (kv_load_failure_policy %r applies)", request.request_id,
                         clip(str(e), 400), self.failure_policy)
-            self._loads[request.request_id] = LoadSpec("", "", "", ids, first_page, num_tokens, None, 0.0,
+            self._fetches[request.request_id] = FetchSpec("", "", "", ids, first_page, num_tokens, None, 0.0,
                                                        refused=f"kv_transfer_params refused: {e}")
             return
         if warning:
             log.warning("request %s: %s", request.request_id, warning)
-        self._loads[request.request_id] = spec
+        self._fetches[request.request_id] = spec
         self.siblings.start(spec.transfer_key, request.request_id)
         self.timeline.admitted(request.request_id, spec.transfer_key, getattr(request, "arrival_time", None))
 
@@ -220,18 +219,12 @@ class SchedulerSide:
         """``asked``: the transfer key the client gave (``CLIENT_KEY_FIELD``), if any."""
         key = req_id
         if isinstance(asked, str) and 0 < len(asked) <= MAX_NAME:
-            if self._key_owner.get(asked, req_id) == req_id:
+            if self.keys.owner(asked, req_id) == req_id:
                 key = asked
             else:
                 log.warning("request %s: transfer key %r is in use by request %s; decode must fetch it as %r",
-                            req_id, asked, self._key_owner[asked], req_id)
-        self._keys[req_id] = key
-        self._key_owner[key] = req_id
-
-    def _unbind_key(self, req_id: str) -> None:
-        key = self._keys.pop(req_id, None)
-        if key is not None and self._key_owner.get(key) == req_id:
-            del self._key_owner[key]
+                            req_id, asked, self.keys.owner(asked), req_id)
+        self.keys.bind(req_id, key)
 
     def update_connector_output(self, connector_output) -> None:
         """Called by the scheduler with the workers' merged output every step,
@@ -239,18 +232,18 @@ class SchedulerSide:
         Producer: requests whose blocks are now freed release their transfer key.
         Consumer: blocks go into quarantine or come out of it (``DCP2DWorkerMeta``)."""
         for req_id in connector_output.finished_sending or ():
-            self._unbind_key(req_id)
+            self.keys.unbind(req_id)
         meta = connector_output.kv_connector_worker_meta
         if self.is_consumer:  # fetches that ended: their siblings stop waiting
             for req_id in (*(connector_output.finished_recving or ()), *(connector_output.failed_recving or ()),
-                           *(meta.failed_loads if isinstance(meta, DCP2DWorkerMeta) else ())):
+                           *(meta.failed_fetches if isinstance(meta, DCP2DWorkerMeta) else ())):
                 self.siblings.end(req_id)
         if self.timeline is not None:
             self.timeline.failed(connector_output.failed_recving or ())
             if isinstance(meta, DCP2DWorkerMeta):
-                self.timeline.failed(meta.failed_loads)
+                self.timeline.failed(meta.failed_fetches)
                 self.timeline.ran(meta.ran)
-            self.timeline.loaded(connector_output.finished_recving or ())
+            self.timeline.fetched(connector_output.finished_recving or ())
         if not isinstance(meta, DCP2DWorkerMeta):
             return
         for key, ids in meta.quarantine.items():
@@ -275,7 +268,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> DCP2DMetadata:
         """Called by the scheduler at the end of ``schedule()``; resets the pending sets."""
         idle = scheduler_output.total_num_scheduled_tokens == 0 and not (
-            self._loads or self._ready or self._aborted or self._releases or self._dropped)
+            self._fetches or self._ready or self._aborted or self._releases or self._dropped)
         if idle and self._was_idle:
             # Nothing to compute: vLLM keeps stepping only to poll transfers (held
             # blocks, remote KV). Unthrottled, that loop and the TP workers it drives
@@ -297,17 +290,17 @@ class SchedulerSide:
                 time.sleep(IDLE_POLL_S)
             idle = not rung
         self._was_idle = idle
-        meta = DCP2DMetadata(loads=self._loads, ready=self._ready, aborted=self._aborted, releases=self._releases,
+        meta = DCP2DMetadata(fetches=self._fetches, ready=self._ready, aborted=self._aborted, releases=self._releases,
                              dropped=self._dropped, bell=self.bell.address if self.bell is not None else "")
-        self._loads, self._ready, self._aborted, self._releases, self._dropped = {}, {}, {}, {}, {}
+        self._fetches, self._ready, self._aborted, self._releases, self._dropped = {}, {}, {}, {}, {}
         for req_id in meta.dropped:  # the workers learn of it in this step: its key may be reused now
-            self._unbind_key(req_id)
+            self.keys.unbind(req_id)
         if self.layer_split:
             meta.context_blocks = self._context_blocks(scheduler_output)
         for req_id in compat.preempted(scheduler_output):
             prompt_len = self._computed.pop(req_id, None)
             if prompt_len is not None:  # layer writes may have read its freed blocks
-                meta.preempted[req_id] = self._keys.get(req_id, req_id)
+                meta.preempted[req_id] = self.keys.key(req_id, req_id)
                 self._remote_decode[req_id] = prompt_len  # its re-prefill lists it in computing again
         if self.is_producer and self._remote_decode:
             for req_id, num_tokens in compat.scheduled_tokens(scheduler_output):
@@ -316,7 +309,7 @@ class SchedulerSide:
                     del self._remote_decode[req_id]
                     self._computed[req_id] = prompt_len
                     meta.computing[req_id] = SendSpec(self._block_ids(req_id, prompt_len), prompt_len,
-                                                      self._keys.get(req_id, req_id),
+                                                      self.keys.key(req_id, req_id),
                                                       prompt_digest=self._digests.get(req_id, ""))
         if self.timeline is not None:
             meta.first_run = self.timeline.scheduled(req_id for req_id, _ in compat.scheduled_tokens(scheduler_output))
@@ -350,7 +343,7 @@ class SchedulerSide:
 
         Producer: returns ``(True, params for decode)`` to keep the blocks until the
         workers report ``finished_sending``. Consumer: nothing to keep; a request
-        that finished before it was admitted (its load never started) is released
+        that finished before it was admitted (its fetch never started) is released
         on the producer."""
         self._remote_decode.pop(request.request_id, None)
         digest = self._digests.pop(request.request_id, None)
@@ -373,14 +366,14 @@ class SchedulerSide:
             return False, None
         has_blocks = any(block_ids)
         if not compat.finished_normally(request) or not has_blocks:
-            key = self._keys.get(request.request_id, request.request_id)
+            key = self.keys.key(request.request_id, request.request_id)
             if computed and has_blocks:  # layer writes may read the blocks: free them once none can
                 self._aborted[request.request_id] = key
                 return True, None
             self._dropped[request.request_id] = key  # fetches may wait for it: they fail now
             return False, None
         num_tokens = request.num_prompt_tokens
-        key = self._keys.get(request.request_id, request.request_id)
+        key = self.keys.key(request.request_id, request.request_id)
         if digest is None:
             digest = prompt_digest(**compat.prompt_inputs(request))
         self._ready[request.request_id] = SendSpec(self._pages(block_ids, num_tokens), num_tokens, key,

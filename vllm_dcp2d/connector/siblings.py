@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from vllm_dcp2d.connector.params import key_of
+from vllm_dcp2d.connector.metadata import TransferKeys, key_of
 from vllm_dcp2d.transfer.messages import prompt_digest
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
@@ -34,8 +34,7 @@ class Siblings:
     """Transfer keys being fetched on this decode instance, and keys whose fetch ended."""
 
     def __init__(self, max_ended: int = MAX_ENDED, ttl_s: float = ENDED_TTL_S, clock=time.monotonic):
-        self._loading: dict[str, str] = {}  # transfer key -> the request fetching it
-        self._key_of: dict[str, str] = {}  # request -> the key it fetches
+        self.fetching = TransferKeys()  # request <-> the key it fetches now
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (request, when it ended)
         self._max_ended, self._ttl_s, self._clock = max_ended, ttl_s, clock
         self._digests: dict[str, str] = {}  # request not admitted yet -> its prompt's digest
@@ -51,7 +50,7 @@ class Siblings:
             return False  # a batch answered with one prompt's params: the KV is another prompt's
         if not isinstance(key, str):
             return None
-        holder = self.loading(key)
+        holder = self.fetcher(key)
         if holder is not None and holder != request.request_id:
             return True
         ended = self.ended(key)
@@ -70,9 +69,9 @@ class Siblings:
         """``req_id`` was admitted (or finished): vLLM asks no more about it."""
         self._digests.pop(req_id, None)
 
-    def loading(self, key: str) -> str | None:
+    def fetcher(self, key: str) -> str | None:
         """The request fetching ``key`` now, if any."""
-        return self._loading.get(key)
+        return self.fetching.owner(key)
 
     def ended(self, key: str) -> str | None:
         """The request whose fetch of ``key`` ended within ``ttl_s``, if any."""
@@ -82,15 +81,14 @@ class Siblings:
 
     def start(self, key: str, req_id: str) -> None:
         """``req_id`` fetches ``key`` (the caller checked that nobody else does)."""
-        self._loading[key] = req_id
-        self._key_of[req_id] = key
+        self.fetching.bind(req_id, key)
 
     def end(self, req_id: str) -> None:
-        """``req_id``'s fetch ended (loaded, failed, or the request finished); no-op if it had none."""
-        key = self._key_of.pop(req_id, None)
-        if key is None or self._loading.get(key) != req_id:
+        """``req_id``'s fetch ended (ok, failed, or the request finished); no-op if it had none."""
+        owned = self.fetching.owner(self.fetching.key(req_id, ""))
+        key = self.fetching.unbind(req_id)
+        if key is None or owned != req_id:
             return
-        del self._loading[key]
         self._ended[key] = (req_id, self._clock())
         self._ended.move_to_end(key)
         while len(self._ended) > self._max_ended:
@@ -105,4 +103,4 @@ class Siblings:
             del self._ended[key]
 
     def __len__(self) -> int:
-        return len(self._loading) + len(self._ended)
+        return len(self.fetching) + len(self._ended)

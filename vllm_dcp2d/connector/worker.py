@@ -1,16 +1,17 @@
-"""Worker side of DCP2DConnector: one per TP rank, in vLLM's worker process.
+"""What a worker's two roles share: one per TP rank, in vLLM's worker process.
 
-``WorkerSide`` is what the connector's worker half calls; it owns what both
-roles share (the Mooncake transport, the stats, the step bell, the router
-registration) and hands each hook to its roles: ``producer.ProducerWorker``
-(prefill: sender, bootstrap server, layer-split storage) and
-``consumer.ConsumerWorker`` (decode: receiver, loads, releases, quarantines);
-a kv_both instance has both.
+The connector's worker half (``connector.DCP2DConnector``) drives its roles itself:
+``producer.ProducerWorker`` (prefill: sender, bootstrap server, layer-split storage)
+and ``consumer.ConsumerWorker`` (decode: receiver, fetches, releases, quarantines); a
+kv_both instance has both. Each role holds this rank's ``WorkerBase``: the Mooncake
+transport, the auth, the stats and their file, the step bell's rope and the router
+registration, and the KV as registered (``KVCaches``). Each role closes what it
+started (``close``); the base closes what it holds.
 
 Hook order per engine step (vLLM 0.32 ``KVConnectorModelRunnerMixin``):
 ``handle_preemptions`` (before anything of the step runs) -> the step's
 metadata is bound -> forward (``wait_for_layer_load`` / ``save_kv_layer``
-around each attention layer) -> ``start_load_kv`` (after the forward: our loads
+around each attention layer) -> ``start_load_kv`` (after the forward: our fetches
 are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
 ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats``.
 """
@@ -18,41 +19,74 @@ are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_dcp2d.config import DCP2DConfig
-from vllm_dcp2d.connector.consumer import ConsumerWorker
 from vllm_dcp2d.connector.discovery import Registration, registration
-from vllm_dcp2d.connector.metadata import DCP2DMetadata, DCP2DWorkerMeta
-from vllm_dcp2d.connector.params import bootstrap_addr
-from vllm_dcp2d.connector.producer import ProducerWorker
+from vllm_dcp2d.connector.metadata import DCP2DMetadata
 from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
 from vllm_dcp2d.connector.step_bell import BellRope
-from vllm_dcp2d.reshard.layout import kv_head_range
+from vllm_dcp2d.reshard.regions import KVRegions
 from vllm_dcp2d.transfer.auth import Auth, exposed, load_secret
 from vllm_dcp2d.transfer.checksum import KVBytes
-from vllm_dcp2d.transfer.transport import MooncakeTransport, unpinned
+from vllm_dcp2d.transfer.messages import Fingerprint
+from vllm_dcp2d.transfer.transport import MooncakeTransport
 from vllm_dcp2d.vllm_compat import connector_api as compat
+from vllm_dcp2d.vllm_compat import instance
 from vllm_dcp2d.vllm_compat.fingerprint import kv_fingerprint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerBase", "KVCaches", "close_all"]
 
 
-class WorkerSide:
-    """The worker-role half of DCP2DConnector (see module doc)."""
+@dataclass
+class KVCaches:
+    """This rank's paged KV as vLLM allocated it (``register_kv_caches``).
 
-    def __init__(self, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool,
-                 kv_cache_config=None):
+    tensors:     ``{layer_name: tensor}`` (layouts: ``compat.kv_regions``).
+    layer_ids:   layer name -> layer index (0..num_layers-1).
+    regions:     the KV regions (all layers); ``memory``: ``[(addr, nbytes)]`` behind them.
+    fingerprint: the KV format the other side must match.
+    kv_bytes:    the KV as tensors where they are (the checksum reads them).
+    staging_bytes: the send staging (host KV only: it gathers through numpy; 0 on a GPU).
+    """
+
+    tensors: dict
+    layer_ids: dict[str, int]
+    regions: KVRegions
+    memory: list
+    fingerprint: Fingerprint
+    num_layers: int
+    kv_bytes: KVBytes
+    staging_bytes: int
+
+
+class WorkerBase:
+    """What both roles of one TP rank share (see module doc). ``of`` builds it from vLLM's
+    config; the constructor takes what it reads there, so a role can be driven without an
+    engine (tests/connector/test_producer.py, test_consumer.py).
+
+    tp_rank, tp_size: this worker among the instance's TP ranks; dcp_rank, dcp_size: its
+    DCP group (a consumer's; (0, 1) without DCP). num_kv_heads: the model's. page_size:
+    tokens per KV block. num_blocks: KV blocks per layer. groups: layer name -> KV cache
+    group; group_sharded: per group, DCP-sharded or replicated. single_host: the engine
+    core and every worker share one ``time.monotonic()`` (the handover is timed across them).
+    """
+
+    def __init__(self, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool, *,
+                 tp_rank: int = 0, tp_size: int = 1, dcp_rank: int = 0, dcp_size: int = 1, num_kv_heads: int,
+                 page_size: int, num_blocks: int, groups: dict | None = None, group_sharded: list | None = None,
+                 single_host: bool = True, vllm_config=None):
         self.vllm_config, self.cfg, self.engine_id = vllm_config, cfg, engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
-        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
-        self.groups = compat.layer_groups(kv_cache_config)  # layer name -> KV cache group
-        self.group_sharded = compat.group_sharded(kv_cache_config)
-        self.tp_rank, self.tp_size = compat.tp_rank_size()
-        num_kv_heads = compat.num_kv_heads(vllm_config)
+        self.tp_rank, self.tp_size, self.dcp_rank, self.dcp_size = tp_rank, tp_size, dcp_rank, dcp_size
+        self.num_kv_heads, self.page_size, self.num_blocks = num_kv_heads, page_size, num_blocks
+        self.groups = groups or {}
+        self.group_sharded = group_sharded or [True]
+        self.single_host = single_host
         self.auth = Auth(load_secret(cfg.auth_secret_file))  # raises ConfigError for a bad secret file
         if self.tp_rank == 0:  # one line per instance (docs/security.md)
             hosts = {"local_hostname": cfg.local_hostname}
@@ -63,181 +97,114 @@ class WorkerSide:
                 log.warning("%s", warning)
         self.stats = DCP2DStats()
         self.stats_file = StatsFile(cfg.stats_file, "consumer" if is_consumer else "producer", engine_id)
-        self.producer = ProducerWorker(vllm_config, cfg, engine_id, self.tp_rank, self.tp_size, num_kv_heads,
-                                       self.auth, self.stats, self.stats_file) if is_producer else None
-        self.consumer = None
-        if is_consumer:
-            dcp_rank, dcp_size = compat.dcp_rank_size()
-            self.consumer = ConsumerWorker(vllm_config, cfg, engine_id, self.tp_rank, self.tp_size, dcp_rank,
-                                           dcp_size, kv_head_range(num_kv_heads, self.tp_size, self.tp_rank),
-                                           num_kv_heads, self.group_sharded,
-                                           compat.page_size(vllm_config), self.auth, self.stats, self.stats_file)
-        self.num_kv_heads = num_kv_heads
         self.transport: MooncakeTransport | None = None
         self.registration: Registration | None = None  # with vllm-router's discovery (TP rank 0)
         self.rope = BellRope("")  # rings the scheduler's step bell once a step names it
         self._kv_ptrs: dict[str, int] = {}
 
-    # -- start-up -----------------------------------------------------------------------------
+    @classmethod
+    def of(cls, vllm_config, cfg: DCP2DConfig, engine_id: str, is_producer: bool, is_consumer: bool,
+           kv_cache_config=None) -> WorkerBase:
+        """This worker's base, from vLLM's config (a worker process: its TP and DCP groups
+        are up). Raises ``ConfigError`` for a DCP interleave that splits pages."""
+        tp_rank, tp_size = compat.tp_rank_size()
+        dcp_rank, dcp_size = 0, 1
+        if is_consumer:
+            compat.check_interleave(vllm_config)
+            dcp_rank, dcp_size = compat.dcp_rank_size()
+        if is_producer and tp_rank == 0:
+            cp, why = instance.cp_size(vllm_config)
+            log.info("DCP2D producer: cp_size %d (%s)", cp, why)
+        return cls(cfg, engine_id, is_producer, is_consumer, tp_rank=tp_rank, tp_size=tp_size, dcp_rank=dcp_rank,
+                   dcp_size=dcp_size, num_kv_heads=compat.num_kv_heads(vllm_config),
+                   page_size=compat.page_size(vllm_config),
+                   num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
+                   groups=compat.layer_groups(kv_cache_config), group_sharded=compat.group_sharded(kv_cache_config),
+                   single_host=compat.single_host(vllm_config), vllm_config=vllm_config)
 
-    def register_kv_caches(self, kv_caches: dict) -> None:
-        """Called once by the model runner after it allocated the paged KV
-        (``{layer_name: tensor}``, see ``compat.kv_regions`` for the layouts).
-        Registers the memory with Mooncake and starts this rank's roles."""
-        layer_ids = compat.kv_layer_ids(self.vllm_config, kv_caches)
-        regions, memory = compat.kv_regions(kv_caches, self.num_blocks, layer_ids, self.groups,
-                                            self.group_sharded)
-        self._kv_ptrs = {name: t.data_ptr() for name, t in kv_caches.items()}
+    def kv_caches(self, tensors: dict) -> KVCaches:
+        """What ``register_kv_caches`` hands over (``{layer_name: tensor}``), described and
+        checked: layers 0..L-1, the regions, the fingerprint."""
+        layer_ids = compat.kv_layer_ids(self.vllm_config, tensors)
+        regions, memory = compat.kv_regions(tensors, self.num_blocks, layer_ids, self.groups, self.group_sharded)
+        self._kv_ptrs = {name: t.data_ptr() for name, t in tensors.items()}
         layers = np.sort(regions.layer_ids)
         if not np.array_equal(layers, np.arange(layers.size)):
             raise ValueError(f"KV layers must be 0..L-1, got {layers.tolist()}")
         num_layers = int(layers.size)
-        fingerprint = kv_fingerprint(self.vllm_config, kv_caches, regions, self.num_blocks, layer_ids, num_layers,
+        fingerprint = kv_fingerprint(self.vllm_config, tensors, regions, self.num_blocks, layer_ids, num_layers,
                                      self.num_kv_heads)
-        token = ""
-        if self.producer is not None:
-            self.producer.start_layer_split(kv_caches, layer_ids, self.num_blocks, num_layers)
-            self.producer.watch_kv_writes(kv_caches)
-            token = self.producer.token()
         # The send staging gathers through numpy: host memory only. The checksum reads the KV
         # as tensors where they are (the same code on a CPU and a GPU).
-        host_kv = next(iter(kv_caches.values())).device.type == "cpu"
-        staging = self.cfg.send_staging_mib << 20 if host_kv else 0
-        kv_bytes = KVBytes.of_tensors(kv_caches.values())
-        # vLLM's CPU worker pins this thread to its cores; the threads started here must not inherit it
-        with unpinned():
-            self._start(regions, memory, fingerprint, num_layers, staging, token, kv_bytes)
+        host_kv = next(iter(tensors.values())).device.type == "cpu"
+        return KVCaches(tensors, layer_ids, regions, memory, fingerprint, num_layers,
+                        KVBytes.of_tensors(tensors.values()), self.cfg.send_staging_mib << 20 if host_kv else 0)
 
-    def _start(self, regions, memory, fingerprint, num_layers: int, staging_bytes: int, token: str,
-               kv_bytes: KVBytes) -> None:
-        # A producer's engine only writes: it may be replaced after a failed write.
+    def open_transport(self, kv: KVCaches) -> MooncakeTransport:
+        """This rank's Mooncake engine, with ``kv``'s memory registered. A producer's engine
+        only writes: it may be replaced after a failed write."""
         self.transport = MooncakeTransport(self.cfg.local_hostname, protocol=self.cfg.protocol,
                                            renew_on_failure=self.is_producer and not self.is_consumer,
                                            handshake_timeout_s=self.cfg.handshake_timeout_s)
-        for addr, nbytes in memory:
+        for addr, nbytes in kv.memory:
             self.transport.register(addr, nbytes)
-        if self.producer is not None:
-            self.producer.start(self.transport, regions, fingerprint, num_layers, staging_bytes, token, kv_bytes,
-                                bootstrap_addr(self.cfg))
-        if self.consumer is not None:
-            # the receiver rings it when a fetch ended or a quarantine lifted: the idle step wakes
-            self.consumer.start(self.transport, regions, fingerprint, self.rope.ring, kv_bytes)
-        if self.producer is not None and self.consumer is not None:
-            # kv_both: this rank's receiver may fetch from its own sender, into the same engine's memory
-            self.producer.sender.consumers.trust(self.consumer.receiver.identity)
-        if self.tp_rank == 0:  # last: the router may send requests from now on
+        return self.transport
+
+    def announce(self) -> None:
+        """Register with vllm-router's discovery (TP rank 0; last: the router may send
+        requests from then on)."""
+        if self.tp_rank == 0:
             self.registration = registration(self.cfg, self.is_producer, self.is_consumer)
 
-    # -- per step -----------------------------------------------------------------------------
-
     def bind(self, meta) -> None:
-        """Called every step with its metadata, before the forward (None after it):
-        the context blocks the layer-split fill broadcasts, the step bell to ring."""
+        """The step's bell (``DCP2DMetadata.bell``): the rope rings it from now on."""
         if isinstance(meta, DCP2DMetadata):
             self.rope.aim(meta.bell)
-        if self.consumer is not None:
-            self.consumer.bind(meta)
-        if self.producer is not None:
-            self.producer.bind(meta)
 
-    def handle_preemptions(self, meta) -> None:
-        """Called by the model runner first thing in every step, before the forward
-        that may overwrite the blocks of requests preempted while it was scheduled.
-        Producer: their attempts start over (``Sender.restart``): a layer written, or
-        being written, from the freed blocks counts for nothing, and every layer is
-        written again from the re-prefill's blocks. Nothing waits here: writes of an
-        attempt are ordered by its lock, so a stale write that is still reading
-        lands before its replacement, and no answer goes out until the last one."""
-        self._check_threads()
-        if self.producer is not None and isinstance(meta, DCP2DMetadata):
-            self.producer.handle_preemptions(meta)
-
-    def _check_threads(self) -> None:
-        """A connector thread that died fails the engine (so its health check fails)
-        instead of leaving requests waiting for it forever."""
-        for role in (self.producer, self.consumer):
-            for part in () if role is None else role.threads():
-                if part.failed:
-                    raise RuntimeError(f"DCP2D {type(part).__name__} of TP rank {self.tp_rank} stopped: "
-                                       f"{part.failed}")
-
-    def start_load_kv(self, meta) -> None:
-        """Called by the model runner every step with this step's metadata bound.
-        Producer: hands finished prefills to the sender, aborts aborted ones.
-        Consumer: starts fetches; tells the producers about requests it will not fetch."""
-        if self.producer is not None:
-            self.producer.hand_over(meta)
-        if self.consumer is not None:
-            self.consumer.start_loads(meta)
-        elif meta.loads:
-            req_id = next(iter(meta.loads))
-            raise RuntimeError(f"request {req_id} asks to load KV but this instance is not a kv_consumer")
-
-    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """Called by the model runner after every step (``get_transfer_results``).
-        Returns three sets of request ids:
-
-        * sending: the producer may free their blocks (all decode ranks served,
-          expired or aborted; no write reads them any more);
-        * recving: their fetch ended on this consumer rank, ok or failed. A failed
-          one's blocks are in ``get_block_ids_with_load_errors``, unless it is in
-        * failed: failed as a whole, to be recomputed in fresh blocks while the
-          old ones are quarantined (``build_worker_meta``)."""
-        self._check_threads()
-        sending = set() if self.producer is None else self.producer.pop_finished()
-        recving, failed = (set(), set()) if self.consumer is None else self.consumer.pop_finished()
-        return sending, recving, failed
-
-    def build_worker_meta(self) -> DCP2DWorkerMeta | None:
-        """Called by the model runner after ``get_finished``, with the step's metadata
-        still bound: blocks to quarantine and quarantines lifted, failed loads, and
-        the requests whose first step on loaded KV this was, for the scheduler side."""
-        if self.consumer is None:
-            return None
-        m = self.consumer.take_meta()
-        return m if (m.quarantine or m.lifted or m.ran or m.failed_loads) else None
-
-    def save_kv_layer(self, layer_name: str, kv_layer, meta) -> None:
-        """Called by the attention layer right after it computed (and cached) the KV
-        of ``layer_name`` (``kv_layer``, its KV cache tensor) in this step's forward
-        (``meta``: this step's metadata). Producer: fetches already waiting for a
-        request whose prompt completes in this step get this layer now."""
+    def check_kv(self, layer_name: str, kv_layer) -> None:
+        """``kv_layer`` (the KV cache tensor of ``layer_name`` in this step's forward) is
+        still where Mooncake registered it."""
         ptr = self._kv_ptrs.get(layer_name)
         if ptr is not None and kv_layer.data_ptr() != ptr:
             raise RuntimeError(f"KV cache of {layer_name} moved from {ptr:#x} (registered with Mooncake) to "
                                f"{kv_layer.data_ptr():#x}; transfers would write freed memory")
-        if self.producer is not None:
-            self.producer.save_kv_layer(layer_name, kv_layer, meta)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Called by the model runner after ``get_finished``; returns and clears."""
-        return set() if self.consumer is None else self.consumer.pop_load_errors()
+    def check_alive(self, parts) -> None:
+        """A connector thread that died fails the engine (so its health check fails)
+        instead of leaving requests waiting for it forever. ``parts``: what runs threads
+        (each has ``.failed``)."""
+        for part in parts:
+            if part.failed:
+                raise RuntimeError(f"DCP2D {type(part).__name__} of TP rank {self.tp_rank} stopped: {part.failed}")
 
-    def get_kv_connector_stats(self) -> DCP2DStats | None:
-        if self.producer is not None:
-            self.producer.count_stats()
+    def take_stats(self) -> DCP2DStats | None:
+        """The step's stats (both roles count into ``stats``), with the transport's and
+        the auth's counts; None if nothing was counted."""
         if self.transport is not None:
             for name, n in self.transport.take_counts().items():
                 self.stats.count(name, n)
         self.stats.count("unauthenticated", self.auth.take_refused())
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
-    def shutdown(self) -> None:
-        if self.producer is not None:
-            self.producer.unhook()
-        parts = [self.registration, *(() if self.consumer is None else self.consumer.threads()),
-                 *(() if self.producer is None else self.producer.parts())]
-        for part in parts:
-            if part is not None:
-                try:
-                    part.close()
-                except Exception as e:  # shutting down: report and go on
-                    log.warning("DCP2D: closing %s failed: %s", type(part).__name__, e)
+    def withdraw(self) -> None:
+        """Leave the router first at shutdown: it stops sending requests here."""
+        close_all((self.registration,))
+        self.registration = None
+
+    def close(self) -> None:
+        """After the roles closed: the transport and the bell's rope."""
         if self.transport is not None:
             self.transport.close()
+            self.transport = None
         self.rope.close()
-        self.registration = self.transport = None
-        if self.producer is not None:
-            self.producer.sender = self.producer.bootstrap = self.producer.http_bootstrap = None
-        if self.consumer is not None:
-            self.consumer.receiver = None
+
+
+def close_all(parts) -> None:
+    """Close each of ``parts`` (None skipped), in order; shutting down: a failure is
+    reported and the rest still close."""
+    for part in parts:
+        if part is not None:
+            try:
+                part.close()
+            except Exception as e:
+                log.warning("DCP2D: closing %s failed: %s", type(part).__name__, e)

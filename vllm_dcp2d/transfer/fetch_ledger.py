@@ -1,11 +1,16 @@
-"""The decode side's block lifetime, in one object: ``FetchLedger`` (docs/connector.md,
-"Block lifetime").
+"""What a decode rank's fetches are and the block lifetime they keep, in one place:
+``Fetch`` (one request's pages from every CP rank of one prefill instance), ``FetchError``
+(why it failed) and ``FetchLedger`` (docs/connector.md, "Block lifetime"), which
+decides on every attempt of every fetch.
 
 A ``Receiver`` (one per decode DCP rank) owns the sockets; its ledger owns what
 every fetch is waiting for and decides when a fetch ends and when its blocks may
 be used again. The receiver's background thread is the only writer; ``poll`` and
 ``poll_lifted`` may be called from any thread. The methods that can end a fetch or
 lift a quarantine say so in what they return; the receiver then tells its owner.
+An answer is decided and acted on here in one call (``answered``); what is left for
+the receiver is socket work (cancels to send, a link to back off) and the checks of
+an answer's content (``Answer``).
 
 Every attempt is known by where it was sent: ``(rank address, attempt_id)``.
 An answer is matched by that pair only, never by the CP rank or transfer key
@@ -32,12 +37,101 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
-from vllm_dcp2d.transfer.fetch import Fetch, FetchError
+from vllm_dcp2d.transfer.messages import RankTable
 
-__all__ = ["FetchLedger"]
+__all__ = ["Fetch", "FetchError", "FetchLedger", "Answer"]
 
 log = logging.getLogger(__name__)
+
+CORRUPT = "KV checksum mismatch"
+
+
+class FetchError(RuntimeError):
+    def __init__(self, transfer_key: str, cp_rank: int | None, reason: str):
+        self.transfer_key, self.cp_rank, self.reason = transfer_key, cp_rank, reason
+        where = "" if cp_rank is None else f" from prefill cp rank {cp_rank}"
+        super().__init__(f"fetch of {transfer_key!r}{where} failed: {reason}")
+
+    @property
+    def timed_out(self) -> bool:
+        """The fetch hit its deadline (as opposed to an explicit failure)."""
+        return self.reason.startswith("timed out")
+
+    @property
+    def corrupt(self) -> bool:
+        """Every rank answered ok, but the bytes here are not what it sent (``verify_kv``)."""
+        return self.reason.startswith(CORRUPT)
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One request's pages for this rank, from every CP rank of one prefill instance."""
+
+    transfer_key: str
+    bootstrap: str
+    remote_engine_id: str | None  # the prefill engine the caller expects (None: any)
+    block_ids: tuple  # int64 arrays: this rank's block table of each KV cache group
+    num_tokens: int
+    first_page: int
+    deadline: float   # monotonic; the fence (``TransferRequest.not_after_ns``) is the same instant
+    prefill_wait_s: float
+    prompt_digest: str = ""  # messages.prompt_digest of the prompt here
+    tag: object = None  # the caller's (``Receiver.start``): what it knows this fetch by
+    started: float = field(default_factory=time.monotonic)
+    table: RankTable | None = None
+    senders: tuple = ()  # the CP ranks asked (those holding this rank's KV heads)
+    inflight: dict = field(default_factory=dict)     # cp_rank -> (rank address, attempt_id); FetchLedger
+    outcomes: dict = field(default_factory=dict)     # cp_rank -> TransferOutcome
+    error: FetchError | None = None
+    seconds: float = 0.0
+    failing: FetchError | None = None  # failed, waiting for the ranks still in flight to answer the cancel
+    peer_fault: bool = False
+    settle_by: float = 0.0
+    quarantined: dict = field(default_factory=dict)  # cp_rank -> why its writes may still land
+    unsettled: dict = field(default_factory=dict)    # quarantined cp_rank -> (rank address, attempt_id), until it settles
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of its block tables: what its quarantine can keep out of use."""
+        return sum(int(t.size) for t in self.block_ids)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.table is not None and len(self.outcomes) == len(self.senders) > 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outcomes.values())
+
+    @property
+    def naive_bytes(self) -> int:
+        return sum(o.naive_bytes for o in self.outcomes.values())
+
+
+
+@dataclass
+class Answer:
+    """What ``FetchLedger.answered`` left for the receiver to do about one answer.
+
+    fetch:       the running fetch the answer belongs to, for the receiver to check its
+                 content (ok, lengths, checksum); None: nothing more (late, already
+                 failing, or decided here).
+    cp_rank:     the CP rank ``fetch``'s attempt went to (-1 with no ``fetch``).
+    cancels:     ``(rank address, attempt_id)`` to cancel: the answer failed fetch ``key``.
+    quarantined: the answer quarantined its attempt (a write timed out): back off the link.
+    output:      a fetch ended or a quarantine lifted (``poll``/``poll_lifted`` return it).
+    requery:     a bootstrap whose rank table is asked again (a rank may have moved), or "".
+    """
+
+    fetch: Fetch | None = None
+    cp_rank: int = -1
+    cancels: list = field(default_factory=list)
+    key: str = ""
+    quarantined: bool = False
+    output: bool = False
+    requery: str = ""
 
 
 class FetchLedger:
@@ -110,19 +204,44 @@ class FetchLedger:
 
     # ---- attempts ----
 
-    def answered(self, addr: str, attempt: int) -> tuple[str, Fetch | None, int]:
-        """An answer came from ``addr`` for ``attempt``: ``("inflight", fetch, cp_rank)``
-        (no longer in flight), ``("quarantined", fetch, cp_rank)`` (quarantined; the caller
-        settles it if the answer is settled), or ``("unknown", None, -1)`` (late)."""
-        hit = self._inflight.pop((addr, attempt), None)
-        if hit is not None:
-            f, cp_rank = hit
-            f.inflight.pop(cp_rank, None)
-            return "inflight", f, cp_rank
-        hit = self._unsettled.get((addr, attempt))
-        if hit is not None:
-            return "quarantined", hit[0], hit[1]
-        return "unknown", None, -1
+    def answered(self, addr: str, outcome, grace_s: float) -> Answer:
+        """``outcome`` (a ``TransferOutcome``: ``attempt_id``, ``cp_rank``, ``settled``)
+        came from ``addr``; matched by ``(addr, attempt_id)`` only. Decides and acts:
+
+        * late (no such attempt in flight or quarantined): nothing;
+        * naming another CP rank than its attempt went to: not that process's answer, it
+          proves nothing: an attempt in flight is quarantined and its fetch fails;
+        * to a quarantined attempt: settles it if ``settled``;
+        * in flight and not ``settled`` (a write may still land): quarantined;
+        * the fetch was failing already: it ends once no attempt is in flight;
+        * else the fetch is handed back (``Answer.fetch``) for its content to be checked.
+        """
+        where = (addr, outcome.attempt_id)
+        hit = self._inflight.pop(where, None)
+        if hit is None:
+            hit = self._unsettled.get(where)
+            if hit is None or outcome.cp_rank != hit[1] or not outcome.settled:
+                return Answer()  # late, or not from the process it went to
+            return Answer(output=self.settle(where, "answered"))
+        f, cp_rank = hit
+        f.inflight.pop(cp_rank, None)
+        if outcome.cp_rank != cp_rank:
+            why = f"an answer from {addr} names cp rank {outcome.cp_rank}, the attempt went to cp rank {cp_rank}"
+            self.quarantine(f, cp_rank, where, why)
+            cancels, ended = self.fail(f, FetchError(f.transfer_key, cp_rank, why), grace_s, peer_fault=True)
+            return Answer(cancels=cancels, key=f.transfer_key, output=ended)
+        answer = Answer()
+        if not outcome.settled:
+            why = outcome.reason or "a Mooncake write attempt stalled, then its retry succeeded"  # may still land
+            self.quarantine(f, cp_rank, where, f"a write timed out: {why}")
+            answer.quarantined = True
+        if f.failing is not None:  # any answer means that rank writes nothing more
+            if not f.inflight:
+                answer.output = self.finish(f, f.failing, peer_fault=f.peer_fault)
+                answer.requery = f.bootstrap if f.peer_fault else ""
+            return answer
+        answer.fetch, answer.cp_rank = f, cp_rank
+        return answer
 
     def on_rank(self, addr: str) -> list[tuple[Fetch, int, int]]:
         """``(fetch, cp_rank, attempt)`` in flight to ``addr``."""

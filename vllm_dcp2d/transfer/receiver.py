@@ -15,9 +15,10 @@ Block lifetime (docs/connector.md): a failing fetch cancels the CP ranks still
 writing and may end with some of them quarantined. The ``FetchLedger``
 (``fetch_ledger.py``, with its invariants) records every attempt by the address
 it went to and decides when a fetch ends and when its blocks may be used again
-(``poll_lifted``); this module holds the fetch protocol: the public API, the
-socket loop, dispatch, reading answers, cancels and deadlines; ``fetch`` the state
-of one fetch and one rank's link. Over ~400 lines on purpose: those steps are one
+(``poll_lifted``), and decides what an answer means for them (``FetchLedger.answered``);
+it also holds what one ``Fetch`` is. ``directory.Directory`` owns the rank tables and the
+links to the prefill ranks. This module holds the fetch protocol: the public API, the
+socket loop, dispatch, checking answers, cancels and deadlines. Over ~400 lines on purpose: those steps are one
 state machine on one thread, each acting on the same fetches and ledger.
 
 Failure rule: each fetch, release, answer and timer runs in its own guard, so
@@ -26,10 +27,11 @@ blocks (a rank that stopped reading fails the fetches sent to it). A thread
 that dies anyway sets ``failed``: every fetch in flight fails, ``start``
 raises, and the owner turns it into an engine error.
 
-The owner's calls: ``start`` a fetch, ``release`` a request this rank will never
+The owner's calls: ``start`` a fetch (with the owner's ``tag``, which the ended
+``Fetch`` carries back), ``fetching`` a key, ``release`` a request this rank will never
 fetch, ``poll`` the fetches that ended and ``poll_lifted`` the quarantines that
 lifted (any thread), ``failed``, ``close``. What a ``Fetch`` and a ``FetchError``
-hold: ``fetch.py``.
+hold: ``fetch_ledger.py``.
 """
 
 from __future__ import annotations
@@ -47,9 +49,8 @@ from vllm_dcp2d.transfer import sockets
 from vllm_dcp2d.transfer.auth import NO_AUTH, Auth
 from vllm_dcp2d.transfer.bootstrap import RankTableQuery
 from vllm_dcp2d.transfer.checksum import KVBytes, checksum, path_ranges
-from vllm_dcp2d.transfer.directory import Directory
-from vllm_dcp2d.transfer.fetch import CORRUPT, Fetch, FetchError, Rank, drain, link_events
-from vllm_dcp2d.transfer.fetch_ledger import FetchLedger
+from vllm_dcp2d.transfer.directory import Directory, Link, link_events
+from vllm_dcp2d.transfer.fetch_ledger import CORRUPT, Answer, Fetch, FetchError, FetchLedger
 from vllm_dcp2d.transfer.messages import (CancelTransfer, Fingerprint, FingerprintMismatch, MessageError, RankTable,
                                            RegisterConsumer, Reply, TransferOutcome, TransferRequest)
 from vllm_dcp2d.reshard.head_split import senders_for
@@ -60,6 +61,15 @@ from vllm_dcp2d.transfer.transport import STALL_S, MooncakeTransport, TransportE
 __all__ = ["Receiver", "Fetch", "FetchError"]
 
 log = logging.getLogger(__name__)
+
+
+def drain(q: queue.Queue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
 
 
 class Receiver:
@@ -75,14 +85,15 @@ class Receiver:
     heads:       the KV heads this rank holds (default: all of ``fingerprint.num_kv_heads``);
                  it fetches from the CP ranks that hold them (``head_split.senders_for``).
     auth:        seals and opens every frame (``auth.py``).
-    verify:      ask every prefill rank for a checksum of what it wrote and check this
+    verify_kv:   ask every prefill rank for a checksum of what it wrote and check this
                  rank's KV against it before a fetch ends ok (``checksum.py``).
     kv_bytes:    the KV as tensors on the device that holds it (``KVBytes.of_tensors``), which
-                 ``verify``'s checksum reads; None: host memory (``transport``'s).
+                 ``verify_kv``'s checksum reads; None: host memory (``transport``'s).
     consumer_rank, consumer_size: this worker among the decode instance's workers.
-    timeout_s:   default deadline of one fetch; wait_s: default time a prefill rank
-                 may hold the request while its prefill is still running.
-    cancel_grace_s: how long a failing fetch waits for its cancels to be confirmed.
+    transfer_timeout_s: default deadline of one fetch; prefill_wait_s: default time a prefill
+                 rank may hold the request while its prefill is still running.
+    cancel_grace_s: how long a failing fetch waits for the answers to its cancels.
+    (Each setting is named as its config key, ``config.KEYS``.)
     fence_s:     a quarantine lifts at the latest this long after its fetch's deadline: no
                  prefill rank starts a write after the deadline (``TransferRequest.not_after_ns``),
                  and one started before it has ended by then (docs/connector.md, "Block lifetime").
@@ -96,9 +107,9 @@ class Receiver:
 
     def __init__(self, transport: MooncakeTransport, regions: KVRegions, fingerprint: Fingerprint, *,
                  engine_id: str, consumer_rank: int = 0, consumer_size: int = 1, dcp_size: int = 1,
-                 dcp_rank: int = 0, buffers=(), timeout_s: float = 30.0, wait_s: float = 0.0,
+                 dcp_rank: int = 0, buffers=(), transfer_timeout_s: float = 30.0, prefill_wait_s: float = 0.0,
                  cancel_grace_s: float = 2.0, on_output=None, heads: range | None = None,
-                 auth: Auth = NO_AUTH, verify: bool = False, fence_s: float = 120.0,
+                 auth: Auth = NO_AUTH, verify_kv: bool = False, fence_s: float = 120.0,
                  max_quarantined_blocks: int = 0, kv_bytes: KVBytes | None = None):
         if not 0 <= dcp_rank < dcp_size or not 0 <= consumer_rank < consumer_size:
             raise ValueError(f"need 0 <= dcp_rank < dcp_size and 0 <= consumer_rank < consumer_size, got "
@@ -107,8 +118,9 @@ class Receiver:
         self.engine_id, self.consumer_rank, self.consumer_size = engine_id, consumer_rank, consumer_size
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
         self.heads = range(fingerprint.num_kv_heads) if heads is None else heads
-        self.auth, self.verify, self.kv_bytes = auth, verify, kv_bytes
-        self.timeout_s, self.wait_s, self.cancel_grace_s, self.fence_s = timeout_s, wait_s, cancel_grace_s, fence_s
+        self.auth, self.verify_kv, self.kv_bytes = auth, verify_kv, kv_bytes
+        self.transfer_timeout_s, self.prefill_wait_s = transfer_timeout_s, prefill_wait_s
+        self.cancel_grace_s, self.fence_s = cancel_grace_s, fence_s
         self._buffers = [(int(a), int(n)) for a, n in buffers]
         for a, n in self._buffers:
             transport.register(a, n)
@@ -121,6 +133,8 @@ class Receiver:
         self._attempts = itertools.count(1)
         self.identity = b"dcp2d-" + uuid.uuid4().bytes  # this rank's routing id on every link
         self._new: queue.Queue = queue.Queue()
+        self._started: dict[str, Fetch] = {}  # transfer key -> its fetch, from ``start`` until ``poll`` returned it
+        self._started_lock = threading.Lock()
         self._releases: queue.Queue = queue.Queue()  # (transfer key, bootstrap, num_tokens, deadline) to announce
         self._renewed = 0.0  # when the transport was last renewed after a timed-out write
         self._stop = threading.Event()
@@ -135,8 +149,8 @@ class Receiver:
         self.close()
 
     def start(self, transfer_key: str, bootstrap: str, block_ids, first_page: int = 0,
-              timeout_s: float | None = None, wait_s: float | None = None, *, num_tokens: int,
-              remote_engine_id: str | None = None, prompt_digest: str = "") -> None:
+              transfer_timeout_s: float | None = None, prefill_wait_s: float | None = None, *, num_tokens: int,
+              remote_engine_id: str | None = None, prompt_digest: str = "", tag=None) -> None:
         """Begin fetching ``transfer_key`` from the prefill instance at ``bootstrap``.
 
         block_ids:  int ``[n]`` this rank's block table of the request; sequence
@@ -148,6 +162,7 @@ class Receiver:
                     a rank table of another engine fails the fetch, naming both.
         prompt_digest: ``messages.prompt_digest`` of the prompt here; a prefill rank whose
                     request has another prompt refuses to write.
+        tag:        the caller's, carried by the ``Fetch`` that ``poll`` returns (``Fetch.tag``).
         Raises RuntimeError if the receiver is closed or its thread died.
         """
         if self.failed:
@@ -155,11 +170,19 @@ class Receiver:
         if self._stop.is_set():
             raise RuntimeError("receiver is closed")
         ids = tuple(t.copy() for t in block_tables("block_ids", block_ids, self.regions.num_groups))
-        t = self.timeout_s if timeout_s is None else timeout_s
-        w = self.wait_s if wait_s is None else wait_s
-        self._new.put(Fetch(transfer_key, bootstrap, remote_engine_id, ids, int(num_tokens), int(first_page),
-                            time.monotonic() + t, w, prompt_digest))
+        t = self.transfer_timeout_s if transfer_timeout_s is None else transfer_timeout_s
+        w = self.prefill_wait_s if prefill_wait_s is None else prefill_wait_s
+        f = Fetch(transfer_key, bootstrap, remote_engine_id, ids, int(num_tokens), int(first_page),
+                  time.monotonic() + t, w, prompt_digest, tag)
+        with self._started_lock:
+            self._started.setdefault(transfer_key, f)
+        self._new.put(f)
         self._waker.wake()
+
+    def fetching(self, transfer_key: str) -> Fetch | None:
+        """The fetch of ``transfer_key`` started here that ``poll`` has not returned yet (None: none)."""
+        with self._started_lock:
+            return self._started.get(transfer_key)
 
     def release(self, transfer_key: str, bootstrap: str, num_tokens: int,
                 remote_engine_id: str | None = None, prompt_digest: str = "") -> None:
@@ -167,17 +190,23 @@ class Receiver:
         from the prefill instance at ``bootstrap``: send every CP rank a
         ``ReleaseTransfer`` so it frees the request now instead of at its
         ``send_timeout_s``. Fire and forget: if the rank table cannot be had within
-        ``timeout_s``, the prefill's timeout frees it; if the instance at ``bootstrap``
+        ``transfer_timeout_s``, the prefill's timeout frees it; if the instance at ``bootstrap``
         is not ``remote_engine_id`` (restarted, or another one on that address), it is
         not told (None: any). The caller must not release a key it is still fetching."""
         if self._stop.is_set() or self.failed:
             return
-        self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.timeout_s,
+        self._releases.put((transfer_key, bootstrap, int(num_tokens), time.monotonic() + self.transfer_timeout_s,
                             remote_engine_id, prompt_digest))
         self._waker.wake()
 
     def poll(self) -> list[Fetch]:
-        return self.ledger.poll()
+        """The fetches that ended since the last call, ok or not (``Fetch.error``)."""
+        out = self.ledger.poll()
+        with self._started_lock:
+            for f in out:
+                if self._started.get(f.transfer_key) is f:
+                    del self._started[f.transfer_key]
+        return out
 
     def poll_lifted(self) -> list[Fetch]:
         """Fetches that ended with ``quarantined`` ranks, all of which settled since
@@ -226,16 +255,16 @@ class Receiver:
             for rel in drain(self._releases):
                 self._guard(self._queue_release, rel)
             self._guard(self._dir.send_releases)
-            for q in list(self._dir.queries.values()):
+            for q in self._dir.tables():
                 if q.monitor in events and link_events(q.monitor):
                     self._guard(self._no_table, q, "connection lost")
                 if q.sock in events:
                     self._guard(self._read_table, q)
-            for r in list(self._dir.ranks.values()):
-                if r.monitor in events:
-                    self._guard(self._link, r)
-                if r.sock in events:
-                    self._guard(self._read, r)
+            for link in self._dir.links():
+                if link.monitor in events:
+                    self._guard(self._link, link)
+                if link.sock in events:
+                    self._guard(self._read, link)
             self._guard(self._tick)
 
     def _guard(self, step, *args, fetch: Fetch | None = None) -> None:
@@ -281,8 +310,7 @@ class Receiver:
         in use now; None: ``directory.IDLE_S``): no fetch, release or quarantined attempt
         needs them."""
         in_use = {f.bootstrap for f in self.ledger.active()} | {b for b, fs in self._waiting.items() if fs}
-        busy = {addr for addr in self._dir.ranks if self.ledger.busy(addr)}
-        for bootstrap in self._dir.collect(in_use, busy, idle_s):
+        for bootstrap in self._dir.collect(in_use, self.ledger.busy, idle_s):
             self._waiting.pop(bootstrap, None)
 
     def _queue_release(self, rel: tuple) -> None:
@@ -311,12 +339,12 @@ class Receiver:
                 regions=self.regions, transfer_key=f.transfer_key, attempt_id=attempt, engine_id=self.engine_id,
                 consumer_rank=consumer_rank, consumer_size=consumer_size, dcp_size=self.dcp_size,
                 dcp_rank=self.dcp_rank, block_ids=f.block_ids, num_tokens=f.num_tokens, first_page=f.first_page,
-                num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.wait_s,
+                num_blocks=self.num_blocks, fingerprint=self.fingerprint, wait_s=f.prefill_wait_s,
                 head_start=self.heads.start, head_end=self.heads.stop, prompt_digest=f.prompt_digest,
-                verify=self.verify, not_after_ns=not_after, budget_ns=budget)
+                verify=self.verify_kv, not_after_ns=not_after, budget_ns=budget)
             try:
-                rank = self._dir.rank(addr, table, cp_rank)
-                sent = rank.register(me) and rank.send(msg)  # in order on the link: registered first
+                link = self._dir.link(addr, table, cp_rank)
+                sent = link.register(me) and link.send(msg)  # in order on the link: registered first
             except MessageError as e:  # this request cannot be put on the wire (a key too long, ...)
                 return self._fail(f, FetchError(f.transfer_key, cp_rank, f"cannot send the request: {e}"))
             if not sent:
@@ -351,58 +379,41 @@ class Receiver:
         """Quarantined attempts on ranks of ``bootstrap`` whose link is down and whose
         address the instance's new rank table no longer lists were restarted: their
         old process, the only one that could write into those blocks, is gone."""
-        for addr, rank in list(self._dir.ranks.items()):
-            if not rank.down or addr in table.addresses:
-                continue
+        for addr in self._dir.restarted(table):
             self._announce(self.ledger.settle_rank(addr, bootstrap, "restarted"))
             if not self.ledger.busy(addr):
-                self._dir.close_rank(addr)
+                self._dir.close_link(addr)
 
     # ---- the CP ranks ----
 
-    def _link(self, rank: Rank):
-        if link_events(rank.monitor):
-            rank.down = True
-            rank.registered = ""  # a restarted rank knows nothing of it: register again
-            self._lost(rank, "connection lost")
+    def _link(self, link: Link):
+        if link_events(link.monitor):
+            link.down = True
+            link.registered = ""  # a restarted rank knows nothing of it: register again
+            self._lost(link, "connection lost")
 
-    def _read(self, rank: Rank):
+    def _read(self, link: Link):
         try:
-            payload = rank.sock.recv(zmq.NOBLOCK)
+            payload = link.sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
         try:
             msg = self.auth.unpack(payload, (TransferOutcome, Reply), me=self.identity)
         except MessageError as e:  # AuthError included: an answer that is not the rank's is no answer
-            return self._lost(rank, f"malformed reply: {e}")
+            return self._lost(link, f"malformed reply: {e}")
         if isinstance(msg, Reply):  # the rank could not read a message of ours at all (its protocol differs)
-            return self._lost(rank, f"rejected: {msg.reason}")
-        rank.down, rank.used = False, time.monotonic()  # a rank process answers on this link
-        where = (rank.address, msg.attempt_id)
-        how, f, cp_rank = self.ledger.answered(*where)
-        if how == "unknown":
-            return  # a late answer to a fetch that already ended
-        if msg.cp_rank != cp_rank:  # not the process we sent it to: it proves nothing about that one
-            why = f"an answer from {rank.address} names cp rank {msg.cp_rank}, the attempt went to cp rank {cp_rank}"
-            if how == "inflight":
-                self.ledger.quarantine(f, cp_rank, where, why)
-                self._fail(f, FetchError(f.transfer_key, cp_rank, why), peer_fault=True)
-            return
-        if how == "quarantined":
-            if msg.settled:
-                self._announce(self.ledger.settle(where, "answered"))
-            return
-        if not msg.settled:
-            why = msg.reason or "a Mooncake write attempt stalled, then its retry succeeded"  # may still land
-            self.ledger.quarantine(f, cp_rank, where, f"a write timed out: {why}")
-            self._backoff(rank)
+            return self._lost(link, f"rejected: {msg.reason}")
+        link.down, link.used = False, time.monotonic()  # a rank process answers on this link
+        answer = self.ledger.answered(link.address, msg, self.cancel_grace_s)
+        if answer.quarantined:
+            self._backoff(link)
             self._renew_target()
-        if f.failing is not None:  # any answer means that rank writes nothing more
-            if not f.inflight:
-                self._finish(f, f.failing, peer_fault=f.peer_fault)
+        self._act(answer)
+        f, cp_rank = answer.fetch, answer.cp_rank
+        if f is None:
             return
         if not msg.ok:
-            rank.registered = ""  # the rank may have lost or refused it: the next fetch registers again
+            link.registered = ""  # the rank may have lost or refused it: the next fetch registers again
             return self._fail(f, FetchError(f.transfer_key, cp_rank, msg.reason))
         pages = -(-f.num_tokens // self.fingerprint.page_size)
         if (msg.num_tokens, msg.num_pages) != (f.num_tokens, pages):
@@ -411,13 +422,13 @@ class Receiver:
                 f"wrote {msg.num_tokens} tokens ({msg.num_pages} pages)")))
         f.outcomes[cp_rank] = msg
         if not f.inflight:
-            bad = self._check(f) if self.verify else None
+            bad = self._check(f) if self.verify_kv else None
             if bad is not None:
                 return self._fail(f, bad)
             self._finish(f, None)
 
     def _check(self, f: Fetch) -> FetchError | None:
-        """``verify``: the first CP rank whose checksum this rank's KV does not match, as
+        """``verify_kv``: the first CP rank whose checksum this rank's KV does not match, as
         the fetch's error (None: every path's bytes are what its rank wrote)."""
         pages = -(-f.num_tokens // self.fingerprint.page_size)
         for cp_rank in f.senders:
@@ -435,15 +446,15 @@ class Receiver:
                     f"{sent or 'no checksum'}: a page arrived wrong (or not at all)"))
         return None
 
-    def _lost(self, rank: Rank, why: str):
-        """``rank``'s link failed, or it sent something we cannot read: fail the fetches
+    def _lost(self, link: Link, why: str):
+        """``link`` failed, or its rank sent something we cannot read: fail the fetches
         in flight to it. They stay in flight (it may still be writing) until it
         answers their cancel, which waits in ZMQ's queue until the link is back."""
-        self._dir.forget_tables_with(rank.address)  # the rank may come back elsewhere
-        rank.registered = ""  # and know nothing of this link: register again
-        for f, cp_rank, _ in self.ledger.on_rank(rank.address):
+        self._dir.forget_tables_with(link.address)  # the rank may come back elsewhere
+        link.registered = ""  # and know nothing of this link: register again
+        for f, cp_rank, _ in self.ledger.on_rank(link.address):
             if f.failing is None:
-                self._fail(f, FetchError(f.transfer_key, cp_rank, f"{why} ({rank.address})"), peer_fault=True)
+                self._fail(f, FetchError(f.transfer_key, cp_rank, f"{why} ({link.address})"), peer_fault=True)
 
     # ---- how a fetch ends ----
 
@@ -452,10 +463,17 @@ class Receiver:
         in flight get a ``CancelTransfer``; ``f`` ends when each answered, at the
         latest ``cancel_grace_s`` later with the silent ones quarantined."""
         cancels, ended = self.ledger.fail(f, error, self.cancel_grace_s, peer_fault)
-        self._announce(ended)
-        for addr, attempt in cancels:
-            if addr in self._dir.ranks:  # a full queue: the attempt is quarantined at the grace
-                self._dir.ranks[addr].send(CancelTransfer(f.transfer_key, attempt))
+        self._act(Answer(cancels=cancels, key=f.transfer_key, output=ended))
+
+    def _act(self, answer: Answer) -> None:
+        """Do what the ledger left to do: tell the owner, ask for a table again, send the cancels."""
+        self._announce(answer.output)
+        if answer.requery:
+            self._dir.forget_table(answer.requery)
+        for addr, attempt in answer.cancels:
+            link = self._dir.link_at(addr)
+            if link is not None:  # a full queue: the attempt is quarantined at the grace
+                link.send(CancelTransfer(answer.key, attempt))
 
     def _finish(self, f: Fetch, error: FetchError | None, peer_fault: bool = False):
         self._announce(self.ledger.finish(f, error, peer_fault=peer_fault))
@@ -472,10 +490,10 @@ class Receiver:
         except Exception:  # only a wake-up: whoever polls sees the output at its next poll anyway
             log.exception("decode rank %d: on_output failed", self.dcp_rank)
 
-    def _backoff(self, rank: Rank) -> None:
-        """A new attempt is quarantined on ``rank``: ask it again from the first wait."""
-        rank.backoff.reset()
-        rank.cancel_at = time.monotonic() + rank.backoff.next()
+    def _backoff(self, link: Link) -> None:
+        """A new attempt is quarantined on ``link``: ask it again from the first wait."""
+        link.backoff.reset()
+        link.cancel_at = time.monotonic() + link.backoff.next()
 
     def _renew_target(self):
         """A prefill rank's write to us timed out. Seen with Mooncake 0.3.13.post1 TCP:
@@ -506,26 +524,26 @@ class Receiver:
         for bootstrap, waiting in list(self._waiting.items()):
             self._waiting[bootstrap] = [f for f in waiting if self.ledger.is_active(f)]
             if self._waiting[bootstrap]:
-                self._dir.queries[bootstrap].ask(now)
+                self._dir.ask(bootstrap, now)
         self._dir.ask_for_releases(now)
         self._dir.send_releases()
-        for rank in self._dir.ranks.values():  # ask quarantining ranks again, less and less often
-            unsettled = self.ledger.unsettled_on(rank.address)
-            if unsettled and now >= rank.cancel_at:
+        for link in self._dir.links():  # ask quarantining ranks again, less and less often
+            unsettled = self.ledger.unsettled_on(link.address)
+            if unsettled and now >= link.cancel_at:
                 for attempt, f in unsettled:
-                    if not rank.send(CancelTransfer(f.transfer_key, attempt)):
+                    if not link.send(CancelTransfer(f.transfer_key, attempt)):
                         break  # its queue is full: nothing more to queue until it reads
-                rank.cancel_at = now + rank.backoff.next()
+                link.cancel_at = now + link.backoff.next()
         for f in [f for f in self.ledger.active() if f.failing is not None and f.settle_by <= now]:
             for cp_rank, where in list(f.inflight.items()):
                 self.ledger.quarantine(f, cp_rank, where, f"no answer to the cancel within {self.cancel_grace_s:.0f}s")
-                self._backoff(self._dir.ranks[where[0]])
+                self._backoff(self._dir.link_at(where[0]))
             self._finish(f, f.failing, peer_fault=f.peer_fault)
         self._announce(self.ledger.settle_fenced(now, self.fence_s))
         for f in [f for f in self.ledger.active() if f.failing is None and f.deadline <= now]:
             if f.table is None:
-                q = self._dir.queries.get(f.bootstrap)
-                cp_rank, why = None, f"no rank table from bootstrap {f.bootstrap} ({q and q.last_reason})"
+                why = f"no rank table from bootstrap {f.bootstrap} ({self._dir.why_no_table(f.bootstrap)})"
+                cp_rank = None
             else:
                 pending = sorted(f.inflight)
                 cp_rank, why = (pending[0] if pending else None), f"no outcome from cp ranks {pending}"

@@ -17,7 +17,7 @@ Two pieces reach past the connector API; each is fenced below:
    fresh ones. The scheduler-side connector takes one extra reference on each
    such block first (``BlockPool.touch``, the call prefix-cache hits use), so
    the free leaves them out of the free queue; ``lift_quarantine`` drops that
-   reference (``BlockPool.free_blocks``) once the rank confirmed.
+   reference (``BlockPool.free_blocks``) once the rank settled.
 2. ``kv_element_order``: the order in which the layer's attention backend
    writes a page (on CPU_ATTN, the per-ISA packing that
    ``vllm_compat.attention.cpu_kv_layout`` reads back from vLLM's own writer).
