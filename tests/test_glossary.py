@@ -11,7 +11,13 @@ PACKAGE = ROOT / "vllm_dcp2d"
 WIRE_FIELDS = ("remote_request_id", "transfer_id")
 # Constructor arguments named otherwise than their config keys (issue 52): send_timeout_s,
 # claim_timeout_s and max_prefill_wait_s.
-RETIRED = ("limbo", "tid", "expiry_s", "claim_s", "max_wait_s") + WIRE_FIELDS
+# Names a round of renames retired (issue 52): each must stay gone from the package.
+RETIRED = ("limbo", "tid", "expiry_s", "claim_s", "max_wait_s",
+           "LoadSpec", "start_loads", "load_params", "failed_loads", "_loading", "_key_owner", "_key_of",
+           "_check_threads", "close_rank", "WorkerSide", "confirm", "confirms", "Confirm") + WIRE_FIELDS
+# ... and phrases a word boundary cannot find.
+RETIRED_PHRASES = ("seed §",)
+MAX_WALK_FILES = 15  # the files "Request flow" may name: one request's walk (issue 52)
 
 
 def glossary() -> list[tuple[str, list[str]]]:
@@ -47,6 +53,9 @@ def test_no_retired_word_in_the_package():
             for word in RETIRED:
                 if re.search(rf"\b{word}\b", line):
                     found.append(f"{path}:{n}: {word}")
+            for phrase in RETIRED_PHRASES:
+                if phrase in line:
+                    found.append(f"{path}:{n}: {phrase}")
     assert not found, found
 
 
@@ -60,6 +69,8 @@ def test_the_request_flow_names_files_and_methods_that_exist():
     named = re.findall(r"`((?:[a-z_]+/)?[a-z_]+\.py)`", section)
     missing = [f for f in named if not (PACKAGE / f).exists() and f not in files]
     assert len(named) >= 10 and not missing, (named, missing)
+    walk = {PACKAGE / f if (PACKAGE / f).exists() else files[f] for f in named}
+    assert len(walk) <= MAX_WALK_FILES, f"the walk names {len(walk)} files: {sorted(str(p.relative_to(PACKAGE)) for p in walk)}"
     classes = {m.group(1): path for path, text in sources().items()
                for m in re.finditer(r"^class (\w+)", text, re.M)}
     methods = re.findall(r"`([A-Z]\w+)\.(\w+)`", section)

@@ -139,7 +139,7 @@ def _plan_capacity(argv: list[str]) -> int:
     ap.add_argument("--draft-bytes-per-token-layer", type=int, default=None,
                     help="the draft's, if not the target's")
     ap.add_argument("--draft-pool", choices=("dcp", "fixed"), default="dcp",
-                    help="dcp: the draft pool holds dcp_size x the target's tokens per rank (seed §8, vLLM with "
+                    help="dcp: the draft pool holds dcp_size x the target's tokens per rank (design §8, vLLM with "
                          "this plugin); fixed: --draft-pool-bytes whatever the DCP size")
     ap.add_argument("--draft-pool-bytes", type=size, default=0, help="with --draft-pool fixed")
     ap.add_argument("--draft-graphs", type=size, default=0, help="the draft's CUDA graphs on one rank")

@@ -98,9 +98,9 @@ KEYS: dict[str, tuple[str, str]] = {
     "prefill_wait_s": ("consumer", "How long a decode rank's transfer request may wait at a prefill rank "
                        "for a request it does not know yet (its prefill is still running)."),
     "cancel_grace_s": ("consumer", "After a fetch fails, seconds to wait for the prefill ranks still "
-                       "writing to confirm its cancel. A rank that has not confirmed by then may still write "
+                       "writing to settle its cancel (answer that they stopped). A rank that has not settled by then may still write "
                        "into the request's blocks: the request is recomputed in fresh blocks and the old ones "
-                       "stay quarantined (out of use) until that rank confirms, is seen restarted, or "
+                       "stay quarantined (out of use) until that rank settles, is seen restarted, or "
                        "`fence_s` passes (docs/connector.md, \"Block lifetime\")."),
     "fence_s": ("consumer", "A quarantine ends at the latest this many seconds after its fetch's deadline, "
                 "whatever the prefill says: every transfer request carries the deadline (`not_after_ns`, the "
@@ -112,7 +112,7 @@ KEYS: dict[str, tuple[str, str]] = {
                                "twice it for all instances together every fetch is. 0: a quarter of the rank's KV "
                                "blocks (at least 64)."),
     "release_unfetched": ("consumer", "A decode instance that will not fetch a request's KV (its prompt is "
-                          "cached, it was aborted before its fetch began, its load was refused or its fetch "
+                          "cached, it was aborted before its fetch began, its fetch was refused or "
                           "failed) tells every prefill CP rank at once (`ReleaseTransfer`), so the prefill frees "
                           "the blocks now instead of after `send_timeout_s`. `false` sends nothing (the "
                           "previous behaviour; for comparison)."),
@@ -134,7 +134,7 @@ KEYS: dict[str, tuple[str, str]] = {
                    "fetch's end to the engine step that reported it), a prefill worker one line per request its "
                    "senders let go of (`event`: done, released, expired, unclaimed, aborted; `handover_seconds` from "
                    "`request_finished` to its senders, `held_seconds` since), and a decode's scheduler one line per "
-                   "loaded request (`event` \"first_step\": `admit_seconds`, `resume_seconds`, "
+                   "fetched request (`event` \"first_step\": `admit_seconds`, `resume_seconds`, "
                    "`first_step_seconds`; docs/metrics.md, \"A request's timeline\") to this file; the "
                    "same figures also go to vLLM's periodic `KV Transfer metrics` log."),
     "cpu_poll_sleep_us": ("both", "CPU hosts only: microseconds vLLM's shared-memory queues sleep between "

@@ -80,13 +80,13 @@ METRICS: tuple[Metric, ...] = (
            "the rest of its KV (one observation per request and prefill TP rank)."),
     Metric("vllm:dcp2d_decode_admit_seconds", "histogram", False, "decode", "admit_seconds",
            "Seconds from the decode's API server receiving a PD request to its scheduler allocating its "
-           "blocks and recording its load (queueing on the decode; one per loaded request)."),
+           "blocks and recording its fetch (queueing on the decode; one per fetched request)."),
     Metric("vllm:dcp2d_decode_resume_seconds", "histogram", False, "decode", "resume_seconds",
            "Seconds from the scheduler learning a request's KV arrived (`finished_recving`) to scheduling it "
-           "on that KV (one per loaded request)."),
+           "on that KV (one per fetched request)."),
     Metric("vllm:dcp2d_decode_first_step_seconds", "histogram", False, "decode", "first_step_seconds",
-           "Seconds of a loaded request's first step on the decode: scheduled until its output (the first "
-           "token) is back in the scheduler (one per loaded request)."),
+           "Seconds of a fetched request's first step on the decode: scheduled until its output (the first "
+           "token) is back in the scheduler (one per fetched request)."),
     Metric("vllm:dcp2d_failed_fetches", "counter", False, "decode", "failed",
            "Fetches that ended with an error (length mismatches included); expiries are counted apart."),
     Metric("vllm:dcp2d_expired_requests", "counter", False, "both", "expired",

@@ -109,7 +109,7 @@ class BootstrapServer:
     missing ranks. Malformed input gets a ``Reply(ok=False)`` and is logged.
 
     token: the key a ``RegisterRank`` must be sealed with (``Auth.registration``; the
-    instance's own ranks have it, ``WorkerSide`` hands it out over the TP group): without
+    instance's own ranks have it, the connector's worker base hands it out over the TP group): without
     it nobody else can put an address in the table. auth: every other frame is opened
     with it and every answer to a query sealed with it, for the query
     (``QueryRanks.reply_to``); a frame it refuses, or one it cannot read, gets a plain

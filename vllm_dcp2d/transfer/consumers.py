@@ -23,7 +23,7 @@ all (``Quota``: a source past its cap replaces its own least recently used one; 
 taken, the source holding the most gives up its least recently used one to a source that
 holds fewer, so idle floods from many addresses cannot keep a new decode out); an entry
 unused for ``IDLE_S`` is dropped (the decode registers again every
-``fetch.REGISTER_EVERY_S`` while it fetches). Refusals are kept, so that the requests of
+``directory.REGISTER_EVERY_S`` while it fetches). Refusals are kept, so that the requests of
 that connection fail naming why, in a bounded table of their own (``MAX_REFUSED``, oldest
 dropped: such a connection's requests then fail as unregistered). Used on the sender's I/O
 thread only.

@@ -234,7 +234,7 @@ class Fingerprint(_Message):
 @dataclass(frozen=True, eq=False)
 class RegisterConsumer(_Message):
     """Decode rank -> prefill CP rank, first on each side channel (again when its Mooncake
-    session changes, and every ``fetch.REGISTER_EVERY_S``): where the ``TransferRequest``s of
+    session changes, and every ``directory.REGISTER_EVERY_S``): where the ``TransferRequest``s of
     this connection are written. The producer writes only there: a request cannot name
     another session or memory (docs/security.md). Without a secret the producer takes only a
     session whose host is the address the connection comes from, and never one of its own.

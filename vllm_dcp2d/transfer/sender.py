@@ -249,7 +249,7 @@ class Sender:
 
     def _guarded(self, loop) -> None:
         """Run a thread's loop; if it ever raises, record why: the owner fails the
-        engine on it (``WorkerSide.get_finished``) rather than let requests hang."""
+        engine on it (its role's ``check_alive``, every step) rather than let requests hang."""
         try:
             loop()
         except Exception as e:
