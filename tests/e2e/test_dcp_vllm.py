@@ -3,7 +3,9 @@ attention backend gives the same greedy tokens as DCP=1, with twice the KV capac
 
 Each engine runs in a subprocess (this file with ``--run``): vLLM spawns its TP
 workers and needs a ``__main__`` guard. One DCP=2 engine and one DCP=1 reference
-engine (both TP=2, mp executor) serve every prompt shape in two generate calls.
+engine (both TP=2, mp executor) serve every prompt shape in two generate calls; a second
+DCP=2 engine on vLLM's AVX2 build starts beside them and is checked against the same
+reference.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from tests.support import avx2_host
-from tests.support.vllm_engine import Engine, run_engines
+from tests.support.vllm_engine import Engine, run_engines, unwrap
 
 BLOCK = 32
 KV_BYTES = 64 << 20
@@ -54,33 +56,50 @@ def _run_engine(model: str, dcp: int, out: str, dtype: str = "auto") -> None:
 
 
 def _engine(model: str, dcp: int, tmp: Path, dtype: str = "float32", avx2: bool = False) -> Engine:
+    tmp.mkdir(exist_ok=True)
     out = tmp / f"dcp{dcp}.json"
     # DCP > 1: the DCP group's all-gathers run over shared memory (vllm_compat patch 6): vLLM's
     # where its build has them, else (its AVX2 build) the plugin's.
     how = "vllm_dcp2d's ShmAllGather" if avx2 or avx2_host.HOST_LACKS_AVX512 else "vLLM's shm_all_gather"
     shm = (f"DCP group dcp:0 (ranks [0, 1]) gathers over shared memory ({how}",) if dcp > 1 else ()
     env = {"PYTHONPATH": avx2_host.env()["PYTHONPATH"]} if avx2 else {}
-    return Engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}", expect_in_log=shm, env=env)
+    return Engine(__file__, [model, str(dcp), str(out), dtype], out, f"DCP={dcp}" + (" (AVX2 build)" if avx2 else ""),
+                  expect_in_log=shm, env=env)
+
+
+@pytest.fixture(scope="module")
+def dcp_runs(tmp_path_factory):
+    """The engines of both hosts' checks, started at once (issue 52: one engine fewer): a
+    DCP=1 reference and a DCP=2 engine on this host and, where this host has AVX-512, a
+    DCP=2 engine on vLLM's AVX2 build (``tests/support/avx2_host``). The AVX2 engine is
+    checked against this host's DCP=1 reference: a fp32 DCP=1 engine gives the same
+    tokens on both builds (measured, 2026-12-07), so an AVX2 DCP=1 engine of its own
+    checked nothing the reference does not. Each entry: ``(json, capacity)`` or the
+    engine's failure (raised by the test that reads it)."""
+    from vllm_dcp2d.local.tiny_models import build_tiny_model
+
+    tmp = tmp_path_factory.mktemp("dcp")
+    model = build_tiny_model("llama-mqa", tmp / "model")
+    engines = {"ref": _engine(model, 1, tmp), "this host": _engine(model, 2, tmp)}
+    if not avx2_host.HOST_LACKS_AVX512:
+        engines["AVX2 host"] = _engine(model, 2, tmp / "avx2", avx2=True)
+    return dict(zip(engines, run_engines(*engines.values(), keep_going=True)))
 
 
 @pytest.mark.vllm
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("host", ["this host", "AVX2 host"])
-def test_dcp2_matches_dcp1_and_doubles_kv_capacity(tmp_path, host):
-    """"AVX2 host": both engines run vLLM's AVX2 build (``tests/support/avx2_host``), which
-    has no shared-memory collectives, so the DCP group gathers through the plugin's."""
-    from vllm_dcp2d.local.tiny_models import build_tiny_model
-
+def test_dcp2_matches_dcp1_and_doubles_kv_capacity(dcp_runs, host):
+    """"AVX2 host": the DCP=2 engine runs vLLM's AVX2 build (``tests/support/avx2_host``),
+    which has no shared-memory collectives, so the DCP group gathers through the plugin's."""
     if host == "AVX2 host" and avx2_host.HOST_LACKS_AVX512:
         pytest.skip("this host has no AVX-512: vLLM loads its AVX2 build here already ('this host')")
-    avx2 = host == "AVX2 host"
-    model = build_tiny_model("llama-mqa", tmp_path / "model")
-    (ref, ref_cap), (got, cap) = run_engines(_engine(model, 1, tmp_path, avx2=avx2),
-                                             _engine(model, 2, tmp_path, avx2=avx2))
+    ref, ref_cap = unwrap(dcp_runs["ref"])
+    got, cap = unwrap(dcp_runs[host])
     for name in ("batch", "second"):
         for i, (a, b) in enumerate(zip(got[name], ref[name])):
-            assert a == b, f"{name}[{i}]: DCP=2 {a} != DCP=1 {b}"
+            assert a == b, f"{name}[{i}]: DCP=2 ({host}) {a} != DCP=1 {b}"
     assert got["second_cached"][0] >= 128 - 2 * BLOCK, got["second_cached"]  # a real prefix hit
     assert cap == 2 * ref_cap, (cap, ref_cap)
 
