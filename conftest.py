@@ -28,8 +28,9 @@ def pytest_configure(config):
                                        "`bash scripts/test.sh -m quick` is the inner loop")
 
 
-LONGEST = ("tests/e2e/test_load_faults.py", "tests/e2e/test_spec_decode_vllm.py", "tests/e2e/test_layer_split_vllm.py",
-           "tests/e2e/test_e2e_spec.py", "tests/e2e/test_e2e.py", "tests/e2e/test_dcp_vllm.py")
+LONGEST = ("tests/e2e/test_dcp_vllm.py", "tests/e2e/test_load_faults.py", "tests/e2e/test_proxy_vllm.py",
+           "tests/e2e/test_e2e_spec.py", "tests/e2e/test_spec_decode_vllm.py", "tests/e2e/test_e2e.py",
+           "tests/e2e/test_e2e_mla.py", "tests/e2e/test_e2e_gqa.py", "tests/e2e/test_e2e_fp8.py")
 
 
 def pytest_sessionstart(session):

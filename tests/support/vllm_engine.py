@@ -66,9 +66,11 @@ class Engine:
         return json.loads(self.out.read_text()), int(cap[0].replace(",", ""))
 
 
-def run_engines(*engines: Engine) -> list[tuple]:
+def run_engines(*engines: Engine, keep_going: bool = False) -> list:
     """Run ``engines`` at once; returns ``(json, KV capacity in tokens from vLLM's log)``
-    for each, in order. Each string of an engine's ``expect_in_log`` must appear in its log."""
+    for each, in order. Each string of an engine's ``expect_in_log`` must appear in its log.
+    ``keep_going``: an engine that fails puts its ``AssertionError`` in its place instead of
+    raising, and the others still run (tests sharing one start fail each on its own engine)."""
     procs = [e.start() for e in engines]
     held = [set() for _ in procs]
 
@@ -80,7 +82,12 @@ def run_engines(*engines: Engine) -> list[tuple]:
         results = []
         for e, p in zip(engines, procs):
             note_shm()
-            results.append(e.result(p, on_poll=note_shm))
+            try:
+                results.append(e.result(p, on_poll=note_shm))
+            except AssertionError as err:
+                if not keep_going:
+                    raise
+                results.append(err)
         return results
     finally:
         for p in procs:
@@ -89,6 +96,13 @@ def run_engines(*engines: Engine) -> list[tuple]:
                 p.wait()
             shm.wait_session_gone(p.pid, timeout_s=5.0)
         shm.remove_unheld(set().union(*held))
+
+
+def unwrap(result):
+    """A ``run_engines(..., keep_going=True)`` result: the engine's, or its failure raised."""
+    if isinstance(result, AssertionError):
+        raise result
+    return result
 
 
 def run_engine(script: str, args: list[str], out: Path, label: str, *, expect_in_log: tuple[str, ...] = (),
