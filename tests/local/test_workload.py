@@ -149,4 +149,5 @@ def test_session_stats_counts_a_sessions_processes():
 def test_each_turn_is_the_previous_prompt_and_step_more(session, base, step, turn):
     a, b = session_prompt(session, turn, base, step), session_prompt(session, turn + 1, base, step)
     assert len(a) == base + step * turn and b[: len(a)] == a and len(b) == len(a) + step
-    assert session_prompt(session + 1, turn, base, step) != a
+    if len(a) >= 16:  # another session shares no page with it (a 1-token prompt may repeat: 500 ids)
+        assert session_prompt(session + 1, turn, base, step)[:16] != a[:16]
