@@ -22,6 +22,10 @@ RSS no more than ``--slack`` above, threads and fds within 5% + 2; KV usage and 
 blocks back to 0 once the load ended and the cluster drained);
 ``--png``: every series over time, the faults marked; ``--json``: the samples.
 
+``--direct`` is the control: the same clients send every turn to the prefill instance itself (no
+proxy, no transfer, no faults; its layer-split storage and its reference answers as in the soak),
+so a growth it shows too is vLLM's (and layer-split's), not the PD path's.
+
     MC_FORCE_TCP=1 MC_LOG_LEVEL=ERROR .venv/bin/python bench/soak.py --minutes 30 [--concurrency 4] \\
         [--png soak.png] [--json soak.json]
 
@@ -80,7 +84,8 @@ class Clients:
             for turn in range(a.turns):
                 ids = session_prompt(session, turn, a.base, a.step)
                 hang = 2 if self._count(1) % a.hang_up_every == 0 else None
-                s = stream(self.c.url, model, ids, a.out_tokens, self.c.cfg.bound_s + 30, hang)
+                url = self.c.procs["prefill"].url if a.direct else self.c.url
+                s = stream(url, model, ids, a.out_tokens, self.c.cfg.bound_s + 30, hang)
                 if s.hung_up:
                     kind, detail = "hung_up", ""
                 elif s.ok:
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hang-up-every", type=int, default=7)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--slack", type=float, default=0.10, help="RSS growth allowed after warm-up")
+    ap.add_argument("--direct", action="store_true",
+                    help="the control: the load straight to the prefill instance, no PD and no faults")
     ap.add_argument("--work", default="")
     ap.add_argument("--png", default="")
     ap.add_argument("--json", default="")
@@ -225,10 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             with Clients(c, a, a.concurrency) as clients:
                 f = threading.Thread(target=faults, args=(c, s, t0, total, marks), daemon=True)
-                f.start()
+                if not a.direct:
+                    f.start()
                 report = t0 + 60
                 # the load goes on to the end of the run, and a fifth of the run after the last fault
-                while f.is_alive() or time.monotonic() < max(t0 + total, marks[-1][0] + 0.2 * total):
+                while f.is_alive() or time.monotonic() < max([t0 + total] + [m[0] + 0.2 * total for m in marks[-1:]]):
                     time.sleep(1.0)
                     if time.monotonic() >= report:
                         report += 60
@@ -241,10 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     done = clients.done
     kinds = {k: sum(d[1] == k for d in done) for k in ("equal", "wrong", "error", "unclear", "hung_up", "unverified")}
     load_end = next(t for t, what in marks if what == "load ends")
-    recovered = next(t for t, what in marks if what == "prefill SIGCONT")
-    early, late = (t0 + a.warmup * total, marks[0][0]), (max(recovered, load_end - 0.15 * (load_end - t0)), load_end)
+    if a.direct:  # no faults: the same windows as the soak's (to 35%; the last 15%)
+        early, late = (t0 + a.warmup * total, t0 + 0.35 * total), (load_end - 0.15 * (load_end - t0), load_end)
+    else:
+        recovered = next(t for t, what in marks if what == "prefill SIGCONT")
+        early = (t0 + a.warmup * total, marks[0][0])
+        late = (max(recovered, load_end - 0.15 * (load_end - t0)), load_end)
     rows = flatness(s, early, late, load_end, a.slack)
-    print(f"\n{host_cpu()}; {(load_end - t0) / 60:.1f} min (--minutes {a.minutes:g}) of agent sessions ({a.turns} turns from {a.base} tokens, +{a.step}; "
+    print(f"\n{host_cpu()}; {(load_end - t0) / 60:.1f} min (--minutes {a.minutes:g}{', --direct' if a.direct else ''}) of agent sessions ({a.turns} turns from {a.base} tokens, +{a.step}; "
           f"{a.out_tokens} output tokens) from {a.concurrency} clients, every {a.hang_up_every}th hanging up\n")
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in kinds.items()) + f"; KV usage after the drain {usage}")
     for t, what in marks:

@@ -29,10 +29,12 @@ SECRET = b"k" * 32
 class Prefill:
     """One prefill instance of one CP rank: bootstrap with a registration token, a Sender."""
 
-    def __init__(self, stack, auth: Auth = NO_AUTH, token: str = "t0k3n", transport=None, **kw):
+    def __init__(self, stack, auth: Auth = NO_AUTH, token: str = "t0k3n", transport=None,
+                 handshake_timeout_s: float | None = None, **kw):
         rng = np.random.default_rng(5)
         self.src = rng.integers(1, 255, (L, 8, PAGE_BYTES), dtype=np.uint8)
-        self.transport = MooncakeTransport()
+        self.transport = (MooncakeTransport() if handshake_timeout_s is None
+                          else MooncakeTransport(handshake_timeout_s=handshake_timeout_s))
         stack.callback(self.transport.close)
         self.transport.register(self.src.ctypes.data, self.src.nbytes)
         self.boot = stack.enter_context(BootstrapServer(token=token, auth=auth))

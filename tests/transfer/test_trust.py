@@ -27,7 +27,7 @@ from tests.support.stranger import run as stranger
 from tests.support.wiretap import Answer, Wiretap
 from tests.support.pair import DST_IDS, FP, L, PAGE_BYTES, SRC_IDS, TOKENS, regions, wait_until
 from vllm_dcp2d.transfer import sockets
-from vllm_dcp2d.transfer import directory, handshake, http_bootstrap
+from vllm_dcp2d.transfer import directory, http_bootstrap
 from vllm_dcp2d.transfer.auth import Auth
 from vllm_dcp2d.transfer.bootstrap import BootstrapError, BootstrapServer
 from vllm_dcp2d.transfer.http_bootstrap import HttpBootstrap, HttpTableQuery
@@ -176,10 +176,12 @@ def test_a_black_hole_session_costs_only_its_own_fetch(stack, kind):
     decode's KV came 57.6 s late: the engine opens a new session under a lock every write
     takes, and finding 5's writer per decode does not reach it. Each session is probed
     first, bounded (``handshake.py``): while the probe waits, a known decode and a new one
-    get their KV at once (0.5 s: about 10 ms here, far below the 2 s bound); the black hole's
-    fetch fails within the bound, naming the handshake, and its next one is refused at once."""
+    get their KV at once (within a third of the bound: 5-11 ms on a quiet host, up to 1 s in a
+    loaded CI run, so the bound is 6 s here, not the default 2); the black hole's fetch fails
+    within the bound, naming the handshake, and its next one is refused at once."""
     gc.collect()  # earlier tests' engines die now, not in a timed part (their destructor holds the GIL)
-    p = Prefill(stack)
+    bound_s = 6.0
+    p = Prefill(stack, handshake_timeout_s=bound_s)
     known, fresh, bad = Decode(stack), Decode(stack), Decode(stack)
     hole = stack.enter_context(BadPeer(kind)) if kind != "closed" else None
     bad.transport.session_id = hole.session if hole else closed_session()  # what its requests name
@@ -195,10 +197,10 @@ def test_a_black_hole_session_costs_only_its_own_fetch(stack, kind):
         t1 = time.monotonic()
         f = d.fetch(p.boot.address, key)
         assert f.ok and np.array_equal(d.dst, d.expected(p.src)), f.error
-        assert time.monotonic() - t1 < 0.5, (key, time.monotonic() - t1)
+        assert time.monotonic() - t1 < bound_s / 3, (key, time.monotonic() - t1)
     f = wait_fetch(bad.recv, "a", 20)
     assert not f.ok and "did not answer its handshake" in f.error.reason, f.error
-    assert time.monotonic() - t0 < handshake.HANDSHAKE_TIMEOUT_S + 2.0
+    assert time.monotonic() - t0 < bound_s + 2.0
     t1 = time.monotonic()
     f = bad.fetch(p.boot.address, "d")
     assert not f.ok and "is refused for another" in f.error.reason and time.monotonic() - t1 < 0.5, f.error
