@@ -23,6 +23,8 @@ prefix seen, is reused by every layer of every step.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -47,10 +49,7 @@ class Scratch:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous ``shape`` tensor of ``dtype`` on ``device``, its contents undefined;
         valid until the next ``take``. Grows to the next power of two (at least 1 MiB)."""
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.max_bytes:
             return torch.empty(shape, dtype=dtype, device=self.device)
         if nbytes > self._buf.numel():
