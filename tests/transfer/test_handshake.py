@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 
 T = 1.0         # handshake_timeout_s of the transports here
 QUICK_S = 0.5   # a write that waited on no bad session (module doc)
+RELEASED_S = 10.0  # the premise's known write, once the silent peer closed: not the engine's 60 s
 N = 4096
 
 
@@ -95,8 +96,12 @@ def test_premise_the_wheel_opens_a_session_under_a_lock_every_submit_takes():
     assert lines, f"the premise's process printed nothing (exit {p.returncode}): {p.stderr[-2000:]}"
     out = json.loads(lines[-1])
     assert out["known_first"] != 0 and out["hole_reached"], out
-    assert out["known_waited"] and out["ticks"] > 20 and out["max_tick_gap_s"] < 0.5, out
-    assert out["known_result"] not in (None, 0) and out["known_after_close_s"] < QUICK_S, out
+    # The GIL stays free: a thread ticking every 10 ms keeps ticking through the 1.5 s wait (a held
+    # GIL would leave one gap of the whole wait); its gaps bounded well below that, not to the tick.
+    assert out["known_waited"] and out["ticks"] > 20 and out["max_tick_gap_s"] < 1.0, out
+    # Released by the handshake's end, not by the engine's own 60 s: a loaded CI run took 0.68 s
+    # here (quiet: milliseconds), so the bound is the gap between those, not QUICK_S.
+    assert out["known_result"] not in (None, 0) and out["known_after_close_s"] < RELEASED_S, out
 
 
 def test_probe_gets_the_descriptor_a_real_engine_opens_with(stack):
