@@ -62,7 +62,9 @@ def test_a_fresh_interpreter_imports_the_package_without_vllm_and_the_math_witho
              "pure = loaded()\n"
              f"for m in {modules()!r}: importlib.import_module(m)\n"
              "print(json.dumps([pure, loaded()]))\n")
-    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    # -I: a fresh interpreter as a user's, nothing from PYTHONPATH run at start-up (the suite as
+    # an AVX2 host puts tests/support/avx2_host there, whose sitecustomize imports torch)
+    p = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     pure_loaded, all_loaded = json.loads(p.stdout.splitlines()[-1])
     assert pure_loaded == [], pure_loaded
