@@ -35,15 +35,25 @@ def test_ring_from_another_thread_ends_the_sleep():
 
 def test_ring_from_another_process_ends_the_sleep():
     bell = StepBell()
-    code = ("import sys; from vllm_dcp2d.connector.step_bell import BellRope; "
-            "r = BellRope(sys.argv[1]); r.ring(); import time; time.sleep(0.5); r.close()")
+    # The child rings once told to, after its start-up: the bound is on ring -> wake, not on an
+    # interpreter's start (19 s once, under the whole suite run as an AVX2 host).
+    code = ("import sys, time; from vllm_dcp2d.connector.step_bell import BellRope; "
+            "r = BellRope(sys.argv[1]); print('ready', flush=True); sys.stdin.readline(); "
+            "r.ring(); time.sleep(0.5); r.close()")
+    p = subprocess.Popen([sys.executable, "-c", code, bell.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
     try:
-        p = subprocess.Popen([sys.executable, "-c", code, bell.address])
+        assert p.stdout.readline().strip() == "ready"  # bounded by the test's own timeout
         t0 = time.monotonic()
+        p.stdin.write("ring\n")
+        p.stdin.flush()
         assert bell.sleep(LONG_S) is True
         assert time.monotonic() - t0 < LONG_S / 2
         assert p.wait(timeout=60) == 0
     finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
         bell.close()
 
 
