@@ -211,4 +211,5 @@ def test_a_peer_that_answers_only_the_probe_costs_others_one_bound(stack):
     e, took = a.write_bad(liar.session)  # waited for that writer (the peer's lock); not for a probe
     assert isinstance(e, HandshakeError) and "answered the probe, but not the engine's own handshake" in str(e)
     assert took < 0.05 and liar.accepted == 2
-    assert a.write_to(b, 2048) < QUICK_S
+    # b is a session new to the fresh engine: it opens one (0.53 s once under the whole suite)
+    assert a.write_to(b, 2048) < SLOW_T / 2
