@@ -186,6 +186,7 @@ def plot(s: Sampler, marks: list, t0: float, path: Path) -> str:
     fig, axes = plt.subplots(len(WATCHED), 1, figsize=(10, 2.2 * len(WATCHED)), sharex=True)
     first_fault = marks[0][0] if marks else float("inf")
     for ax, (key, label, scale) in zip(axes, WATCHED):
+        label = "RSS MB, change" if key == "rss_bytes" else label
         for name in ("prefill", "decode", "proxy"):
             pts = s.series(name, key)
             if key == "rss_bytes":
@@ -194,7 +195,6 @@ def plot(s: Sampler, marks: list, t0: float, path: Path) -> str:
                 pts = [(t, v) for t, v in pts if v > 0]
                 base = [v for t, v in pts if t0 + 60 <= t < first_fault] or [v for _, v in pts[:1]]
                 pts = [(t, v - float(np.median(base))) for t, v in pts]
-                label = "RSS MB, change"
             if pts:
                 ax.plot([(t - t0) / 60 for t, _ in pts], [v * scale for _, v in pts], label=name)
         for t, what in marks:

@@ -217,7 +217,7 @@ def flood(bootstrap: str, conns: int = 1, per: int = 300, **_) -> dict:
         # the first: under the whole suite as an AVX2 host the rank took longer than that to
         # read the 1,024 held ones, the stranger left, and the refusals found no one to answer.
         answers, deadline = [], time.monotonic() + 4 * WAIT_S
-        quiet = deadline
+        quiet = deadline  # moved to a second after each answer
         poller = zmq.Poller()
         for sock in socks:
             poller.register(sock, zmq.POLLIN)
