@@ -11,6 +11,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
+# The DCP2D instances tests start fork their engine core and TP workers (cpu_start_method,
+# vllm_compat/startup.py): each spawned one imports vLLM anew, ~7 CPU-s, most of the suite's
+# CPU on a 2-core machine. test_e2e.py's cluster keeps vLLM's spawn, the default users get.
+os.environ.setdefault("DCP2D_CPU_START_METHOD", "fork")
+
 # Hypothesis: the README's test command draws new cases on every run (property
 # tests size every buffer from what they drew, so any draw must pass); under
 # CI=true hypothesis' own "ci" profile derandomizes, and this keeps that. No

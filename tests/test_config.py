@@ -49,6 +49,7 @@ def test_unknown_key_names_valid_ones():
     ("stats_file", 1, "file path"),
     ("cpu_poll_sleep_us", -1, r"int in \[0, 100000\] microseconds"),
     ("cpu_poll_sleep_us", 0.5, "microseconds"),
+    ("cpu_start_method", "forkserver", '"spawn", "fork"'),
     ("router_discovery_address", "127.0.0.1", r'"host:port" \(port in \[1, 65535\]\) or ""'),
     ("router_discovery_address", "tcp://127.0.0.1:30001", '"host:port"'),
     ("router_http_address", "h:0", '"host:port"'),

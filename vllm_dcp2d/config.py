@@ -44,6 +44,7 @@ class DCP2DConfig:
     local_hostname: str = "127.0.0.1"
     stats_file: str = ""
     cpu_poll_sleep_us: int = 500
+    cpu_start_method: str = "spawn"
     router_discovery_address: str = ""
     router_http_address: str = ""
     auth_secret_file: str = ""
@@ -141,6 +142,12 @@ KEYS: dict[str, tuple[str, str]] = {
                           "polls instead of spinning (their latency grows by at most this). Without it, "
                           "every TP worker of an instance that holds or awaits KV spins a core, starving "
                           "the transfers on small hosts. 0 keeps vLLM's spinning; ignored on GPU hosts."),
+    "cpu_start_method": ("both", "CPU hosts only: how vLLM starts this instance's engine core and TP workers. "
+                         "`\"spawn\"` (default): as vLLM does on CPU, each imports vLLM anew. `\"fork\"`: vLLM's "
+                         "default on GPU hosts; each is forked from the process that starts it, with its imports, "
+                         "and binds its cores as vLLM's `VLLM_CPU_OMP_THREADS_BIND` says (its OpenMP runtime, "
+                         "loaded before the fork, cannot read them). A TP=2 start takes ~12 CPU-s instead of ~30 "
+                         "(BENCHMARKS.md, \"Start-up\"). Ignored on GPU hosts."),
     "router_discovery_address": ("both", "`host:port` of vllm-router's `--vllm-discovery-address`: the instance "
                                  "joins that router (a prefill as `P`, a decode as `D`) by registering "
                                  "`router_http_address` every 2 s while it answers `/health`, and leaves by "
@@ -233,6 +240,9 @@ def parse_extra_config(extra: dict | None) -> DCP2DConfig:
     if "cpu_poll_sleep_us" in extra:
         v = extra["cpu_poll_sleep_us"]
         _expect("cpu_poll_sleep_us", v, _is_int(v) and 0 <= v <= 100_000, "an int in [0, 100000] microseconds")
+    if "cpu_start_method" in extra:
+        v = extra["cpu_start_method"]
+        _expect("cpu_start_method", v, v in ("spawn", "fork"), 'one of "spawn", "fork"')
     if "max_quarantined_blocks" in extra:
         v = extra["max_quarantined_blocks"]
         _expect("max_quarantined_blocks", v, _is_int(v) and v >= 0, "an int >= 0 blocks (0 = a quarter of a rank's)")

@@ -32,25 +32,11 @@ def register() -> None:
     apart from the CPU attention backends' DCP support, which they only reach with
     ``decode_context_parallel_size > 1``.
     """
-    _route_logs()
     from vllm_dcp2d.vllm_compat import registry
+    from vllm_dcp2d.vllm_compat.startup import route_logs
+
+    route_logs()
 
     registry.register_connector()
     registry.install_all()
     logger.debug("vllm_dcp2d registered %s", CONNECTOR_NAME)
-
-
-def _route_logs() -> None:
-    """Send ``vllm_dcp2d``'s log records through vLLM's handlers, at vLLM's level.
-
-    vLLM configures only its own ``vllm`` logger; without this, the plugin's
-    INFO lines (which layers a rank stores and sends, a stalled write) would
-    reach a user only at WARNING and above, unformatted.
-    """
-    theirs, ours = logging.getLogger("vllm"), logging.getLogger("vllm_dcp2d")
-    if ours.handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
-    ours.propagate = False

@@ -76,12 +76,14 @@ def _run_engine(model: str, dcp: int, mode: str, sets: str, out: str, dtype: str
     ``sets``: the prompt sets to serve, comma-separated (``PROMPT_SETS``)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_dcp2d.local.servers import free_port
+    from vllm_dcp2d.local.servers import START_METHOD_ENV, free_port
 
     kw = {}
     if mode != "plain":
         kw["kv_transfer_config"] = {"kv_connector": "DCP2DConnector", "kv_role": "kv_producer",
-                                    "kv_connector_extra_config": {"layer_split": mode, "bootstrap_port": free_port()}}
+                                    "kv_connector_extra_config": {"layer_split": mode, "bootstrap_port": free_port(),
+                                                                  "cpu_start_method": os.environ.get(START_METHOD_ENV,
+                                                                                                     "spawn")}}
     mla = "mla" in model
     if mla and mode == "plain":
         # the control runs the same kernel: on an AMX CPU vLLM alone would pick AMX_MLA

@@ -23,17 +23,19 @@ faults, the proxy over four instances, speculative decoding, MLA).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
 
 from tests.support.pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
-                         complete, expected_bytes, ids, kv_capacity, pd_cluster, prompts, stalled, tokens)
+                         complete, expected_bytes, ids, kv_capacity, pd_cluster, prompts, stalled, tokens,
+                         worker_cores)
 
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
-from vllm_dcp2d.local.servers import fetch_records, kv_cache_usage, post_json, read_stats
+from vllm_dcp2d.local.servers import START_METHOD_ENV, fetch_records, kv_cache_usage, post_json, read_stats
 from tests.support.netns import Hosts, unavailable
 from tests.support.shared import fixtures
 
@@ -45,16 +47,23 @@ HOSTS = ["prefill", "decode", "decode1", "proxy"]
 
 @contextlib.contextmanager
 def _start(work):
-    if WHY_NOT_HOSTS:
-        with pd_cluster(work) as c:
-            yield c
-        return
-    with Hosts(HOSTS) as hosts:
-        def place(name):
-            return hosts[name].addr, hosts[name].netns
+    # This cluster starts its engines as vLLM does on CPU, spawned, the connector's default
+    # (cpu_start_method); the other clusters of the suite fork them (conftest.py).
+    method = os.environ.pop(START_METHOD_ENV, None)
+    try:
+        if WHY_NOT_HOSTS:
+            with pd_cluster(work) as c:
+                yield c
+            return
+        with Hosts(HOSTS) as hosts:
+            def place(name):
+                return hosts[name].addr, hosts[name].netns
 
-        with pd_cluster(work, place) as c:
-            yield {**c, "hosts": hosts}
+            with pd_cluster(work, place) as c:
+                yield {**c, "hosts": hosts}
+    finally:
+        if method is not None:
+            os.environ[START_METHOD_ENV] = method
 
 
 # one cluster for the module's tests, checked before each and started again if a test broke
@@ -71,6 +80,16 @@ def across_hosts(cluster):
 
 
 @pytest.mark.timeout(1200)
+def test_each_tp_worker_runs_on_its_own_core(cluster):
+    """VLLM_CPU_OMP_THREADS_BIND="0|1" (``local/servers.py``): the thread of each TP worker of a
+    TP=2 instance that runs the model, on its own core. This cluster's workers are spawned, as
+    vLLM does on CPU; test_e2e_gqa.py checks the same of forked ones (``cpu_start_method``)."""
+    cores = os.cpu_count() or 1
+    for name in ("prefill", "decode"):
+        assert "cpu_start_method 'fork'" not in cluster[name].log_path.read_text(errors="replace")
+        assert worker_cores(cluster[name]) == [{0}, {1 % cores}], name
+
+
 @pytest.mark.parametrize("which,tp,dcp,salt", [("proxy", 2, DCP, 0), ("proxy1", 2, 1, 0), ("proxyp", 2, DCP, 1)])
 def test_proxy(cluster, which, tp, dcp, salt):
     """Every prompt through the proxy: the bytes of every (cp_rank, dcp_rank) path equal

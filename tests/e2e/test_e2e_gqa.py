@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.support.pd_cluster import ids, tokens
+from tests.support.pd_cluster import ids, tokens, worker_cores
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.local.servers import (extra_config, free_port, kv_cache_usage, post_json, read_stats, running,
@@ -50,7 +50,8 @@ def _start(work):
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
     stats = work / "stats.jsonl"
-    common = {"stats_file": str(stats), "auth_secret_file": str(secret)}
+    # fork, whatever the suite's default (test_forked_tp_workers_run_on_their_own_cores)
+    common = {"stats_file": str(stats), "auth_secret_file": str(secret), "cpu_start_method": "fork"}
     kw = dict(block_size=PAGE, dtype="float32", max_model_len=512)
 
     def prefill(name, tp, model=model):
@@ -99,6 +100,17 @@ def usage_back_to_zero(c, names, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.timeout(1200)
+def test_forked_tp_workers_run_on_their_own_cores(cluster):
+    """``cpu_start_method="fork"``: the instances' TP workers are forked, and the thread of
+    each that runs the model is bound to the core VLLM_CPU_OMP_THREADS_BIND="0|1" gives it,
+    as a spawned one binds itself (``vllm_compat/startup.py``: ``bind_forked_worker``;
+    unbound, two workers on two cores answered 10x slower; test_e2e.py checks spawned ones)."""
+    cores = os.cpu_count() or 1
+    for name in ("p2", "d2", "md2"):
+        assert "cpu_start_method 'fork'" in cluster[name].log_path.read_text(errors="replace"), name
+        assert worker_cores(cluster[name]) == [{0}, {1 % cores}], name
+
+
 def test_every_shape_answers_the_colocated_text_or_refuses(cluster):
     c = cluster
     sent = {}

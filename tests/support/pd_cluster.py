@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from pathlib import Path
 
 from vllm_dcp2d.reshard.plan import plan_request
 from vllm_dcp2d.reshard.layout import cdiv
@@ -150,6 +151,33 @@ def kv_capacity(server: Process) -> int:
     if not cap:
         raise AssertionError(f"no KV capacity line in {server.log_path}")
     return int(cap[0].replace(",", ""))
+
+
+def worker_cores(server: Process) -> list[set[int]]:
+    """The cores the main thread of each TP worker process of a running ``vllm serve``
+    instance (its ``VLLM::Worker*`` processes) may run on, in process-id order: the thread
+    that runs the model and leads its OpenMP threads. (Threads a worker started before vLLM
+    bound it, ZMQ's and others that wait on I/O, keep every core, spawned or forked.)"""
+    def cores(text: str) -> set[int]:
+        out = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    found, todo, seen = [], [server.proc.pid], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            todo += [int(c) for c in (t / "children").read_text().split()]
+        if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            line = next(x for x in status if x.startswith("Cpus_allowed_list"))
+            found.append((pid, cores(line.split(":", 1)[1].strip())))
+    return [c for _, c in sorted(found)]
 
 
 def stalled(recs: list[dict]) -> list[dict]:

@@ -4,6 +4,7 @@ exact placements, without starting vLLM."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace as NS
 
 import pytest
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 from vllm_dcp2d.config import ConfigError
 from vllm_dcp2d.reshard.layout import cp_layer_range
-from vllm_dcp2d.vllm_compat.startup import draft_backend, mla_backend, resolve_interleave
+from vllm_dcp2d.vllm_compat.startup import (bind_forked_worker, draft_backend, mla_backend, omp_cpus,
+                                            resolve_interleave, route_logs, start_method)
 from vllm_dcp2d.vllm_compat.kv_cache import StoragePlan, split_tensors, storage_plan
 
 
@@ -80,6 +82,92 @@ def test_interleave_follows_block_size_unless_set():
     vc = _vc(dcp=1)
     resolve_interleave(vc, 16)
     assert vc.parallel_config.cp_kv_cache_interleave_size == 1
+
+
+def test_start_method_is_spawn_unless_a_dcp2d_instance_asks_for_fork():
+    assert start_method(_vc()) == "spawn"
+    assert start_method(_vc(extra={"cpu_start_method": "fork"})) == "fork"
+    assert start_method(_vc(extra={"cpu_start_method": "fork"}, connector="NixlConnector")) == "spawn"
+    with pytest.raises(ConfigError, match=re.escape("['cpu_start_method'] = 'forkserver'")):
+        start_method(_vc(extra={"cpu_start_method": "forkserver"}))
+
+
+@pytest.mark.parametrize("env, cpus, threads", [
+    ({"GOMP_CPU_AFFINITY": "1", "OMP_NUM_THREADS": "1"}, {1}, 1),        # libgomp preloaded (vLLM's CPU image)
+    ({"GOMP_CPU_AFFINITY": "0 2-4"}, {0, 2, 3, 4}, None),
+    ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[3,5]", "OMP_NUM_THREADS": "2"}, {3, 5}, 2),
+    ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true", "OMP_NUM_THREADS": "2"}, {0, 1}, 2),
+    ({"OMP_NUM_THREADS": "2"}, None, 2),                                   # the engine core: threads only
+    ({}, None, None),                                                      # VLLM_CPU_OMP_THREADS_BIND=nobind
+])
+def test_omp_cpus_reads_what_vllm_set_for_the_worker(env, cpus, threads):
+    assert omp_cpus(env) == (cpus, threads)
+
+
+@pytest.mark.parametrize("var, value", [("GOMP_CPU_AFFINITY", "0 x"), ("OMP_PLACES", "{0,a}"),
+                                        ("KMP_AFFINITY", "explicit,proclist=[1-]")])
+def test_omp_cpus_names_a_value_that_is_not_core_ids(var, value):
+    with pytest.raises(ValueError, match=re.escape(f"{var}={value!r}")):
+        omp_cpus({var: value})
+
+
+def test_a_forked_worker_binds_to_its_cores():
+    """A real fork: the child runs the at-fork handler with the variables vLLM sets around a
+    worker's start, and reports its affinity and torch's thread count; the parent keeps its own."""
+    import os
+
+    import torch
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    read, write = os.pipe()
+    os.environ.update(GOMP_CPU_AFFINITY=str(core), OMP_NUM_THREADS="1")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: what bind_forked_worker left, then exit without pytest's teardown
+            try:
+                bind_forked_worker()
+                os.write(write, repr((sorted(os.sched_getaffinity(0)), torch.get_num_threads())).encode())
+            finally:
+                os._exit(0)
+    finally:
+        del os.environ["GOMP_CPU_AFFINITY"], os.environ["OMP_NUM_THREADS"]
+    os.close(write)
+    with os.fdopen(read) as f:
+        got = f.read()
+    os.waitpid(pid, 0)
+    assert got == repr(([core], 1))
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+
+
+def test_the_plugins_records_reach_the_handlers_vllm_has_when_they_are_logged(monkeypatch):
+    """vLLM configures its logger in each process after loading the plugins there, and a
+    forked process loads none: a handler vLLM adds after the routing still gets the
+    plugin's INFO lines, at vLLM's level."""
+    import logging
+
+    ours, theirs = logging.getLogger("vllm_dcp2d"), logging.getLogger("vllm")
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "propagate", True)
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(theirs, "handlers", [])
+    monkeypatch.setattr(theirs, "level", logging.INFO)
+    monkeypatch.setattr(theirs, "propagate", False)
+    route_logs()
+    route_logs()
+    assert len(ours.handlers) == 1 and not ours.propagate
+
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append((record.name, record.levelname, record.getMessage()))
+
+    theirs.addHandler(Keep())  # what vLLM's configure_logging does later in each process
+    log = logging.getLogger("vllm_dcp2d.connector.producer")
+    log.info("stores layers [%d, %d)", 0, 2)
+    log.debug("not at vLLM's INFO")
+    assert got == [("vllm_dcp2d.connector.producer", "INFO", "stores layers [0, 2)")]
 
 
 def test_storage_plan_decisions(monkeypatch):

@@ -205,6 +205,12 @@ def running(procs: list[Process], timeout_s: float):
             p.stop()
 
 
+# The connector's cpu_start_method for the DCP2D instances vllm_server starts, where this
+# variable names one: the test suite sets "fork" (conftest.py; a TP=2 start ~12 CPU-s instead
+# of ~30), the demo and the benches keep vLLM's "spawn".
+START_METHOD_ENV = "DCP2D_CPU_START_METHOD"
+
+
 def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, extra_config: dict,
                 tp: int = 1, dcp: int = 1, block_size: int | None = None, cpu: bool = True,
                 kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024, failure_policy: str = "fail",
@@ -221,6 +227,8 @@ def vllm_server(name: str, model: str, port: int, log_dir: Path, *, role: str, e
     if host != "127.0.0.1":
         extra_config = {"local_hostname": host, **({"bootstrap_host": host} if role != "kv_consumer" else {}),
                         **extra_config}
+    if cpu and role and os.environ.get(START_METHOD_ENV) and "cpu_start_method" not in extra_config:
+        extra_config = {**extra_config, "cpu_start_method": os.environ[START_METHOD_ENV]}
     if role in ("kv_producer", "kv_both") and "http_bootstrap_port" not in extra_config:
         # its own port, not vLLM's default 8998: servers of this module run side by side
         extra_config = {**extra_config, "http_bootstrap_port": free_port()}

@@ -23,20 +23,59 @@ an error that names the flag to change.
    ``--cp-kv-cache-interleave-size`` was given; ``check_interleave`` then
    names the mismatch).
 
-Both are entries of the patch registry (``patches.py``: ``mla_backend_choice``,
-``dcp_interleave``).
+3. ``CpuPlatform.check_and_update_config`` again: vLLM's CPU platform makes every
+   engine core and TP worker a spawned process, which imports vLLM anew (~7 CPU-s
+   each, most of a CPU start-up). ``cpu_start_method="fork"`` (off by default) gives
+   it vLLM's choice on GPU hosts, fork, and :func:`bind_forked_worker` binds each
+   forked worker to the cores vLLM chose for it: vLLM binds them through OpenMP's
+   variables, which a forked child's OpenMP runtime, loaded before the fork, never
+   reads (unbound, two TP=2 workers on two cores answered 10x slower).
+
+1 and 3 wrap one vLLM function, so they are one entry of the patch registry
+(``patches.py``: ``cpu_platform_choices``); 2 is ``dcp_interleave``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
+from vllm_dcp2d.config import parse_extra_config
 from vllm_dcp2d.vllm_compat.instance import is_dcp2d, layer_split_may_apply
 
 log = logging.getLogger(__name__)
 
-__all__ = ["draft_backend", "install_mla_backend", "install_interleave", "mla_backend",
+__all__ = ["route_logs", "draft_backend", "install_cpu_choices", "install_interleave", "mla_backend",
+           "start_method", "omp_cpus", "bind_forked_worker",
            "resolve_interleave"]
+
+
+class _ToVllm(logging.Handler):
+    """Hands each record to vLLM's ``vllm`` logger as it is when the record comes (its
+    handlers and level), not as it was when the plugin loaded."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        theirs = logging.getLogger("vllm")
+        if record.levelno >= theirs.getEffectiveLevel():
+            theirs.handle(record)
+
+
+def route_logs() -> None:
+    """Send ``vllm_dcp2d``'s log records through vLLM's logger (idempotent).
+
+    vLLM configures only its own ``vllm`` logger; without this, the plugin's INFO lines
+    (which layers a rank stores and sends, a stalled write) would reach a user only at
+    WARNING and above, unformatted. vLLM (0.32) configures that logger in each process
+    it starts, after it loads the plugins there, and a process forked from another
+    (``cpu_start_method``) loads none: so the records go to whatever handlers vLLM's
+    logger has when each is logged, at the level ``VLLM_LOGGING_LEVEL`` names (vLLM's).
+    """
+    ours = logging.getLogger("vllm_dcp2d")
+    if any(isinstance(h, _ToVllm) for h in ours.handlers):
+        return
+    ours.addHandler(_ToVllm())
+    ours.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    ours.propagate = False
 
 
 def mla_backend(vllm_config, amx: bool) -> str | None:
@@ -91,9 +130,12 @@ def resolve_interleave(vllm_config, block_size: int) -> None:
     pc.cp_kv_cache_interleave_size = block_size
 
 
-# ---- 1. CpuPlatform.check_and_update_config (vLLM 0.32.0, 0.33.0) ----
+# ---- 1 and 3. CpuPlatform.check_and_update_config (vLLM 0.32.0, 0.33.0) ----
 
-def install_mla_backend(version: str) -> None:
+_at_fork = []
+
+
+def install_cpu_choices(version: str) -> None:
     import torch
     from vllm.platforms import CpuArchEnum, current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -114,7 +156,14 @@ def install_mla_backend(version: str) -> None:
         if draft_backend(vllm_config, backend) is not None:
             log.info("DCP2DConnector: the MLA draft model uses %s too", backend)
             vllm_config.speculative_config.attention_backend = AttentionBackendEnum[backend]
-        stock(klass, vllm_config)
+        stock(klass, vllm_config)  # sets VLLM_WORKER_MULTIPROC_METHOD=spawn
+        if start_method(vllm_config) == "fork":
+            log.info("DCP2DConnector: cpu_start_method 'fork': vLLM forks the engine core and TP workers, "
+                     "each bound to the cores VLLM_CPU_OMP_THREADS_BIND gives it")
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+            if not _at_fork:
+                os.register_at_fork(after_in_child=bind_forked_worker)
+                _at_fork.append(True)
 
     check_and_update_config._dcp2d, check_and_update_config._dcp2d_stock = True, stock
     cls.check_and_update_config = classmethod(check_and_update_config)
@@ -138,5 +187,60 @@ def install_interleave(version: str) -> None:
     adjust_dcp_kv_cache_interleave_size._dcp2d = True
     adjust_dcp_kv_cache_interleave_size._dcp2d_stock = stock
     VllmConfig.adjust_dcp_kv_cache_interleave_size = adjust_dcp_kv_cache_interleave_size
+
+
+# ---- 3. the start method: what the wrapper of 1 decides, and the binding of a forked worker ----
+
+def start_method(vllm_config) -> str:
+    """``"fork"`` where this DCP2D instance asks for it (``cpu_start_method``), else
+    ``"spawn"``, vLLM's choice on CPU. Raises ``ConfigError`` for a bad value."""
+    if not is_dcp2d(vllm_config):
+        return "spawn"
+    return parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config).cpu_start_method
+
+
+def omp_cpus(environ) -> tuple[set[int] | None, int | None]:
+    """The cores and thread count vLLM set in ``environ`` for the worker it starts
+    (``OMPProcessManager.configure_omp_envs``: ``GOMP_CPU_AFFINITY="0 1"`` where libgomp
+    is preloaded, ``KMP_AFFINITY=...proclist=[0,1]`` for Intel's runtime,
+    ``OMP_PLACES="{0,1}"`` otherwise; ``OMP_NUM_THREADS``), or None for what it did not
+    set (``VLLM_CPU_OMP_THREADS_BIND=nobind``; the engine core). Raises ``ValueError``
+    naming a value that is not a list of core ids."""
+    def ids(text: str, var: str) -> set[int]:
+        out = set()
+        for part in text.replace(",", " ").split():
+            lo, dash, hi = part.partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()):
+                raise ValueError(f"{var}={environ[var]!r}: expected core ids such as '0 1', '0-3'")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    cpus = None
+    if environ.get("GOMP_CPU_AFFINITY"):
+        cpus = ids(environ["GOMP_CPU_AFFINITY"], "GOMP_CPU_AFFINITY")
+    elif "proclist=[" in environ.get("KMP_AFFINITY", ""):
+        cpus = ids(environ["KMP_AFFINITY"].split("proclist=[", 1)[1].split("]", 1)[0], "KMP_AFFINITY")
+    elif environ.get("OMP_PLACES", "").startswith("{"):
+        cpus = ids(environ["OMP_PLACES"].strip("{}"), "OMP_PLACES")
+    threads = environ.get("OMP_NUM_THREADS", "")
+    return cpus or None, int(threads) if threads.isdigit() else None
+
+
+def bind_forked_worker() -> None:
+    """In a child just forked: bind it to the cores and thread count vLLM set for it,
+    as a spawned child's OpenMP runtime would on load. The threads OpenMP creates later
+    inherit the binding (OpenMP creates its pool on the first parallel region)."""
+    try:
+        cpus, threads = omp_cpus(os.environ)
+    except ValueError as e:
+        log.warning("cpu_start_method 'fork': this worker runs unbound: %s", e)
+        return
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
 
 # ---- end of fenced pieces ----
