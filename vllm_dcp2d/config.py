@@ -146,7 +146,7 @@ KEYS: dict[str, tuple[str, str]] = {
                          "`\"spawn\"` (default): as vLLM does on CPU, each imports vLLM anew. `\"fork\"`: vLLM's "
                          "default on GPU hosts; each is forked from the process that starts it, with its imports, "
                          "and binds its cores as vLLM's `VLLM_CPU_OMP_THREADS_BIND` says (its OpenMP runtime, "
-                         "loaded before the fork, cannot read them). A TP=2 start takes ~12 CPU-s instead of ~30 "
+                         "loaded before the fork, cannot read them). A TP=2 start takes ~11 CPU-s instead of ~26 "
                          "(BENCHMARKS.md, \"Start-up\"). Ignored on GPU hosts."),
     "router_discovery_address": ("both", "`host:port` of vllm-router's `--vllm-discovery-address`: the instance "
                                  "joins that router (a prefill as `P`, a decode as `D`) by registering "

@@ -206,8 +206,8 @@ def running(procs: list[Process], timeout_s: float):
 
 
 # The connector's cpu_start_method for the DCP2D instances vllm_server starts, where this
-# variable names one: the test suite sets "fork" (conftest.py; a TP=2 start ~12 CPU-s instead
-# of ~30), the demo and the benches keep vLLM's "spawn".
+# variable names one: the test suite sets "fork" (conftest.py; a TP=2 start ~11 CPU-s instead
+# of ~26), the demo and the benches keep vLLM's "spawn".
 START_METHOD_ENV = "DCP2D_CPU_START_METHOD"
 
 
