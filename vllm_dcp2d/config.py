@@ -145,8 +145,10 @@ KEYS: dict[str, tuple[str, str]] = {
     "cpu_start_method": ("both", "CPU hosts only: how vLLM starts this instance's engine core and TP workers. "
                          "`\"spawn\"` (default): as vLLM does on CPU, each imports vLLM anew. `\"fork\"`: vLLM's "
                          "default on GPU hosts; each is forked from the process that starts it, with its imports, "
-                         "and binds its cores as vLLM's `VLLM_CPU_OMP_THREADS_BIND` says (its OpenMP runtime, "
-                         "loaded before the fork, cannot read them). A TP=2 start takes ~11 CPU-s instead of ~26 "
+                         "and runs on the cores vLLM's `VLLM_CPU_OMP_THREADS_BIND` gives it (its OpenMP runtime, "
+                         "loaded before the fork, cannot read them; its threads are not pinned one per core within "
+                         "them, and vLLM's `LD_PRELOAD`, where its build bundles tcmalloc, reaches only spawned "
+                         "processes). A TP=2 start takes ~11 CPU-s instead of ~26, the requests after it the same "
                          "(BENCHMARKS.md, \"Start-up\"). Ignored on GPU hosts."),
     "router_discovery_address": ("both", "`host:port` of vllm-router's `--vllm-discovery-address`: the instance "
                                  "joins that router (a prefill as `P`, a decode as `D`) by registering "

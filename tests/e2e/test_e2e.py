@@ -30,7 +30,7 @@ import pytest
 
 from tests.support.pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PROMPTS, bootstrap_addr, check_paths, check_proxy,
                          complete, expected_bytes, ids, kv_capacity, pd_cluster, prompts, stalled, tokens,
-                         worker_cores)
+                         tp_workers)
 
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer import bootstrap as bs
@@ -87,7 +87,7 @@ def test_each_tp_worker_runs_on_its_own_core(cluster):
     cores = os.cpu_count() or 1
     for name in ("prefill", "decode"):
         assert "cpu_start_method 'fork'" not in cluster[name].log_path.read_text(errors="replace")
-        assert worker_cores(cluster[name]) == [{0}, {1 % cores}], name
+        assert tp_workers(cluster[name]) == [({0}, True), ({1 % cores}, True)], name
 
 
 @pytest.mark.parametrize("which,tp,dcp,salt", [("proxy", 2, DCP, 0), ("proxy1", 2, 1, 0), ("proxyp", 2, DCP, 1)])

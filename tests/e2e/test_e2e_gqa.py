@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.support.pd_cluster import ids, tokens, worker_cores
+from tests.support.pd_cluster import ids, tokens, tp_workers
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer.bootstrap import BootstrapServer
 from vllm_dcp2d.local.servers import (extra_config, free_port, kv_cache_usage, post_json, read_stats, running,
@@ -108,7 +108,7 @@ def test_forked_tp_workers_run_on_their_own_cores(cluster):
     cores = os.cpu_count() or 1
     for name in ("p2", "d2", "md2"):
         assert "cpu_start_method 'fork'" in cluster[name].log_path.read_text(errors="replace"), name
-        assert worker_cores(cluster[name]) == [{0}, {1 % cores}], name
+        assert tp_workers(cluster[name]) == [({0}, False), ({1 % cores}, False)], name
 
 
 def test_every_shape_answers_the_colocated_text_or_refuses(cluster):

@@ -153,11 +153,13 @@ def kv_capacity(server: Process) -> int:
     return int(cap[0].replace(",", ""))
 
 
-def worker_cores(server: Process) -> list[set[int]]:
-    """The cores the main thread of each TP worker process of a running ``vllm serve``
-    instance (its ``VLLM::Worker*`` processes) may run on, in process-id order: the thread
-    that runs the model and leads its OpenMP threads. (Threads a worker started before vLLM
-    bound it, ZMQ's and others that wait on I/O, keep every core, spawned or forked.)"""
+def tp_workers(server: Process) -> list[tuple[set[int], bool]]:
+    """Each TP worker process of a running ``vllm serve`` instance (its ``VLLM::Worker*``
+    processes), in process-id order: the cores its main thread may run on (the thread that
+    runs the model and leads its OpenMP threads; threads a worker started before vLLM bound
+    it, ZMQ's and others that wait on I/O, keep every core, spawned or forked), and whether
+    it was spawned: a spawned worker was exec'd with the OpenMP variables vLLM set for it in
+    its environment (``/proc/PID/environ``), a forked one shows the front end's."""
     def cores(text: str) -> set[int]:
         out = set()
         for part in text.split(","):
@@ -171,13 +173,22 @@ def worker_cores(server: Process) -> list[set[int]]:
         if pid in seen:
             continue
         seen.add(pid)
-        for t in Path(f"/proc/{pid}/task").iterdir():
-            todo += [int(c) for c in (t / "children").read_text().split()]
-        if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+        try:
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                try:
+                    todo += [int(c) for c in (t / "children").read_text().split()]
+                except OSError:  # a thread that ended meanwhile
+                    continue
+            if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+                continue
             status = Path(f"/proc/{pid}/status").read_text().splitlines()
-            line = next(x for x in status if x.startswith("Cpus_allowed_list"))
-            found.append((pid, cores(line.split(":", 1)[1].strip())))
-    return [c for _, c in sorted(found)]
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # a process that ended meanwhile
+            continue
+        line = next(x for x in status if x.startswith("Cpus_allowed_list"))
+        spawned = any(v.startswith((b"GOMP_CPU_AFFINITY=", b"OMP_PLACES=", b"KMP_AFFINITY=")) for v in env)
+        found.append((pid, cores(line.split(":", 1)[1].strip()), spawned))
+    return [(c, sp) for _, c, sp in sorted(found, key=lambda f: f[0])]
 
 
 def stalled(recs: list[dict]) -> list[dict]:

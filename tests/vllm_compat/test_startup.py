@@ -97,6 +97,8 @@ def test_start_method_is_spawn_unless_a_dcp2d_instance_asks_for_fork():
     ({"GOMP_CPU_AFFINITY": "0 2-4"}, {0, 2, 3, 4}, None),
     ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[3,5]", "OMP_NUM_THREADS": "2"}, {3, 5}, 2),
     ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true", "OMP_NUM_THREADS": "2"}, {0, 1}, 2),
+    ({"OMP_PLACES": "{0},{1}"}, {0, 1}, None),                               # places listed one by one
+    ({"GOMP_CPU_AFFINITY": "0-7:2"}, {0, 2, 4, 6}, None),                    # a range with a stride
     ({"OMP_NUM_THREADS": "2"}, None, 2),                                   # the engine core: threads only
     ({}, None, None),                                                      # VLLM_CPU_OMP_THREADS_BIND=nobind
 ])
@@ -105,7 +107,7 @@ def test_omp_cpus_reads_what_vllm_set_for_the_worker(env, cpus, threads):
 
 
 @pytest.mark.parametrize("var, value", [("GOMP_CPU_AFFINITY", "0 x"), ("OMP_PLACES", "{0,a}"),
-                                        ("KMP_AFFINITY", "explicit,proclist=[1-]")])
+                                        ("KMP_AFFINITY", "explicit,proclist=[1-]"), ("GOMP_CPU_AFFINITY", "0-4:0")])
 def test_omp_cpus_names_a_value_that_is_not_core_ids(var, value):
     with pytest.raises(ValueError, match=re.escape(f"{var}={value!r}")):
         omp_cpus({var: value})
@@ -120,8 +122,9 @@ def test_a_forked_worker_binds_to_its_cores():
 
     core = sorted(os.sched_getaffinity(0))[-1]
     before = (os.sched_getaffinity(0), torch.get_num_threads())
+    threads = before[1] + 1  # a count the child must set, whatever the parent has
     read, write = os.pipe()
-    os.environ.update(GOMP_CPU_AFFINITY=str(core), OMP_NUM_THREADS="1")
+    os.environ.update(GOMP_CPU_AFFINITY=str(core), OMP_NUM_THREADS=str(threads))
     try:
         pid = os.fork()
         if pid == 0:  # the child: what bind_forked_worker left, then exit without pytest's teardown
@@ -136,7 +139,7 @@ def test_a_forked_worker_binds_to_its_cores():
     with os.fdopen(read) as f:
         got = f.read()
     os.waitpid(pid, 0)
-    assert got == repr(([core], 1))
+    assert got == repr(([core], threads))
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
 
 
@@ -153,6 +156,7 @@ def test_the_plugins_records_reach_the_handlers_vllm_has_when_they_are_logged(mo
     monkeypatch.setattr(theirs, "handlers", [])
     monkeypatch.setattr(theirs, "level", logging.INFO)
     monkeypatch.setattr(theirs, "propagate", False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "chatty")  # not a level: read by vLLM only, never raises here
     route_logs()
     route_logs()
     assert len(ours.handlers) == 1 and not ours.propagate
@@ -168,6 +172,9 @@ def test_the_plugins_records_reach_the_handlers_vllm_has_when_they_are_logged(mo
     log.info("stores layers [%d, %d)", 0, 2)
     log.debug("not at vLLM's INFO")
     assert got == [("vllm_dcp2d.connector.producer", "INFO", "stores layers [0, 2)")]
+    theirs.setLevel(logging.DEBUG)  # vllm serve --log-level debug: vLLM's configure_logging sets it
+    log.debug("at vLLM's DEBUG")
+    assert got[1:] == [("vllm_dcp2d.connector.producer", "DEBUG", "at vLLM's DEBUG")]
 
 
 def test_storage_plan_decisions(monkeypatch):

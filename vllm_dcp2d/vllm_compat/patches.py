@@ -137,12 +137,6 @@ def _mla_on_cpu(vllm_config) -> bool:
     return vllm_config.model_config.use_mla and _cpu()
 
 
-def _fork_on_cpu(vllm_config) -> bool:
-    from vllm_dcp2d.vllm_compat.startup import start_method
-
-    return _cpu() and start_method(vllm_config) == "fork"
-
-
 def _mla_dcp_on_cpu(vllm_config) -> bool:
     return _dcp_on_cpu(vllm_config) and vllm_config.model_config.use_mla
 
@@ -217,8 +211,9 @@ PATCHES: list[Patch] = [
           "with cpu_start_method='fork', the engine core and TP workers forked (vLLM's CPU platform spawns them, "
           "each importing vLLM anew), each bound to its cores as vLLM's OpenMP variables say",
           _v1(Target("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("cls", "vllm_config"))),
-          f"{_COMPAT}.startup:install_cpu_choices", "MLA on CPU, or cpu_start_method='fork' on CPU",
-          lambda c: _mla_on_cpu(c) or _fork_on_cpu(c), cpu_only=True),
+          f"{_COMPAT}.startup:install_cpu_choices",
+          "MLA on CPU (cpu_start_method='fork' only saves start-up: without the patch it starts spawned)",
+          _mla_on_cpu, cpu_only=True),
     Patch("dcp_interleave",
           "the DCP interleave set to the block size, as vLLM does for NIXL only: the connector writes whole "
           "pages into the DCP layout",

@@ -66,15 +66,15 @@ def route_logs() -> None:
     vLLM configures only its own ``vllm`` logger; without this, the plugin's INFO lines
     (which layers a rank stores and sends, a stalled write) would reach a user only at
     WARNING and above, unformatted. vLLM (0.32) configures that logger in each process
-    it starts, after it loads the plugins there, and a process forked from another
-    (``cpu_start_method``) loads none: so the records go to whatever handlers vLLM's
-    logger has when each is logged, at the level ``VLLM_LOGGING_LEVEL`` names (vLLM's).
+    it starts, after it loads the plugins there (``--log-level``, ``VLLM_LOGGING_LEVEL``),
+    and a process forked from another (``cpu_start_method``) loads none: so each record
+    goes to vLLM's logger as it is when the record is logged, at its level then.
     """
     ours = logging.getLogger("vllm_dcp2d")
     if any(isinstance(h, _ToVllm) for h in ours.handlers):
         return
     ours.addHandler(_ToVllm())
-    ours.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    ours.setLevel(logging.DEBUG)  # _ToVllm.emit applies vLLM's level
     ours.propagate = False
 
 
@@ -204,15 +204,17 @@ def omp_cpus(environ) -> tuple[set[int] | None, int | None]:
     (``OMPProcessManager.configure_omp_envs``: ``GOMP_CPU_AFFINITY="0 1"`` where libgomp
     is preloaded, ``KMP_AFFINITY=...proclist=[0,1]`` for Intel's runtime,
     ``OMP_PLACES="{0,1}"`` otherwise; ``OMP_NUM_THREADS``), or None for what it did not
-    set (``VLLM_CPU_OMP_THREADS_BIND=nobind``; the engine core). Raises ``ValueError``
+    set (``VLLM_CPU_OMP_THREADS_BIND=nobind``; the engine core). Ranges may have a stride
+    (``0-7:2``) and places may be listed one by one (``{0},{1}``). Raises ``ValueError``
     naming a value that is not a list of core ids."""
     def ids(text: str, var: str) -> set[int]:
         out = set()
-        for part in text.replace(",", " ").split():
-            lo, dash, hi = part.partition("-")
-            if not lo.isdigit() or (dash and not hi.isdigit()):
-                raise ValueError(f"{var}={environ[var]!r}: expected core ids such as '0 1', '0-3'")
-            out.update(range(int(lo), int(hi or lo) + 1))
+        for part in text.replace("{", " ").replace("}", " ").replace(",", " ").split():
+            span, colon, stride = part.partition(":")
+            lo, dash, hi = span.partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()) or (colon and not stride.isdigit()) or stride == "0":
+                raise ValueError(f"{var}={environ[var]!r}: expected core ids such as '0 1', '0-3', '0-7:2'")
+            out.update(range(int(lo), int(hi or lo) + 1, int(stride or 1)))
         return out
 
     cpus = None
@@ -221,26 +223,33 @@ def omp_cpus(environ) -> tuple[set[int] | None, int | None]:
     elif "proclist=[" in environ.get("KMP_AFFINITY", ""):
         cpus = ids(environ["KMP_AFFINITY"].split("proclist=[", 1)[1].split("]", 1)[0], "KMP_AFFINITY")
     elif environ.get("OMP_PLACES", "").startswith("{"):
-        cpus = ids(environ["OMP_PLACES"].strip("{}"), "OMP_PLACES")
+        cpus = ids(environ["OMP_PLACES"], "OMP_PLACES")
     threads = environ.get("OMP_NUM_THREADS", "")
     return cpus or None, int(threads) if threads.isdigit() else None
 
 
 def bind_forked_worker() -> None:
-    """In a child just forked: bind it to the cores and thread count vLLM set for it,
-    as a spawned child's OpenMP runtime would on load. The threads OpenMP creates later
-    inherit the binding (OpenMP creates its pool on the first parallel region)."""
+    """In a child just forked: restrict it to the cores vLLM set for it and give torch the
+    thread count it set, which a spawned child's OpenMP runtime reads on load. The threads
+    OpenMP creates later inherit the cores (it creates its pool on the first parallel
+    region); unlike a spawned worker's, they are not pinned one per core within them (the
+    same where a worker has one core, as in the tests). Runs after every ``os.fork`` of a
+    process that chose fork; where vLLM set nothing (the engine core), it does nothing."""
     try:
         cpus, threads = omp_cpus(os.environ)
     except ValueError as e:
         log.warning("cpu_start_method 'fork': this worker runs unbound: %s", e)
         return
     if cpus:
-        os.sched_setaffinity(0, cpus)
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:  # cores this process may not use: as a spawned worker's runtime, go on
+            log.warning("cpu_start_method 'fork': cannot bind this worker to cores %s: %s", sorted(cpus), e)
     if threads:
         import torch
 
-        torch.set_num_threads(threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 # ---- end of fenced pieces ----
