@@ -35,7 +35,7 @@ from tests.support.pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PRO
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
-from vllm_dcp2d.local.servers import START_METHOD_ENV, fetch_records, kv_cache_usage, post_json, read_stats
+from vllm_dcp2d.local.servers import fetch_records, kv_cache_usage, post_json, read_stats
 from tests.support.netns import Hosts, unavailable
 from tests.support.shared import fixtures
 
@@ -43,27 +43,24 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.multiproc]
 
 WHY_NOT_HOSTS = unavailable()  # None where network namespaces can be made
 HOSTS = ["prefill", "decode", "decode1", "proxy"]
+SPAWNED = ("prefill", "decode")
 
 
 @contextlib.contextmanager
 def _start(work):
-    # This cluster starts its engines as vLLM does on CPU, spawned, the connector's default
-    # (cpu_start_method); the other clusters of the suite fork them (conftest.py).
-    method = os.environ.pop(START_METHOD_ENV, None)
-    try:
-        if WHY_NOT_HOSTS:
-            with pd_cluster(work) as c:
-                yield c
-            return
-        with Hosts(HOSTS) as hosts:
-            def place(name):
-                return hosts[name].addr, hosts[name].netns
+    # The prefill and the DCP=2 decode start their workers as vLLM does on CPU, spawned, the
+    # connector's default (cpu_start_method); decode1 and the suite's other clusters fork them
+    # (conftest.py), one vLLM import fewer per worker.
+    if WHY_NOT_HOSTS:
+        with pd_cluster(work, spawned=SPAWNED) as c:
+            yield c
+        return
+    with Hosts(HOSTS) as hosts:
+        def place(name):
+            return hosts[name].addr, hosts[name].netns
 
-            with pd_cluster(work, place) as c:
-                yield {**c, "hosts": hosts}
-    finally:
-        if method is not None:
-            os.environ[START_METHOD_ENV] = method
+        with pd_cluster(work, place, spawned=SPAWNED) as c:
+            yield {**c, "hosts": hosts}
 
 
 # one cluster for the module's tests, checked before each and started again if a test broke
@@ -82,12 +79,15 @@ def across_hosts(cluster):
 @pytest.mark.timeout(1200)
 def test_each_tp_worker_runs_on_its_own_core(cluster):
     """VLLM_CPU_OMP_THREADS_BIND="0|1" (``local/servers.py``): the thread of each TP worker of a
-    TP=2 instance that runs the model, on its own core. This cluster's workers are spawned, as
-    vLLM does on CPU; test_e2e_gqa.py checks the same of forked ones (``cpu_start_method``)."""
+    TP=2 instance that runs the model, on its own core. The prefill's and the decode's workers
+    are spawned, as vLLM does on CPU; decode1's are forked where the suite forks
+    (``cpu_start_method``; test_e2e_gqa.py checks the same of a forked cluster)."""
     cores = os.cpu_count() or 1
-    for name in ("prefill", "decode"):
+    for name in SPAWNED:
         assert "cpu_start_method 'fork'" not in cluster[name].log_path.read_text(errors="replace")
         assert tp_workers(cluster[name]) == [({0}, True), ({1 % cores}, True)], name
+    if os.environ.get("DCP2D_CPU_START_METHOD") == "fork":  # decode1 as the suite asks (conftest.py)
+        assert tp_workers(cluster["decode1"]) == [({0}, False), ({1 % cores}, False)]
 
 
 @pytest.mark.parametrize("which,tp,dcp,salt", [("proxy", 2, DCP, 0), ("proxy1", 2, 1, 0), ("proxyp", 2, DCP, 1)])

@@ -106,31 +106,35 @@ def loopback(name: str) -> tuple[str, None]:
 
 
 @contextlib.contextmanager
-def pd_cluster(work, place=loopback, decode_kv_bytes: int = DECODE_KV_BYTES):
+def pd_cluster(work, place=loopback, decode_kv_bytes: int = DECODE_KV_BYTES, spawned: tuple[str, ...] = ()):
     """Start the cluster in ``work``; yields a dict of the model path, the stats file
     and the processes by name; always stops them. ``decode_kv_bytes``: KV memory per decode
-    rank, the same for both (``bench/routing.py`` gives them more than the tests)."""
+    rank, the same for both (``bench/routing.py`` gives them more than the tests).
+    ``spawned``: the instances that start their workers as vLLM does on CPU
+    (``cpu_start_method`` "spawn"); the others as the suite asks (``conftest.py``)."""
     from vllm_dcp2d.local.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama-mqa", work / "model")
     stats = work / "stats.jsonl"
-    common = {"stats_file": str(stats)}
 
     def at(name):
         host, netns = place(name)
         return {"host": host, "netns": netns}
 
+    def common(name):
+        return {"stats_file": str(stats), **({"cpu_start_method": "spawn"} if name in spawned else {})}
+
     prefill = vllm_server("prefill", model, free_port(), work, role="kv_producer", tp=2, block_size=PAGE,
                           dtype=DTYPE, engine_id="prefill", max_model_len=DECODE_MAX_LEN[DCP], **at("prefill"),
-                          extra_config={**common, "bootstrap_port": free_port(), "send_timeout_s": 600.0})
+                          extra_config={**common("prefill"), "bootstrap_port": free_port(), "send_timeout_s": 600.0})
     decode = vllm_server("decode", model, free_port(), work, role="kv_consumer", tp=2, dcp=DCP, dtype=DTYPE,
                          block_size=PAGE, kv_cache_bytes=decode_kv_bytes, max_model_len=DECODE_MAX_LEN[DCP],
                          **at("decode"),
-                         extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
+                         extra_config={**common("decode"), "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     decode1 = vllm_server("decode1", model, free_port(), work, role="kv_consumer", tp=2, block_size=PAGE,
                           dtype=DTYPE, failure_policy="recompute", kv_cache_bytes=decode_kv_bytes,
                           max_model_len=DECODE_MAX_LEN[1], **at("decode1"),
-                          extra_config={**common, "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
+                          extra_config={**common("decode1"), "transfer_timeout_s": 300.0, "prefill_wait_s": 120.0})
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], work, "proxy", **at("proxy"))
     # least-loaded: a request too long for decode1 must reach it (its refusal and the prefill's
     # release are what test_a_request_too_long_for_one_decode_rank checks); routing would refuse a

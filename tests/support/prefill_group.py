@@ -1,6 +1,6 @@
 """Run a function on N real processes joined in one gloo group (test harness).
 
-The parent spawns the ranks, waits with a deadline, kills any rank still
+The parent starts the ranks, waits with a deadline, kills any rank still
 running after it, and returns one result dict per rank. A rank that raised
 returns ``{"error": "..."}``; a rank that never finished returns
 ``{"error": "hung: ..."}``. Every rank writes its result to a file, so a
@@ -20,12 +20,25 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 
-def run_group(target: str, world_size: int, args: dict, *, timeout_s: float, gloo_timeout_s: float) -> list[dict]:
+# Modules a forkserver imports once for every rank it forks: a spawned rank imported torch
+# itself, ~2 CPU-s per rank and ~60 rank start-ups in the quick tier (issue 52).
+PRELOAD = ["torch", "torch.distributed", "vllm_dcp2d.prefill.dist"]
+
+
+def run_group(target: str, world_size: int, args: dict, *, timeout_s: float, gloo_timeout_s: float,
+              start: str = "forkserver") -> list[dict]:
     """Run ``target`` (``"module:function"``, called as ``fn(cp, **args)``) on
-    ``world_size`` processes; returns the ranks' result dicts, rank order."""
+    ``world_size`` processes; returns the ranks' result dicts, rank order.
+
+    ``start``: "forkserver" (each rank forked from one process per test worker that
+    imported ``PRELOAD``, with that process's environment) or "spawn" (a fresh
+    interpreter with this process's environment now: ranks that must load something
+    at start-up from a variable the test set, such as vLLM's AVX2 build)."""
     from vllm_dcp2d.local.servers import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="prefill_group_") as out_dir:
         procs = [

@@ -1,5 +1,13 @@
-"""Run a test module's vLLM engines in subprocesses (TP workers are spawned, so
-each engine needs its own ``__main__``) and read back their results.
+"""Run a test module's vLLM engines in subprocesses (each engine needs its own
+``__main__``: vLLM on CPU spawns its TP workers) and read back their results.
+
+Where the suite asks for forked workers (``$DCP2D_CPU_START_METHOD=fork``, set by
+``conftest.py``), every engine forks them, with or without a connector: a DCP2D
+engine through its ``cpu_start_method`` key, an engine without one (the DCP=1
+references, vLLM's DCP without the connector) through the same
+``vllm_compat.startup.fork_workers`` called by this module's ``__main__``. Two TP
+workers forked instead of spawned start in ~11 CPU-s instead of ~26 (BENCHMARKS.md
+"Start-up").
 
 ``run_engines`` starts several engines at once: an engine spends most of its
 start-up importing vLLM in its worker processes, one core each, and a test
@@ -40,7 +48,9 @@ class Engine:
         # less to import vLLM in is ~8 s of CPU per engine. The TP workers are real processes.
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                **self.env}
-        return subprocess.Popen([sys.executable, self.script, "--run", *self.args], env=env,
+        # through this module's __main__: it forks the TP workers where the suite asks (below)
+        return subprocess.Popen([sys.executable, "-m", "tests.support.vllm_engine", self.script, "--run", *self.args],
+                                env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # its session's /dev/shm files are found after
 
@@ -109,3 +119,31 @@ def run_engine(script: str, args: list[str], out: Path, label: str, *, expect_in
                **env: str) -> tuple:
     """One engine (``run_engines`` of one)."""
     return run_engines(Engine(script, args, out, label, expect_in_log, env))[0]
+
+
+def _fork_workers() -> None:
+    """Make vLLM fork this engine's TP workers, as ``cpu_start_method`` "fork" does for a
+    DCP2D engine: after vLLM's CPU platform chose spawn (``check_and_update_config``)."""
+    from vllm.platforms import current_platform
+
+    from vllm_dcp2d.vllm_compat.startup import fork_workers
+
+    cls = type(current_platform)
+    stock = cls.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:  # vLLM's signature: the patch registry checks it
+        stock(cls, vllm_config)
+        fork_workers()
+
+    cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+if __name__ == "__main__":  # python -m tests.support.vllm_engine SCRIPT --run ARGS (Engine.start)
+    import runpy
+
+    from vllm_dcp2d.local.servers import START_METHOD_ENV
+
+    if os.environ.get(START_METHOD_ENV) == "fork":
+        _fork_workers()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

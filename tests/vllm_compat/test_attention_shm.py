@@ -34,7 +34,8 @@ def test_dcp_group_gathers_over_shared_memory(host, monkeypatch):
     ident = f"test-dcp-shm-{host[:4]}-{id(monkeypatch)}"
     try:
         results = run_group("tests.support.shm_gather_ranks:patch_choices", 2,
-                            {"ident": ident, "choices": ["auto", "dcp2d", "gloo"]}, timeout_s=240, gloo_timeout_s=60)
+                            {"ident": ident, "choices": ["auto", "dcp2d", "gloo"]}, timeout_s=240, gloo_timeout_s=60,
+                            start="spawn" if host == "AVX2 host" else "forkserver")  # the build loads at start-up
     finally:  # vLLM never unlinks its communicator's files (local/shm.py)
         shm.remove_unheld({Path(p) for p in glob.glob(f"/dev/shm/vllm_dist_{ident}-*")})
     for rank, r in enumerate(results):

@@ -46,7 +46,7 @@ from vllm_dcp2d.vllm_compat.instance import is_dcp2d, layer_split_may_apply
 log = logging.getLogger(__name__)
 
 __all__ = ["route_logs", "draft_backend", "install_cpu_choices", "install_interleave", "mla_backend",
-           "start_method", "omp_cpus", "bind_forked_worker",
+           "start_method", "fork_workers", "omp_cpus", "bind_forked_worker",
            "resolve_interleave"]
 
 
@@ -160,10 +160,7 @@ def install_cpu_choices(version: str) -> None:
         if start_method(vllm_config) == "fork":
             log.info("DCP2DConnector: cpu_start_method 'fork': vLLM forks the engine core and TP workers, "
                      "each bound to the cores VLLM_CPU_OMP_THREADS_BIND gives it")
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-            if not _at_fork:
-                os.register_at_fork(after_in_child=bind_forked_worker)
-                _at_fork.append(True)
+            fork_workers()
 
     check_and_update_config._dcp2d, check_and_update_config._dcp2d_stock = True, stock
     cls.check_and_update_config = classmethod(check_and_update_config)
@@ -197,6 +194,17 @@ def start_method(vllm_config) -> str:
     if not is_dcp2d(vllm_config):
         return "spawn"
     return parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config).cpu_start_method
+
+
+def fork_workers() -> None:
+    """Have vLLM fork the processes it starts from now on, each bound by
+    :func:`bind_forked_worker` (registered once per process). What ``cpu_start_method``
+    "fork" does after vLLM's CPU platform chose spawn; the tests' engines without a
+    connector call it the same way (``tests/support/vllm_engine.py``)."""
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    if not _at_fork:
+        os.register_at_fork(after_in_child=bind_forked_worker)
+        _at_fork.append(True)
 
 
 def omp_cpus(environ) -> tuple[set[int] | None, int | None]:
