@@ -35,7 +35,7 @@ from tests.support.pd_cluster import (DCP, EXPIRY_S, LONG, MAX_TOKENS, PAGE, PRO
 from tests.support.stranger import run as stranger
 from vllm_dcp2d.transfer import bootstrap as bs
 from vllm_dcp2d.transfer.messages import QueryRanks, RankTable
-from vllm_dcp2d.local.servers import fetch_records, kv_cache_usage, post_json, read_stats
+from vllm_dcp2d.local.servers import START_METHOD_ENV, fetch_records, kv_cache_usage, post_json, read_stats
 from tests.support.netns import Hosts, unavailable
 from tests.support.shared import fixtures
 
@@ -86,7 +86,7 @@ def test_each_tp_worker_runs_on_its_own_core(cluster):
     for name in SPAWNED:
         assert "cpu_start_method 'fork'" not in cluster[name].log_path.read_text(errors="replace")
         assert tp_workers(cluster[name]) == [({0}, True), ({1 % cores}, True)], name
-    if os.environ.get("DCP2D_CPU_START_METHOD") == "fork":  # decode1 as the suite asks (conftest.py)
+    if os.environ.get(START_METHOD_ENV) == "fork":  # decode1 as the suite asks (conftest.py)
         assert tp_workers(cluster["decode1"]) == [({0}, False), ({1 % cores}, False)]
 
 
