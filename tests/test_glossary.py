@@ -61,16 +61,18 @@ def test_no_retired_word_in_the_package():
 
 def test_the_request_flow_names_files_and_methods_that_exist():
     """docs/connector.md "Request flow" walks one request through the files: each file it
-    names is in the package, and each ``Class.name`` is a method or field defined in the file
-    of that class."""
-    text = (ROOT / "docs" / "connector.md").read_text()
-    section = text.split("## Request flow\n", 1)[1].split("\n## ", 1)[0]
-    files = {p.name: p for p in PACKAGE.glob("**/*.py")}
-    named = re.findall(r"`((?:[a-z_]+/)?[a-z_]+\.py)`", section)
-    missing = [f for f in named if not (PACKAGE / f).exists() and f not in files]
-    assert len(named) >= 10 and not missing, (named, missing)
-    walk = {PACKAGE / f if (PACKAGE / f).exists() else files[f] for f in named}
+    names is in the package, its steps name at most ``MAX_WALK_FILES``, what the steps call is
+    listed apart (``request_flow.helpers``, each a file or folder of the package; the test that
+    runs a request checks both lists against what ran), and each ``Class.name`` is a method or
+    field defined in the file of that class."""
+    from tests.support import request_flow
+
+    walk, helpers = request_flow.steps(), request_flow.helpers()
+    assert len(walk) >= 10 and len(helpers) >= 10, (walk, helpers)
     assert len(walk) <= MAX_WALK_FILES, f"the walk names {len(walk)} files: {sorted(str(p.relative_to(PACKAGE)) for p in walk)}"
+    both = [str(p.relative_to(PACKAGE)) for p in walk if request_flow.covers(helpers, p)]
+    assert not both, f"a step's file is listed as a helper too: {both}"
+    section = request_flow.section()
     classes = {m.group(1): path for path, text in sources().items()
                for m in re.finditer(r"^class (\w+)", text, re.M)}
     methods = re.findall(r"`([A-Z]\w+)\.(\w+)`", section)

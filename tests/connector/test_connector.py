@@ -24,7 +24,19 @@ SEND_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def profiler():
+    """Every thread started from here on (the engine's and the connector's) calls it; it records
+    only inside ``with profiler:`` (test_one_request_runs_only_the_walk_and_its_helpers)."""
+    from tests.support.request_flow import Profiler
+
+    p = Profiler()
+    p.install()
+    yield p
+    p.uninstall()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, profiler):
     mp = pytest.MonkeyPatch()  # restored after the module: later engines pick their own process split
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp.setenv("MC_FORCE_TCP", os.environ.get("MC_FORCE_TCP", "1"))
@@ -118,6 +130,32 @@ def test_transfer_equals_local(llm):
 
 
 @pytest.mark.timeout(120)
+def test_one_request_runs_only_the_walk_and_its_helpers(llm, profiler):
+    """One PD round (prefill, fetch, decode, the prefill's blocks freed) with every thread of
+    the engine profiled: each file of the package that ran is a step of docs/connector.md's
+    "Request flow" or listed there under what the steps call, and each step of the engine ran
+    (the proxy's run in its own process). The round before warms what happens once: the
+    decode asks the prefill's rank table once per instance and keeps it."""
+    from tests.support import request_flow
+
+    engine, _ = llm
+    ids = prompts()["pages"]
+    for key in ("walk-warm", "walk"):
+        with profiler:
+            (pre,) = engine.generate({"prompt_token_ids": ids}, greedy(1, {"do_remote_decode": True, "transfer_id": key}),
+                                     use_tqdm=False)
+            (dec,) = engine.generate({"prompt_token_ids": ids}, greedy(4, pre.kv_transfer_params), use_tqdm=False)
+            idle_free_blocks(engine)  # the prefill's blocks freed: step 9
+    assert len(dec.outputs[0].token_ids) == 4
+    steps, helpers = request_flow.steps(), request_flow.helpers()
+    name = lambda ps: sorted(str(p.relative_to(request_flow.PACKAGE)) for p in ps)  # noqa: E731
+    unlisted = {p for p in profiler.ran if p not in steps and not request_flow.covers(helpers, p)}
+    assert not unlisted, f"one request ran {name(unlisted)}: name each as a step or under what the steps call"
+    engine_steps = {p for p in steps if p.parent.name != "proxy"}
+    assert engine_steps <= profiler.ran, f"steps that did not run: {name(engine_steps - profiler.ran)}"
+
+
+@pytest.mark.timeout(120)
 def test_loaded_kv_is_used_and_only_for_its_own_prompt(llm, monkeypatch):
     """Decode prompt B with the params of prompt A's prefill (same length): the prefill
     refuses to write A's KV for B (prompt digests differ; issue 37, finding 8) and the
@@ -125,7 +163,7 @@ def test_loaded_kv_is_used_and_only_for_its_own_prompt(llm, monkeypatch):
     to pass (both sides' digests made equal), the output follows A's KV: what is
     loaded is what the decode attends over."""
     import vllm_dcp2d.connector.scheduler as scheduler
-    import vllm_dcp2d.connector.siblings as siblings
+    import vllm_dcp2d.connector.metadata as metadata
 
     engine, _ = llm
     a = prompts()["pages"]
@@ -135,7 +173,7 @@ def test_loaded_kv_is_used_and_only_for_its_own_prompt(llm, monkeypatch):
     (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids == local_b.outputs[0].token_ids
     monkeypatch.setattr(scheduler, "prompt_digest", lambda *a, **k: "same")  # the prefill's
-    monkeypatch.setattr(siblings, "prompt_digest", lambda *a, **k: "same")  # the decode's
+    monkeypatch.setattr(metadata, "prompt_digest", lambda *a, **k: "same")  # the decode's
     (pre,) = engine.generate({"prompt_token_ids": a}, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
     (dec,) = engine.generate({"prompt_token_ids": b}, greedy(8, pre.kv_transfer_params), use_tqdm=False)
     assert dec.outputs[0].token_ids != local_b.outputs[0].token_ids

@@ -544,7 +544,7 @@ def test_a_prompt_whose_digest_is_not_the_params_one_prefills_locally_and_releas
 
 
 def test_siblings_remember_ended_keys_for_a_while_and_within_a_bound():
-    from vllm_dcp2d.connector.siblings import Siblings
+    from vllm_dcp2d.connector.metadata import Siblings
 
     now = [0.0]
     sib = Siblings(max_ended=3, ttl_s=10.0, clock=lambda: now[0])
@@ -578,10 +578,10 @@ def test_a_refused_stand_in_is_released_though_its_prompt_is_not_the_producers()
 def test_a_waiting_request_s_prompt_is_hashed_once(monkeypatch):
     """vLLM asks ``get_num_new_matched_tokens`` every step a request waits: its prompt
     digest is computed once, kept until it is admitted, and the load carries it."""
-    from vllm_dcp2d.connector import siblings
+    from vllm_dcp2d.connector import metadata
 
     calls = []
-    monkeypatch.setattr(siblings, "prompt_digest", lambda *a, **k: calls.append(a) or prompt_digest(*a, **k))
+    monkeypatch.setattr(metadata, "prompt_digest", lambda *a, **k: calls.append(a) or prompt_digest(*a, **k))
     s = side(consumer=True)
     req = request(params={**REMOTE, "remote_prompt_digest": prompt_digest(list(range(100)))})
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""The decode scheduler's per-request stages (``connector/timeline.py``): admit,
+"""The decode scheduler's per-request stages (``connector/stats.py``, ``DecodeTimeline``): admit,
 resume and first step, the first step paired with its own output through the
 workers' echo (``first_run`` -> ``ran``) however late vLLM processes it, and
 written to ``stats_file``."""
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp2d.connector import timeline as tl
+from vllm_dcp2d.connector import stats as tl
 from vllm_dcp2d.connector.stats import StatsFile
-from vllm_dcp2d.connector.timeline import DecodeTimeline
+from vllm_dcp2d.connector.stats import DecodeTimeline
 
 
 class Clock:

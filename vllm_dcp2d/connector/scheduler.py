@@ -66,12 +66,10 @@ import numpy as np
 from vllm_dcp2d.config import DCP2DConfig
 from vllm_dcp2d.transfer.messages import MAX_NAME, clip, prompt_digest
 from vllm_dcp2d.connector.metadata import (CLIENT_KEY_FIELD, KEY_FIELD, DCP2DMetadata, DCP2DWorkerMeta, FetchSpec,
-                                           ReleaseSpec, SendSpec, TransferKeys, bootstrap_addr, check_bootstrap_addr,
-                                           fetch_params, flag, key_of)
-from vllm_dcp2d.connector.siblings import Siblings
-from vllm_dcp2d.connector.stats import DCP2DStats, StatsFile
+                                           ReleaseSpec, SendSpec, Siblings, TransferKeys, bootstrap_addr,
+                                           check_bootstrap_addr, fetch_params, flag, key_of)
+from vllm_dcp2d.connector.stats import DCP2DStats, DecodeTimeline, StatsFile
 from vllm_dcp2d.connector.step_bell import StepBell
-from vllm_dcp2d.connector.timeline import DecodeTimeline
 from vllm_dcp2d.reshard.layout import cdiv
 from vllm_dcp2d.vllm_compat import connector_api as compat
 
