@@ -75,6 +75,36 @@ def test_two_hops(path):
 
 
 @pytest.mark.timeout(30)
+def test_one_request_runs_only_the_walk_and_its_helpers():
+    """The proxy's part of docs/connector.md's "Request flow" (the engine's part:
+    tests/connector/test_connector.py): while one request goes through the proxy to its two
+    hops, every file of the package that ran is a step of the walk or listed under what the
+    steps call, and the proxy's steps ran."""
+    from tests.support import request_flow
+
+    profiler = request_flow.Profiler()
+
+    async def case():
+        seen: list = []
+        p_app, d_app = fake_upstreams(seen)
+        async with TestServer(p_app) as p, TestServer(d_app) as d:
+            proxy = Proxy([str(p.make_url(""))], [str(d.make_url(""))], timeout_s=5)
+            async with TestServer(proxy.app()) as px, aiohttp.ClientSession() as s:
+                with profiler:
+                    async with s.post(px.make_url("/v1/completions"), json={"prompt": "hi", "max_tokens": 5}) as resp:
+                        return resp.status, await resp.json(), seen
+
+    status, answer, seen = asyncio.run(case())
+    assert status == 200 and answer == {"choices": [{"text": "decoded"}]} and [h for h, *_ in seen] == ["prefill", "decode"]
+    steps, helpers = request_flow.steps(), request_flow.helpers()
+    name = lambda ps: sorted(str(p.relative_to(request_flow.PACKAGE)) for p in ps)  # noqa: E731
+    unlisted = {p for p in profiler.ran if p not in steps and not request_flow.covers(helpers, p)}
+    assert not unlisted, f"one request ran {name(unlisted)}: name each as a step or under what the steps call"
+    proxy_steps = {p for p in steps if p.parent.name == "proxy"}
+    assert proxy_steps and proxy_steps <= profiler.ran, f"steps that did not run: {name(proxy_steps - profiler.ran)}"
+
+
+@pytest.mark.timeout(30)
 def test_streams():
     status, raw, _ = asyncio.run(run_case({"prompt": "hi", "max_tokens": 5, "stream": True}))
     assert status == 200

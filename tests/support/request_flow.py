@@ -1,7 +1,8 @@
 """docs/connector.md "Request flow", read: the files its steps name (one request's walk) and
 the files listed under "What the steps call" (helpers), and a profiler that records which of
 the package's files run. Used by ``tests/test_glossary.py`` (the walk as written) and
-``tests/connector/test_connector.py`` (the walk as one request runs it)."""
+``tests/connector/test_connector.py`` and ``tests/proxy/test_app.py`` (the walk as one request runs
+it, in the engine and in the proxy)."""
 
 from __future__ import annotations
 
