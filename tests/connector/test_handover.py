@@ -76,3 +76,40 @@ def test_a_request_reaches_the_sender_after_the_event_of_its_step(monkeypatch, o
     gates[1].done = True
     p.hand_over(DCP2DMetadata())
     assert p.sender.added == ["a", "b", "c"] and [p.keys.owner(k) for k in "abc"] == ["req-a", "req-b", "req-c"]
+
+
+class Producer:
+    """A producer role that records when the connector hands a step's metadata over."""
+
+    def __init__(self, on_gpu: bool, log: list):
+        self.hands_over_at_bind, self.log = not on_gpu, log
+
+    def bind(self, meta) -> None:
+        pass
+
+    def hand_over(self, meta) -> None:
+        self.log.append(("hand_over", meta))
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_the_connector_hands_over_before_the_forward_on_cpu_and_after_its_launch_on_gpu(on_gpu):
+    """On CPU the step's finished prefills go to the sender when vLLM binds the step's
+    metadata, before the forward (which on CPU is the whole step: a request waited one more
+    prefill step for its fetch); on a GPU at ``start_load_kv``, after the forward's launch,
+    so the event covers that step's queued work. Once per step's metadata either way."""
+    from vllm_dcp2d.connector.connector import DCP2DConnector
+
+    log = []
+    c = DCP2DConnector.__new__(DCP2DConnector)  # the worker half's hooks only: no vLLM config
+    c._scheduler, c._base, c._consumer, c._handed_meta = None, None, None, None
+    c._producer = Producer(on_gpu, log)
+    for step in range(2):
+        meta = _ready(f"s{step}")
+        c.bind_connector_metadata(meta)
+        log.append(("forward", step))
+        c.start_load_kv(None)
+        c.start_load_kv(None)  # a second call with the same metadata hands nothing over again
+        c.clear_connector_metadata()
+        first, second = ("hand_over", meta), ("forward", step)
+        assert log == ([second, first] if on_gpu else [first, second]), log
+        log.clear()

@@ -76,6 +76,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         is_consumer = kv.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._base = self._producer = self._consumer = None  # worker role
+        self._handed_meta = None  # the step's metadata whose finished prefills went to the sender
         compat.sleep_between_shm_polls(cfg.cpu_poll_sleep_us)
         if role == compat.KVConnectorRole.SCHEDULER:
             if is_consumer:
@@ -147,9 +148,19 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """Called by the model runner before each step's forward: the step bell to ring,
-        the context blocks the layer-split fill broadcasts, the step's ``first_run``."""
+        the context blocks the layer-split fill broadcasts, the step's ``first_run``; on CPU
+        the finished prefills go to the sender now (``ProducerWorker.hands_over_at_bind``)."""
         super().bind_connector_metadata(connector_metadata)
         self._bind(connector_metadata)
+        if self._producer is not None and self._producer.hands_over_at_bind:
+            self._hand_over(connector_metadata)
+
+    def _hand_over(self, meta) -> None:
+        """``ProducerWorker.hand_over``, once per step's metadata (vLLM binds it once per
+        step; a second call with the same object must not hand a request over twice)."""
+        if meta is not self._handed_meta and isinstance(meta, DCP2DMetadata):
+            self._handed_meta = meta
+            self._producer.hand_over(meta)
 
     def clear_connector_metadata(self) -> None:
         """Called by the model runner after each step."""
@@ -177,7 +188,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         Consumer: starts fetches; tells the producers about requests it will not fetch."""
         meta = self._get_connector_metadata()
         if self._producer is not None:
-            self._producer.hand_over(meta)
+            self._hand_over(meta)
         if self._consumer is not None:
             self._consumer.start_fetches(meta)
         elif meta.fetches:

@@ -34,6 +34,14 @@ happens a step later in the same worker, after all of that step's kernels were q
 the same stream: a CUDA event recorded there completes only after the draft's writes, and a
 request goes to the sender (which reads its blocks from other threads, over Mooncake) only
 once it has. The same on every version; on CPU everything ran before the hand-over.
+
+When: on a GPU at ``start_load_kv``, which vLLM calls after the next step's forward was
+launched (``kv_connector_model_runner_mixin``: async loads start "after the forward
+launch"), so the event above covers that step's queued work. On CPU the forward is not
+a launch but the whole step (a prefill chunk of other prompts: ~2 s on 2 cores), and
+every KV write of the finished request already ran, so the connector hands over as the
+next step's metadata is bound, before its forward (``hands_over_at_bind``): a request
+waited for one more step of the prefill before (BENCHMARKS.md, "Regression gate").
 """
 
 from __future__ import annotations
@@ -199,8 +207,16 @@ class ProducerWorker:
             log.info("DCP2D: request %s (transfer key %r) preempted after its prompt completed on CP rank %d; "
                      "%d waiting fetches rewrite every layer after its re-prefill", req_id, key, self.tp_rank, n)
 
+    @property
+    def hands_over_at_bind(self) -> bool:
+        """Whether the connector hands a step's finished prefills over when it binds the
+        step's metadata, before the forward (CPU), or at ``start_load_kv`` (GPU; module doc,
+        "When")."""
+        return not self._on_gpu
+
     def hand_over(self, meta: DCP2DMetadata) -> None:
-        """Finished prefills go to the sender; aborted and dropped ones end there."""
+        """Finished prefills go to the sender; aborted and dropped ones end there. Once per
+        step's metadata (the connector calls it at bind or at ``start_load_kv``)."""
         for key in meta.dropped.values():
             if self.sender is not None:
                 self.sender.drop(key)
