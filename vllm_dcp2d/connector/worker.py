@@ -12,7 +12,8 @@ Hook order per engine step (vLLM 0.32 ``KVConnectorModelRunnerMixin``):
 ``handle_preemptions`` (before anything of the step runs) -> the step's
 metadata is bound -> forward (``wait_for_layer_load`` / ``save_kv_layer``
 around each attention layer) -> ``start_load_kv`` (after the forward: our fetches
-are asynchronous) -> ``wait_for_save`` -> ``get_finished`` ->
+are asynchronous; the producer's hand-over runs there on a GPU, at the bind on CPU:
+``ProducerWorker.hands_over_at_bind``) -> ``wait_for_save`` -> ``get_finished`` ->
 ``get_block_ids_with_load_errors`` -> ``get_kv_connector_stats``.
 """
 
