@@ -62,6 +62,7 @@ def test_a_request_reaches_the_sender_after_the_event_of_its_step(monkeypatch, o
 
     monkeypatch.setattr(producer_mod.compat, "stream_event", stream_event)
     p = _producer(on_gpu)
+    assert p.hands_over_at_bind is (not on_gpu)  # the connector's choice of hook follows where the KV is
     p.hand_over(_ready("a", "b"))  # both finished in one step: one event after that step's kernels
     if not on_gpu:  # on CPU every write ran before the hand-over
         assert p.sender.added == ["a", "b"]

@@ -184,7 +184,8 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Called by the model runner every step with this step's metadata bound.
-        Producer: hands finished prefills to the sender, aborts aborted ones.
+        Producer on a GPU: hands finished prefills to the sender, aborts aborted ones (on CPU
+        that happened at ``bind_connector_metadata``; once per step's metadata either way).
         Consumer: starts fetches; tells the producers about requests it will not fetch."""
         meta = self._get_connector_metadata()
         if self._producer is not None:

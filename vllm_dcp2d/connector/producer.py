@@ -37,7 +37,8 @@ once it has. The same on every version; on CPU everything ran before the hand-ov
 
 When: on a GPU at ``start_load_kv``, which vLLM calls after the next step's forward was
 launched (``kv_connector_model_runner_mixin``: async loads start "after the forward
-launch"), so the event above covers that step's queued work. On CPU the forward is not
+launch"; before it in a step with sync loads): either way the event above is recorded
+after the earlier step's queued work, which is what it must cover. On CPU the forward is not
 a launch but the whole step (a prefill chunk of other prompts: ~2 s on 2 cores), and
 every KV write of the finished request already ran, so the connector hands over as the
 next step's metadata is bound, before its forward (``hands_over_at_bind``): a request
