@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import sys
 import threading
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ def _resolve(name: str) -> pathlib.Path:
     """A file as the doc names it: a path under the package, or a bare name unique in it."""
     if (PACKAGE / name).exists():
         return PACKAGE / name
-    found = [p for p in PACKAGE.glob(f"**/{name}")]
+    found = list(PACKAGE.glob(f"**/{name}"))
     assert len(found) == 1, f"docs/connector.md names {name!r}: expected one file of the package, found {found}"
     return found[0]
 
@@ -73,13 +74,11 @@ class Profiler:
         threading.setprofile(None)
 
     def __enter__(self):
-        import sys
         self.ran.clear()
         self.on = True
         sys.setprofile(self)
         return self
 
     def __exit__(self, *exc):
-        import sys
         sys.setprofile(None)
         self.on = False

@@ -158,7 +158,7 @@ class DCP2DConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def _hand_over(self, meta) -> None:
         """``ProducerWorker.hand_over``, once per step's metadata (vLLM binds it once per
         step; a second call with the same object must not hand a request over twice)."""
-        if meta is not self._handed_meta and isinstance(meta, DCP2DMetadata):
+        if meta is not self._handed_meta:
             self._handed_meta = meta
             self._producer.hand_over(meta)
 
